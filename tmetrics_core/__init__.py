@@ -1,0 +1,1 @@
+"""tmetrics: training-time tensor metrics for sharded PyTorch models."""

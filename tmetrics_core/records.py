@@ -1,0 +1,166 @@
+"""Metric records: the plain-Python values that sinks see.
+
+Nothing here imports torch or torch.distributed: a record is finished (reduced across ranks,
+finalized, copied to the host) before it is built. Sinks render keys from the structured
+labels; they never parse strings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+__all__ = [
+    "Histogram",
+    "MetricRecord",
+    "RunInfo",
+    "RunStatus",
+    "Value",
+]
+
+RunStatus = Literal["finished", "failed", "killed"]
+"""How a run ended: normal exit, an exception in training, or a signal (SIGTERM, SIGINT)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """A histogram merged across ranks by summing counts.
+
+    ``edges`` has ``len(counts) + 1`` increasing finite values; bin ``i`` holds values in
+    ``[edges[i], edges[i+1])``. Exact zeros and non-finite values are not in any bin: they are
+    counted in ``zeros``, ``nan``, ``posinf`` and ``neginf``. Counts are exact integers.
+    """
+
+    edges: tuple[float, ...]
+    counts: tuple[int, ...]
+    zeros: int = 0
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.edges) != len(self.counts) + 1:
+            raise ValueError(
+                f"Histogram needs len(edges) == len(counts) + 1; got {len(self.edges)} edges "
+                f"and {len(self.counts)} counts"
+            )
+
+    @property
+    def total(self) -> int:
+        """Every value counted: binned, zero and non-finite."""
+        return sum(self.counts) + self.zeros + self.nan + self.posinf + self.neginf
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable JSON form used by the ``jsonl`` sink and the spool."""
+        return {
+            "edges": list(self.edges),
+            "counts": list(self.counts),
+            "zeros": self.zeros,
+            "nan": self.nan,
+            "posinf": self.posinf,
+            "neginf": self.neginf,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Histogram":
+        """Inverse of :meth:`to_json`."""
+        return cls(
+            edges=tuple(float(e) for e in data["edges"]),
+            counts=tuple(int(c) for c in data["counts"]),
+            zeros=int(data.get("zeros", 0)),
+            nan=int(data.get("nan", 0)),
+            posinf=int(data.get("posinf", 0)),
+            neginf=int(data.get("neginf", 0)),
+        )
+
+
+Value = Union[float, tuple[float, ...], Histogram]
+"""A scalar, a vector (e.g. tokens per global expert) or a histogram."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricRecord:
+    """One finished value of one metric at one step.
+
+    ``metric`` is the catalogue name (``"layer-grad-l2"``); the labels say which slice of the
+    model it describes: ``layer`` and ``expert`` are global indices (pipeline and expert
+    offsets applied), ``tensor`` a canonical tensor name (``"layers.3.attn.q.weight"``) or a
+    family name (``"layers.*.attn.q.weight"``), ``stat`` a sub-statistic of a multi-valued metric
+    (``"max_over_mean"``). A value is identical on every rank; only the logging rank builds
+    records.
+    """
+
+    metric: str
+    step: int
+    value: Value
+    layer: int | None = None
+    expert: int | None = None
+    tensor: str | None = None
+    stat: str | None = None
+
+    @property
+    def kind(self) -> Literal["scalar", "vector", "histogram"]:
+        """``"scalar"`` for a float, ``"vector"`` for a tuple, ``"histogram"`` for a Histogram."""
+        if isinstance(self.value, Histogram):
+            return "histogram"
+        if isinstance(self.value, tuple):
+            return "vector"
+        return "scalar"
+
+    @property
+    def labels(self) -> dict[str, Any]:
+        """The labels that are set, in the fixed order layer, expert, tensor, stat."""
+        out: dict[str, Any] = {}
+        for name in ("layer", "expert", "tensor", "stat"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def value_json(self) -> Any:
+        """The value as JSON: a number (NaN and infinities as the strings ``"NaN"``,
+        ``"Infinity"``, ``"-Infinity"``), a list of numbers, or a histogram object."""
+        if isinstance(self.value, Histogram):
+            return self.value.to_json()
+        if isinstance(self.value, tuple):
+            return [_float_json(v) for v in self.value]
+        return _float_json(self.value)
+
+    @staticmethod
+    def value_from_json(data: Any) -> Value:
+        """Inverse of :meth:`value_json`."""
+        if isinstance(data, dict):
+            return Histogram.from_json(data)
+        if isinstance(data, list):
+            return tuple(float(v) for v in data)
+        return float(data)
+
+
+def _float_json(value: float) -> float | str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What a sink learns when it opens: where the run lives and what it will log.
+
+    ``dir`` is the run directory (a sink's default files go beneath it); ``config`` the
+    validated config as plain data; ``manifest`` the list of per-tensor manifest entries (plain
+    dicts, see ``tmetrics_core.manifest``); ``tags`` short facts about the run (topology such as
+    ``{"dp": "2", "tp": "2"}``, model class, world size); ``num_layers`` and ``num_experts`` size
+    the zero-padded key indices; ``metrics`` the catalogue names that will be logged.
+    """
+
+    name: str
+    dir: str
+    config: dict[str, Any] = field(default_factory=dict)
+    manifest: tuple[dict[str, Any], ...] = ()
+    tags: dict[str, str] = field(default_factory=dict)
+    num_layers: int = 0
+    num_experts: int = 0
+    metrics: tuple[str, ...] = ()
