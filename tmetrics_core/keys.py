@@ -1,0 +1,287 @@
+"""Key rendering: from a structured record to one backend's metric key.
+
+A key is family first, then the labels as ``/``-separated segments in a fixed order::
+
+    metric / tensor / layer_LL / expert_EEE / stat
+
+    layer-grad-l2/layer_03
+    layer-expert-tokens/layer_03/expert_017
+    layer-expert-load-imbalance/layer_03/max_over_mean
+    tensor-grad-l2/layers.3.attn.q.weight
+
+Indices are zero-padded (to at least 2 digits for layers and 3 for experts, wider when the
+model needs it, see :func:`index_widths`) so keys sort in index order in every tracker.
+
+Each backend accepts a different set of characters and a maximum length (:class:`KeyRules`).
+A character outside the set becomes ``_``, a label that would not be a proper path segment
+(empty, ``.`` or ``..``) has its characters replaced too, and a key over the length limit keeps
+its head and ends with ``-`` plus an 8-hex-digit hash of the labels. Replacing characters can
+map two label sets to one key (``a*b`` and ``a_b``); :class:`KeyBook` remembers which labels
+produced each key and raises :class:`~tmetrics_core.errors.ConfigError` naming both label
+sets, so a collision is never silent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Union
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.records import MetricRecord
+
+__all__ = [
+    "KeyBook",
+    "KeyRules",
+    "LabelTuple",
+    "MLFLOW_RULES",
+    "PLAIN_RULES",
+    "TENSORBOARD_RULES",
+    "WANDB_RULES",
+    "check_collisions",
+    "index_widths",
+    "render_key",
+]
+
+LabelTuple = tuple[str, Union[int, None], Union[int, None], Union[str, None], Union[str, None]]
+"""``(metric, layer, expert, tensor, stat)``; unset labels are ``None``."""
+
+_SEPARATOR = "/"
+_REPLACEMENT = "_"
+_HASH_DIGITS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRules:
+    """One backend's rules for metric keys.
+
+    Args:
+        name: the backend, used in error messages (``"tensorboard"``).
+        allowed: a positive regex character class (``r"[-/\\w.]"``, ASCII meaning of ``\\w``)
+            of the characters the backend accepts in a key. ``/`` is always the segment
+            separator; inside a label it is replaced like any other disallowed character.
+        max_len: the longest key the backend accepts, in characters.
+
+    Raises:
+        ValueError: ``allowed`` is not a ``[...]`` class, is negated, or does not accept
+            ``_`` (the replacement character); ``max_len`` leaves no room for the hash suffix.
+    """
+
+    name: str
+    allowed: str
+    max_len: int
+    _disallowed: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not (self.allowed.startswith("[") and self.allowed.endswith("]")) or self.allowed.startswith("[^"):
+            raise ValueError(
+                f"KeyRules({self.name!r}).allowed must be a positive regex class like r'[-/\\w.]'; "
+                f"got {self.allowed!r}"
+            )
+        if not re.fullmatch(self.allowed, _REPLACEMENT, flags=re.ASCII):
+            raise ValueError(f"KeyRules({self.name!r}).allowed must accept {_REPLACEMENT!r}; got {self.allowed!r}")
+        if self.max_len < 2 * (_HASH_DIGITS + 1):
+            raise ValueError(f"KeyRules({self.name!r}).max_len must be >= {2 * (_HASH_DIGITS + 1)}; got {self.max_len}")
+        # Inside a segment, "/" is never allowed: it would create a false segment.
+        disallowed = re.compile("[^" + self.allowed[1:-1] + "]|/", flags=re.ASCII)
+        object.__setattr__(self, "_disallowed", disallowed)
+
+    def segment(self, label: str) -> str:
+        """``label`` made legal as one path segment: disallowed characters (and ``/``) become
+        ``_``; an empty label or one made only of dots (``.``, ``..``, which path-like stores
+        such as MLflow reject or collapse) has its characters replaced as well."""
+        out = self._disallowed.sub(_REPLACEMENT, label)
+        if not out.strip("."):
+            return _REPLACEMENT * max(1, len(out))
+        return out
+
+
+PLAIN_RULES = KeyRules("plain", r"[-/\w.*]", 1024)
+"""Readable keys for the ``jsonl`` and ``console`` sinks: family wildcards (``*``) kept."""
+
+TENSORBOARD_RULES = KeyRules("tensorboard", r"[-/\w.]", 1024)
+"""TensorBoard silently rewrites tag characters outside ``[-/\\w.]`` to ``_``; we do it first so
+the tag we record is the tag it stores."""
+
+MLFLOW_RULES = KeyRules("mlflow", r"[-/\w. :]", 250)
+"""MLflow accepts alphanumerics and ``_ - . space : /`` in metric keys, 250 characters at most,
+and rejects ``//``, a leading ``/`` and ``..`` segments."""
+
+WANDB_RULES = KeyRules("wandb", r"[-/\w.]", 255)
+"""W&B groups charts into sections by the text before the first ``/``; keys keep to
+``[-/\\w.]`` so that ``define_metric`` glob patterns (``*``) never meet a literal ``*``."""
+
+
+def index_widths(num_layers: int, num_experts: int) -> tuple[int, int]:
+    """The zero-padding widths ``(layer_width, expert_width)`` for a model.
+
+    At least ``(2, 3)``; wider when the largest index (``num_layers - 1``, ``num_experts - 1``)
+    needs more digits, so that every key of the run has the same width and sorts by index.
+    A count of 0 (no layers or no experts) gives the minimum.
+
+    Raises:
+        ValueError: a negative count.
+    """
+    if num_layers < 0 or num_experts < 0:
+        raise ValueError(f"index_widths needs counts >= 0; got num_layers={num_layers}, num_experts={num_experts}")
+    return max(2, len(str(max(num_layers - 1, 0)))), max(3, len(str(max(num_experts - 1, 0))))
+
+
+def _index(prefix: str, value: int, width: int) -> str:
+    if value < 0:
+        raise ValueError(f"{prefix} index must be >= 0; got {value}")
+    return f"{prefix}_{value:0{width}d}"
+
+
+def _labels_of(item: MetricRecord | tuple) -> LabelTuple:
+    if isinstance(item, MetricRecord):
+        return (item.metric, item.layer, item.expert, item.tensor, item.stat)
+    if not 1 <= len(item) <= 5:
+        raise ValueError(f"a label tuple is (metric, layer, expert, tensor, stat); got {item!r}")
+    padded = tuple(item) + (None,) * (5 - len(item))
+    return padded  # type: ignore[return-value]
+
+
+def _render(labels: LabelTuple, rules: KeyRules, layer_width: int, expert_width: int) -> str:
+    metric, layer, expert, tensor, stat = labels
+    segments = [rules.segment(metric)]
+    if tensor is not None:
+        segments.append(rules.segment(tensor))
+    if layer is not None:
+        segments.append(_index("layer", layer, layer_width))
+    if expert is not None:
+        segments.append(_index("expert", expert, expert_width))
+    if stat is not None:
+        segments.append(rules.segment(stat))
+    key = _SEPARATOR.join(segments)
+    if len(key) <= rules.max_len:
+        return key
+    # Too long: keep the head, append a hash of the labels so distinct labels stay distinct.
+    digest = hashlib.blake2s(repr(labels).encode(), digest_size=_HASH_DIGITS // 2).hexdigest()
+    head = key[: rules.max_len - _HASH_DIGITS - 1].rstrip(_SEPARATOR)
+    return f"{head}-{digest}"
+
+
+def render_key(
+    record: MetricRecord,
+    rules: KeyRules = PLAIN_RULES,
+    *,
+    layer_width: int = 2,
+    expert_width: int = 3,
+) -> str:
+    """The key of ``record`` for the backend whose rules are ``rules``.
+
+    Segments: metric, then tensor, ``layer_LL``, ``expert_EEE`` and stat where set. Pass the
+    widths from :func:`index_widths` so every key of a run has the same width. The result is
+    at most ``rules.max_len`` characters, has no empty segment, no leading ``/``, and only
+    characters ``rules.allowed`` accepts. Distinct records can render alike after characters
+    are replaced; use :class:`KeyBook` to detect that.
+
+    Raises:
+        ValueError: a negative layer or expert index.
+    """
+    return _render(_labels_of(record), rules, layer_width, expert_width)
+
+
+def _describe(labels: LabelTuple) -> str:
+    names = ("metric", "layer", "expert", "tensor", "stat")
+    return "{" + ", ".join(f"{n}={v!r}" for n, v in zip(names, labels) if v is not None) + "}"
+
+
+class KeyBook:
+    """Renders keys for one backend and remembers which labels produced each key.
+
+    ``add`` is cheap for labels already seen (a dict look-up), so a sink may call it for
+    every record of every step.
+
+    Args:
+        rules: the backend's :class:`KeyRules`.
+        layer_width, expert_width: zero-padding widths, see :func:`index_widths`.
+    """
+
+    __slots__ = ("rules", "layer_width", "expert_width", "_key_of", "_labels_of")
+
+    def __init__(self, rules: KeyRules = PLAIN_RULES, *, layer_width: int = 2, expert_width: int = 3) -> None:
+        self.rules = rules
+        self.layer_width = layer_width
+        self.expert_width = expert_width
+        self._key_of: dict[LabelTuple, str] = {}
+        self._labels_of: dict[str, LabelTuple] = {}
+
+    def __len__(self) -> int:
+        return len(self._labels_of)
+
+    def add(
+        self,
+        metric: str,
+        layer: int | None = None,
+        expert: int | None = None,
+        tensor: str | None = None,
+        stat: str | None = None,
+    ) -> str:
+        """The key for these labels, remembered.
+
+        Raises:
+            ConfigError: a different label set already rendered to the same key; the message
+                names the backend, the key and both label sets.
+            ValueError: a negative layer or expert index.
+        """
+        labels = (metric, layer, expert, tensor, stat)
+        key = self._key_of.get(labels)
+        if key is not None:
+            return key
+        key = _render(labels, self.rules, self.layer_width, self.expert_width)
+        other = self._labels_of.get(key)
+        if other is not None:
+            raise ConfigError(
+                f"two label sets render to the same {self.rules.name} key {key!r}: {_describe(other)} "
+                f"and {_describe(labels)}; characters outside {self.rules.allowed} become "
+                f"{_REPLACEMENT!r}, so rename one of the tensors or stats (or select only one)",
+                path=f"sinks.{self.rules.name}",
+            )
+        self._key_of[labels] = key
+        self._labels_of[key] = labels
+        return key
+
+    def add_record(self, record: MetricRecord) -> str:
+        """:meth:`add` with the labels of ``record``."""
+        return self.add(record.metric, record.layer, record.expert, record.tensor, record.stat)
+
+    def labels(self, key: str) -> LabelTuple:
+        """The ``(metric, layer, expert, tensor, stat)`` that produced ``key``.
+
+        Raises:
+            KeyError: ``key`` was never returned by :meth:`add`.
+        """
+        return self._labels_of[key]
+
+
+def check_collisions(
+    records_or_label_tuples: Iterable[MetricRecord | tuple],
+    rules: KeyRules,
+    *,
+    layer_width: int = 2,
+    expert_width: int = 3,
+) -> None:
+    """Check at configuration time that distinct label sets get distinct keys.
+
+    Items are records or label tuples ``(metric, layer, expert, tensor, stat)`` (shorter tuples
+    are padded with ``None``). Every collision is reported at once.
+
+    Raises:
+        ConfigError: one or more keys are shared by different label sets; the message lists
+            each key with both label sets.
+    """
+    book = KeyBook(rules, layer_width=layer_width, expert_width=expert_width)
+    problems: list[str] = []
+    for item in records_or_label_tuples:
+        try:
+            book.add(*_labels_of(item))
+        except ConfigError as error:
+            problems.append(str(error).removeprefix(f"{error.path}: "))
+    if problems:
+        raise ConfigError(
+            f"{len(problems)} key collision(s) for {rules.name}:\n  " + "\n  ".join(problems),
+            path=f"sinks.{rules.name}",
+        )
