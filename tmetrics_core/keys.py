@@ -87,10 +87,14 @@ class KeyRules:
         disallowed = re.compile("[^" + self.allowed[1:-1] + "]|/", flags=re.ASCII)
         object.__setattr__(self, "_disallowed", disallowed)
 
+    def clean(self, text: str) -> str:
+        """``text`` with every disallowed character (and ``/``) replaced by ``_``, one for one."""
+        return self._disallowed.sub(_REPLACEMENT, text)
+
     def segment(self, label: str) -> str:
-        """``label`` made legal as one path segment: disallowed characters (and ``/``) become
-        ``_``; an empty label or one made only of dots (``.``, ``..``, which path-like stores
-        such as MLflow reject or collapse) has its characters replaced as well."""
+        """``label`` made legal as one path segment: :meth:`clean`, and an empty label or one
+        made only of dots (``.``, ``..``, which path-like stores such as MLflow reject or
+        collapse) has its characters replaced as well."""
         out = self._disallowed.sub(_REPLACEMENT, label)
         if not out.strip("."):
             return _REPLACEMENT * max(1, len(out))

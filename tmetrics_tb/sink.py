@@ -1,0 +1,238 @@
+"""``TensorBoardSink``: records as TensorBoard scalars, histograms and a custom-scalars layout.
+
+Everything goes into one event file in one directory (``<run.dir>/tb`` by default): no
+``add_scalars`` or ``add_hparams`` sub-runs. Each ``write`` is one event holding every value of
+the step, which is about 20 times faster than one ``add_scalar`` call per value.
+
+Tags are the keys of :mod:`tmetrics_core.keys` under :data:`~tmetrics_core.keys.TENSORBOARD_RULES`
+(``layer-grad-l2/layer_03``), so TensorBoard groups them by metric family. Values:
+
+- scalar: a scalar series (NaN and infinities kept as such);
+- histogram: a TensorBoard histogram built from the bin edges and counts (exact zeros become a
+  zero-width bucket at 0); the count of NaN and infinite values, which have no bin, is written
+  as the scalar ``<key>/nonfinite`` (``<key>/<stat>-nonfinite`` with a stat) when it is not 0;
+- vector (e.g. tokens per expert): a histogram of its finite elements, plus the same
+  ``nonfinite`` scalar.
+
+An empty histogram (or one whose values are all non-finite) is written with zero counts, so the
+series has every step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.keys import TENSORBOARD_RULES, KeyBook, KeyRules, index_widths
+from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_tb.layout import CONFIG_TAG, ScalarLayout
+
+__all__ = ["TensorBoardSink"]
+
+_OPTIONS = ("log_dir", "flush_secs")
+_VECTOR_BINS = 30
+
+
+class TensorBoardSink:
+    """Writes records to a TensorBoard event file.
+
+    Keyword args:
+        log_dir (str, optional): the event-file directory; defaults to ``<run.dir>/tb``.
+        flush_secs (float, optional): at most this many seconds between writes to disk
+            (default 10); ``flush()`` writes at once.
+
+    Raises:
+        ConfigError: an unknown option or an invalid value (path ``sinks.tensorboard.<option>``).
+    """
+
+    name = "tensorboard"
+    key_rules: KeyRules = TENSORBOARD_RULES
+
+    def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, flush_secs: float = 10.0, **unknown: Any) -> None:
+        if unknown:
+            bad = sorted(unknown)[0]
+            raise ConfigError(
+                f"unknown option {bad!r}; valid options are {', '.join(_OPTIONS)}", path=f"sinks.{self.name}.{bad}"
+            )
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise ConfigError(f"got {log_dir!r}; need a directory path (a string)", path=f"sinks.{self.name}.log_dir")
+        if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs > 0:
+            raise ConfigError(f"got {flush_secs!r}; need a number of seconds > 0", path=f"sinks.{self.name}.flush_secs")
+        self.log_dir = None if log_dir is None else Path(log_dir)
+        self.flush_secs = float(flush_secs)
+        self._writer: Any = None
+        self._book = KeyBook(TENSORBOARD_RULES)
+        self._layout = ScalarLayout()
+        self._last_step = 0
+
+    def open(self, run: RunInfo) -> None:
+        """Create the event file in ``log_dir`` (made if missing) and write the run's facts as text.
+
+        Raises:
+            ImportError: the ``tensorboard`` package is missing (``pip install tmetrics[tb]``).
+        """
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        log_dir = self.log_dir if self.log_dir is not None else Path(run.dir) / "tb"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
+        self._book = KeyBook(TENSORBOARD_RULES, layer_width=layer_width, expert_width=expert_width)
+        self._layout = ScalarLayout(layer_width=layer_width)
+        self._writer = EventFileWriter(str(log_dir), flush_secs=self.flush_secs)
+        facts = {"name": run.name, "dir": run.dir, "tags": dict(run.tags), "metrics": list(run.metrics)}
+        self._write_text("tmetrics/run", facts, step=0)
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        """Write ``config`` as YAML text under the tag ``tmetrics/config`` (Text tab)."""
+        self._write_text("tmetrics/config", config, step=0)
+
+    def write(self, records: Sequence[MetricRecord], step: int) -> None:
+        """Write every record of one step as a single event.
+
+        Raises:
+            ConfigError: two label sets render to one tag (see :class:`~tmetrics_core.keys.KeyBook`).
+            RuntimeError: the sink is not open.
+        """
+        from tensorboard.compat.proto import summary_pb2
+
+        writer = self._require_open()
+        summary = summary_pb2.Summary()
+        layout_grew = False
+        for record in records:
+            labels = (record.metric, record.layer, record.expert, record.tensor, record.stat)
+            key = self._book.add(*labels)
+            value = record.value
+            if isinstance(value, Histogram):
+                summary.value.add(tag=key, histo=_histogram_proto(value))
+                nonfinite = value.nan + value.posinf + value.neginf
+            elif isinstance(value, tuple):
+                summary.value.add(tag=key, histo=_vector_proto(value))
+                nonfinite = sum(1 for v in value if not math.isfinite(v))
+            else:
+                summary.value.add(tag=key, simple_value=float(value))
+                layout_grew |= self._layout.add(labels)
+                continue
+            if nonfinite:
+                stat = "nonfinite" if record.stat is None else f"{record.stat}-nonfinite"
+                count_labels = (record.metric, record.layer, record.expert, record.tensor, stat)
+                summary.value.add(tag=self._book.add(*count_labels), simple_value=float(nonfinite))
+                layout_grew |= self._layout.add(count_labels)
+        if layout_grew:
+            summary.value.append(_layout_value(self._layout))
+        self._add(summary, step)
+
+    def flush(self) -> None:
+        """Write buffered events to disk."""
+        self._require_open().flush()
+
+    def close(self, status: RunStatus) -> None:
+        """Write ``status`` as text (``tmetrics/status``), flush and close the event file."""
+        if self._writer is None:
+            return
+        self._write_text("tmetrics/status", status, step=self._last_step)
+        self._writer.close()
+        self._writer = None
+
+    def _require_open(self) -> Any:
+        if self._writer is None:
+            raise RuntimeError("TensorBoardSink is not open: call open(run) first (or it was closed)")
+        return self._writer
+
+    def _add(self, summary: Any, step: int) -> None:
+        from tensorboard.compat.proto import event_pb2
+
+        self._require_open().add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+        self._last_step = max(self._last_step, int(step))
+
+    def _write_text(self, tag: str, data: Any, *, step: int) -> None:
+        from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+        from tensorboard.plugins.text import metadata
+
+        text = data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+        # Indented four spaces: a Markdown code block, so the Text tab keeps the YAML layout.
+        markdown = "\n".join("    " + line for line in text.splitlines()) or "    (empty)"
+        tensor = tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_STRING,
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+            string_val=[markdown.encode("utf-8")],
+        )
+        summary = summary_pb2.Summary()
+        summary.value.add(tag=tag, tensor=tensor, metadata=metadata.create_summary_metadata(display_name="", description=""))
+        self._add(summary, step)
+
+
+def _layout_value(layout: ScalarLayout) -> Any:
+    from tensorboard.compat.proto import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+    from tensorboard.plugins.custom_scalar import metadata
+
+    tensor = tensor_pb2.TensorProto(
+        dtype=types_pb2.DT_STRING,
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+        string_val=[layout.proto().SerializeToString()],
+    )
+    return summary_pb2.Summary.Value(tag=CONFIG_TAG, tensor=tensor, metadata=metadata.create_summary_metadata())
+
+
+def _histogram_proto(hist: Histogram) -> Any:
+    """TensorBoard's ``HistogramProto`` for a merged histogram.
+
+    TensorBoard buckets are ``(previous limit, limit]`` with the first starting at ``min``.
+    Exact zeros go to the bin holding 0, or to a zero-width bucket at 0 (with an empty bucket
+    up to the first edge) when 0 is outside the edges. ``sum`` and ``sum_squares`` are estimated
+    from bin midpoints (the bins are all we have).
+    """
+    from tensorboard.compat.proto import summary_pb2
+
+    lefts = list(hist.edges[:-1])
+    rights = list(hist.edges[1:])
+    counts = list(hist.counts)
+    if hist.zeros:
+        inside = [i for i, (lo, hi) in enumerate(zip(lefts, rights)) if lo <= 0.0 < hi]
+        if inside:
+            counts[inside[0]] += hist.zeros
+        elif rights and 0.0 < lefts[0]:
+            lefts, rights, counts = [0.0, 0.0] + lefts, [0.0, lefts[0]] + rights, [hist.zeros, 0] + counts
+        else:
+            lefts, rights, counts = lefts + [0.0], rights + [0.0], counts + [hist.zeros]
+    if not rights:
+        lefts, rights, counts = [0.0], [0.0], [0]
+    num = sum(counts)
+    filled = [i for i, c in enumerate(counts) if c]
+    mids = [(lo + hi) / 2 for lo, hi in zip(lefts, rights)]
+    return summary_pb2.HistogramProto(
+        min=lefts[filled[0]] if filled else 0.0,
+        max=rights[filled[-1]] if filled else 0.0,
+        num=float(num),
+        sum=float(sum(c * m for c, m in zip(counts, mids))),
+        sum_squares=float(sum(c * m * m for c, m in zip(counts, mids))),
+        bucket_limit=rights,
+        bucket=[float(c) for c in counts],
+    )
+
+
+def _vector_proto(values: tuple[float, ...]) -> Any:
+    """TensorBoard's ``HistogramProto`` of the finite elements of a vector (exact min, max, sum)."""
+    import numpy as np
+    from tensorboard.compat.proto import summary_pb2
+
+    array = np.asarray(values, dtype=np.float64)
+    finite = array[np.isfinite(array)]
+    if finite.size == 0:
+        return summary_pb2.HistogramProto(min=0.0, max=0.0, num=0.0, sum=0.0, sum_squares=0.0, bucket_limit=[0.0], bucket=[0.0])
+    counts, edges = np.histogram(finite, bins=min(_VECTOR_BINS, finite.size))
+    return summary_pb2.HistogramProto(
+        min=float(finite.min()),
+        max=float(finite.max()),
+        num=float(finite.size),
+        sum=float(finite.sum()),
+        sum_squares=float(np.square(finite).sum()),
+        bucket_limit=[float(e) for e in edges[1:]],
+        bucket=[float(c) for c in counts],
+    )
