@@ -1,0 +1,285 @@
+"""``WandbSink``: records as one W&B ``log`` call per step, with sections, histograms and heatmaps.
+
+Keys are those of :mod:`tmetrics_core.keys` under :data:`~tmetrics_core.keys.WANDB_RULES`; W&B
+makes a section of the text before the first ``/``, so each metric family is one section with
+one chart per layer (``layer-grad-l2/layer_03``).
+
+The step is a logged field, ``tmetrics/step``, declared with ``define_metric`` and used as the
+x axis of every other key. W&B's own ``_step`` only counts ``log`` calls, so a late or repeated
+step (a hub retry, a resumed run) is stored, never dropped as it would be with ``log(step=...)``.
+
+Values:
+
+- scalar: the number (NaN and infinities as such);
+- histogram: a ``wandb.Histogram`` from the bin edges and counts; exact zeros are added to the
+  bin holding 0, or to an extra bin ``[0, first edge)``; NaN and infinities, which
+  ``wandb.Histogram`` refuses, are counted in the scalar ``<key>/nonfinite``
+  (``<key>/<stat>-nonfinite`` with a stat) whenever there are any;
+- vector: a ``wandb.Histogram`` of its finite elements, plus the same ``nonfinite`` scalar.
+
+Every ``heatmap_every`` steps, each per-layer scalar series (layer label, no expert or tensor)
+is also logged as an image ``<metric>/heatmap`` (``<metric>/<stat>-heatmap``): layers x steps.
+"""
+
+from __future__ import annotations
+
+import math
+import netrc
+import os
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlparse
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.keys import WANDB_RULES, KeyBook, KeyRules, index_widths
+from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_wandb.heatmap import LayerHeatmap
+
+__all__ = ["STEP_KEY", "WandbSink"]
+
+STEP_KEY = "tmetrics/step"
+"""The logged step field, the x axis of every tmetrics chart in W&B."""
+
+_OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every", "heatmap_metrics")
+_MODES = ("online", "offline", "disabled")
+_VECTOR_BINS = 30
+# Directories W&B would otherwise create under HOME; set (unless already set) below `dir`.
+_HOME_DIRS = {
+    "WANDB_CACHE_DIR": "cache",
+    "WANDB_CONFIG_DIR": "config",
+    "WANDB_DATA_DIR": "data",
+    "WANDB_ARTIFACT_DIR": "artifacts",
+}
+
+
+def _option_error(option: str, message: str) -> ConfigError:
+    return ConfigError(message, path=f"sinks.wandb.{option}")
+
+
+def _optional_str(option: str, value: Any) -> str | None:
+    if value is not None and not (isinstance(value, str) and value):
+        raise _option_error(option, f"got {value!r}; need a non-empty string")
+    return value
+
+
+class WandbSink:
+    """Writes records to a Weights & Biases run.
+
+    Keyword args:
+        project (str, optional): the W&B project; default ``"tmetrics"``.
+        entity (str, optional): the W&B team or user; default W&B's default entity.
+        mode (str, optional): ``"online"``, ``"offline"`` or ``"disabled"``; default ``"offline"``
+            when no API key is configured (``WANDB_API_KEY`` or a ``netrc`` entry for the W&B
+            host), ``"online"`` otherwise.
+        dir (str, optional): where W&B writes (``<dir>/wandb/...``) and keeps its cache, config
+            and data directories unless ``WANDB_*_DIR`` are set; default ``<run.dir>``.
+        name (str, optional): the run's display name; default the tmetrics run name.
+        tags (list of str, optional): W&B tags; ``key=value`` tags for the run's topology and
+            model (``RunInfo.tags``) are added.
+        heatmap_every (int, optional): log the layer x step heatmaps every this many steps
+            (default 100); 0 turns them off.
+        heatmap_metrics (list of str, optional): the per-layer metrics drawn as heatmaps;
+            default every per-layer scalar metric.
+
+    Raises:
+        ConfigError: an unknown option or an invalid value (path ``sinks.wandb.<option>``).
+    """
+
+    name = "wandb"
+    key_rules: KeyRules = WANDB_RULES
+
+    def __init__(
+        self,
+        *,
+        project: str = "tmetrics",
+        entity: str | None = None,
+        mode: str | None = None,
+        dir: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        tags: Sequence[str] = (),
+        heatmap_every: int = 100,
+        heatmap_metrics: Sequence[str] | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            bad = sorted(unknown)[0]
+            raise _option_error(bad, f"unknown option {bad!r}; valid options are {', '.join(_OPTIONS)}")
+        self.project = _optional_str("project", project)
+        self.entity = _optional_str("entity", entity)
+        if mode is not None and mode not in _MODES:
+            raise _option_error("mode", f"got {mode!r}; valid modes are {', '.join(_MODES)} (or leave it unset)")
+        self.mode = mode
+        if dir is not None and not isinstance(dir, (str, os.PathLike)):
+            raise _option_error("dir", f"got {dir!r}; need a directory path (a string)")
+        self.dir = None if dir is None else Path(dir)
+        self.run_name = _optional_str("name", name)
+        if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags):
+            raise _option_error("tags", f"got {tags!r}; need a list of non-empty strings")
+        self.tags = tuple(tags)
+        if isinstance(heatmap_every, bool) or not isinstance(heatmap_every, int) or heatmap_every < 0:
+            raise _option_error("heatmap_every", f"got {heatmap_every!r}; need a whole number of steps >= 0 (0: off)")
+        self.heatmap_every = heatmap_every
+        if heatmap_metrics is not None and (
+            isinstance(heatmap_metrics, str) or not all(isinstance(m, str) for m in heatmap_metrics)
+        ):
+            raise _option_error("heatmap_metrics", f"got {heatmap_metrics!r}; need a list of metric names")
+        self.heatmap_metrics = None if heatmap_metrics is None else frozenset(heatmap_metrics)
+        self._run: Any = None
+        self._book = KeyBook(WANDB_RULES)
+        self._heatmaps: dict[tuple[str, str | None], LayerHeatmap] = {}
+        self._next_heatmap = heatmap_every
+        self._last_step = 0
+
+    def open(self, run: RunInfo) -> None:
+        """Start the W&B run (a new run even if the process already has one).
+
+        Raises:
+            ImportError: ``wandb`` is missing (``pip install tmetrics[wandb]``).
+            wandb.errors.UsageError: ``mode="online"`` without a usable API key.
+        """
+        import wandb
+
+        base = self.dir if self.dir is not None else Path(run.dir)
+        base.mkdir(parents=True, exist_ok=True)
+        for variable, sub in _HOME_DIRS.items():
+            os.environ.setdefault(variable, str(base / "wandb-home" / sub))
+        mode = self.mode or ("online" if _api_key_configured() else "offline")
+        layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
+        self._book = KeyBook(WANDB_RULES, layer_width=layer_width, expert_width=expert_width)
+        self._run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            name=self.run_name or run.name,
+            dir=str(base),
+            mode=mode,
+            tags=[*self.tags, *(f"{k}={v}"[:64] for k, v in run.tags.items())],
+            reinit="create_new",
+            settings=wandb.Settings(console="off"),
+        )
+        self._run.define_metric(STEP_KEY)
+        self._run.define_metric("*", step_metric=STEP_KEY)
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        """Store ``config`` as the W&B run config (values may change on a later call)."""
+        self._require_open().config.update(config, allow_val_change=True)
+
+    def write(self, records: Sequence[MetricRecord], step: int) -> None:
+        """Log every record of one step with exactly one ``run.log`` call.
+
+        Raises:
+            ConfigError: two label sets render to one key (see :class:`~tmetrics_core.keys.KeyBook`).
+            RuntimeError: the sink is not open.
+        """
+        import wandb
+
+        run = self._require_open()
+        data: dict[str, Any] = {STEP_KEY: step}
+        for record in records:
+            key = self._book.add(record.metric, record.layer, record.expert, record.tensor, record.stat)
+            value = record.value
+            if isinstance(value, Histogram):
+                data[key] = wandb.Histogram(np_histogram=_bins_with_zeros(value))
+                nonfinite = value.nan + value.posinf + value.neginf
+            elif isinstance(value, tuple):
+                data[key] = _vector_histogram(wandb, value)
+                nonfinite = sum(1 for v in value if not math.isfinite(v))
+            else:
+                data[key] = float(value)
+                if self._draws_heatmap(record):
+                    self._heatmap(record.metric, record.stat).add(step, record.layer, float(value))  # type: ignore[arg-type]
+                continue
+            if nonfinite:
+                stat = "nonfinite" if record.stat is None else f"{record.stat}-nonfinite"
+                data[self._book.add(record.metric, record.layer, record.expert, record.tensor, stat)] = float(nonfinite)
+        if self.heatmap_every and step >= self._next_heatmap:
+            data.update(self._heatmap_images(wandb))
+            self._next_heatmap = step + self.heatmap_every
+        run.log(data)
+        self._last_step = max(self._last_step, step)
+
+    def flush(self) -> None:
+        """Nothing to do: each ``log`` call is handed to W&B's service process at once, which
+        persists it on its own. Raises RuntimeError when the sink is not open."""
+        self._require_open()
+
+    def close(self, status: RunStatus) -> None:
+        """Log the heatmaps once more if they changed, then ``finish`` the run with exit code
+        0 for ``"finished"`` and 1 otherwise (W&B shows 1 as *failed*)."""
+        if self._run is None:
+            return
+        import wandb
+
+        images = self._heatmap_images(wandb) if self.heatmap_every else {}
+        if images:
+            self._run.log({STEP_KEY: self._last_step, **images})
+        self._run.finish(exit_code=0 if status == "finished" else 1)
+        self._run = None
+
+    def _require_open(self) -> Any:
+        if self._run is None:
+            raise RuntimeError("WandbSink is not open: call open(run) first (or it was closed)")
+        return self._run
+
+    def _draws_heatmap(self, record: MetricRecord) -> bool:
+        if not self.heatmap_every or record.layer is None or record.expert is not None or record.tensor is not None:
+            return False
+        return self.heatmap_metrics is None or record.metric in self.heatmap_metrics
+
+    def _heatmap(self, metric: str, stat: str | None) -> LayerHeatmap:
+        heatmap = self._heatmaps.get((metric, stat))
+        if heatmap is None:
+            heatmap = LayerHeatmap(metric if stat is None else f"{metric} {stat}")
+            self._heatmaps[(metric, stat)] = heatmap
+        return heatmap
+
+    def _heatmap_images(self, wandb: Any) -> dict[str, Any]:
+        images: dict[str, Any] = {}
+        for (metric, stat), heatmap in self._heatmaps.items():
+            if heatmap.changed:
+                key = self._book.add(metric, stat="heatmap" if stat is None else f"{stat}-heatmap")
+                images[key] = wandb.Image(heatmap.image(), caption=f"{heatmap.title}: layer x step")
+        return images
+
+
+def _api_key_configured() -> bool:
+    """Whether W&B has a key: ``WANDB_API_KEY``, or a ``netrc`` entry for the W&B host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = os.environ.get("NETRC", os.path.join(os.path.expanduser("~"), ".netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _bins_with_zeros(hist: Histogram) -> tuple[list[int], list[float]]:
+    """``(counts, edges)`` for ``np_histogram``: the bins, with the exact zeros added to the bin
+    holding 0, or to an extra bin between 0 and the nearest edge."""
+    edges = list(hist.edges)
+    counts = list(hist.counts)
+    if not counts:
+        top = edges[0] if edges and edges[0] > 0.0 else 1.0
+        return [hist.zeros], [0.0, top]
+    if hist.zeros:
+        inside = [i for i in range(len(counts)) if edges[i] <= 0.0 < edges[i + 1]]
+        if inside:
+            counts[inside[0]] += hist.zeros
+        elif 0.0 < edges[0]:
+            edges, counts = [0.0, *edges], [hist.zeros, *counts]
+        elif edges[-1] < 0.0:
+            edges, counts = [*edges, 0.0], [*counts, hist.zeros]
+        else:  # the last edge is exactly 0
+            counts[-1] += hist.zeros
+    return counts, edges
+
+
+def _vector_histogram(wandb: Any, values: tuple[float, ...]) -> Any:
+    import numpy as np
+
+    array = np.asarray(values, dtype=np.float64)
+    finite = array[np.isfinite(array)]
+    if finite.size == 0:
+        return wandb.Histogram(np_histogram=([0], [0.0, 1.0]))
+    counts, edges = np.histogram(finite, bins=min(_VECTOR_BINS, finite.size))
+    return wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
