@@ -1,0 +1,136 @@
+"""Named parallel axes bound to process groups: the :class:`Topology`.
+
+Words used throughout tmetrics: an *axis* is a named dimension of the device mesh (``dp``,
+``tp``, ``ep``, ``pp``, ``cp``, ``fsdp``...), bound to the process group of the ranks that
+differ only along it; a *dim* is a tensor dimension. The *axis rank* is a rank's coordinate
+along one axis; the *global rank* its rank in the default group.
+
+A topology whose axes all have size 1 needs no ``torch.distributed`` at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch.distributed as dist
+
+from tmetrics_core.errors import ConfigError
+
+__all__ = ["Axis", "Topology", "POPULATION_EXCLUDED_AXES"]
+
+POPULATION_EXCLUDED_AXES = frozenset({"tp", "pp"})
+"""Axes whose ranks see the same tokens. On every other axis (``dp``, ``fsdp``, ``ep``, ``cp``,
+``dp_shard``...) ranks see different tokens, so activations are a population split there."""
+
+
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """One named axis as this rank sees it.
+
+    ``size`` ranks form the axis group ``group`` (None when ``size == 1``); this rank is axis
+    rank ``rank`` in it; ``ranks`` lists the group's global ranks in axis-rank order.
+    """
+
+    name: str
+    size: int
+    rank: int
+    group: Any
+    ranks: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.size}"
+
+
+class Topology:
+    """The named axes of a run, in a fixed order (outer to inner, as the mesh lists them).
+
+    Build with :meth:`single_process`, :meth:`from_mesh` or :meth:`from_groups`. Reductions run
+    over axes in this order, on every rank alike.
+    """
+
+    __slots__ = ("axes", "global_rank", "world_size", "population_axes")
+
+    def __init__(self, axes: Iterable[Axis], *, global_rank: int, world_size: int,
+                 population_axes: Iterable[str] | None = None) -> None:
+        self.axes: dict[str, Axis] = {a.name: a for a in axes}
+        self.global_rank = global_rank
+        self.world_size = world_size
+        names = tuple(self.axes)
+        if population_axes is None:
+            population_axes = [n for n in names if n not in POPULATION_EXCLUDED_AXES]
+        unknown = set(population_axes) - set(names)
+        if unknown:
+            raise ConfigError(f"population_axes {sorted(unknown)} are not axes; axes are {list(names)}")
+        self.population_axes: tuple[str, ...] = tuple(n for n in names if n in set(population_axes))
+
+    @classmethod
+    def single_process(cls) -> "Topology":
+        """No parallel axes: rank 0 of 1, no ``torch.distributed`` needed."""
+        return cls((), global_rank=0, world_size=1)
+
+    @classmethod
+    def from_mesh(cls, mesh: Any, *, population_axes: Iterable[str] | None = None) -> "Topology":
+        """Axes from a ``DeviceMesh``: each mesh dim name becomes an axis with its group.
+
+        Raises ``ConfigError`` when the mesh has unnamed dims (pass ``mesh_dim_names``).
+        """
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ConfigError(
+                "the DeviceMesh has no dim names; build it with init_device_mesh(..., "
+                "mesh_dim_names=('dp', 'tp')) so each dim becomes a named axis"
+            )
+        axes = []
+        for name in names:
+            group = mesh.get_group(name)
+            size = mesh.size(mesh_dim=names.index(name))
+            axes.append(Axis(name, size, mesh.get_local_rank(name), group if size > 1 else None,
+                             tuple(dist.get_process_group_ranks(group))))
+        return cls(axes, global_rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   population_axes=population_axes)
+
+    @classmethod
+    def from_groups(cls, groups: Mapping[str, Any], *,
+                    population_axes: Iterable[str] | None = None) -> "Topology":
+        """Axes from an explicit ``{name: process_group}`` mapping (``None`` means size 1).
+
+        Axes left out are treated as replicated: nothing is reduced over them.
+        """
+        axes = []
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        for name, group in groups.items():
+            if group is None:
+                axes.append(Axis(name, 1, 0, None, (rank,)))
+                continue
+            size = dist.get_world_size(group)
+            axes.append(Axis(name, size, dist.get_rank(group), group if size > 1 else None,
+                             tuple(dist.get_process_group_ranks(group))))
+        return cls(axes, global_rank=rank, world_size=world, population_axes=population_axes)
+
+    def axis(self, name: str) -> Axis:
+        """The axis called ``name``; ``KeyError`` lists the valid names."""
+        try:
+            return self.axes[name]
+        except KeyError:
+            raise KeyError(f"no axis {name!r}; this topology has axes {list(self.axes)}") from None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Axis names in reduction order."""
+        return tuple(self.axes)
+
+    def coords(self) -> dict[str, int]:
+        """This rank's axis rank on every axis."""
+        return {a.name: a.rank for a in self.axes.values()}
+
+    def tags(self) -> dict[str, str]:
+        """Short facts for trackers: ``{"world_size": "4", "dp": "2", "tp": "2"}``."""
+        out = {"world_size": str(self.world_size)}
+        out.update({a.name: str(a.size) for a in self.axes.values()})
+        return out
+
+    def __repr__(self) -> str:
+        inner = ", ".join(str(a) for a in self.axes.values()) or "single process"
+        return f"Topology({inner}; rank {self.global_rank} of {self.world_size})"
