@@ -43,9 +43,10 @@ class SinkHub:
     Args:
         sinks: the sinks, each with a distinct ``name``.
         spool_dir: directory for spool files, created only when something spills.
-        queue_size: steps that may wait in each sink's queue; a step that finds it full goes to
-            the spool. Memory is bounded by about ``queue_size + spool_queue_size`` steps of
-            records per sink.
+        queue_size: records that may wait in each sink's queue (default 2**18, about 14 steps of
+            18k records); a step that does not fit goes to the spool instead of waiting. Batches
+            are shared by the sinks, so memory is bounded by about ``queue_size +
+            spool_queue_size`` records in all, plus one in-flight step per sink.
         retries: extra attempts for a failing sink call before its batch is spooled.
         backoff: first wait between attempts, seconds; doubles per attempt (plus jitter).
         backoff_max: the longest wait between attempts, between background ``open`` retries
@@ -55,8 +56,8 @@ class SinkHub:
             bound of :meth:`flush`.
         spool_timeout: how long :meth:`close` then waits for the spool disk, seconds. ``close``
             returns within ``close_timeout + spool_timeout`` seconds.
-        spool_queue_size: batches that may wait for the spool disk (all sinks together); more
-            are dropped and counted.
+        spool_queue_size: records that may wait for the spool disk (all sinks together); a step
+            that does not fit is dropped and counted.
 
     Raises:
         ConfigError: no sinks are fine, but duplicate names or a non-positive size are not.
@@ -67,13 +68,13 @@ class SinkHub:
         sinks: Sequence[MetricSink],
         *,
         spool_dir: str | os.PathLike[str],
-        queue_size: int = 8,
+        queue_size: int = 2**18,
         retries: int = 3,
         backoff: float = 0.5,
         backoff_max: float = 30.0,
         close_timeout: float = 30.0,
         spool_timeout: float = 10.0,
-        spool_queue_size: int = 64,
+        spool_queue_size: int = 2**20,
     ) -> None:
         names = [sink.name for sink in sinks]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -97,7 +98,7 @@ class SinkHub:
         self.spool_dir = spool_dir
         self._close_timeout = close_timeout
         self._spool_timeout = spool_timeout
-        self._spiller = Spiller(spool_dir, max_batches=spool_queue_size)
+        self._spiller = Spiller(spool_dir, max_records=spool_queue_size)
         self._workers = [
             SinkWorker(
                 sink,

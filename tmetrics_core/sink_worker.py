@@ -63,7 +63,8 @@ class SinkWorker:
     Args:
         sink: the sink; only this worker's thread calls it.
         spiller: where batches the sink cannot take go.
-        queue_size: batches (steps) that may wait for the sink; more spill to the spool.
+        queue_size: records that may wait for the sink; a batch that does not fit spills to the
+            spool (a batch larger than this is still taken when the queue is empty).
         retries: extra attempts for a failing call before its batch is spooled.
         backoff: first wait between attempts, in seconds; doubles each time, with up to
             ``backoff`` seconds of random jitter.
@@ -89,7 +90,7 @@ class SinkWorker:
         self._backoff_max = backoff_max
         self._cond = threading.Condition()
         self._queue: collections.deque[Item] = collections.deque()
-        self._queued_batches = 0
+        self._queued_records = 0
         self._inflight: Item | None = None
         self._closing = threading.Event()
         self._abandoned = threading.Event()
@@ -110,19 +111,21 @@ class SinkWorker:
     def offer(self, batch: Batch) -> None:
         """Queue ``batch`` (training thread): a deque append under a lock, never I/O. A full
         queue sends the batch to the spool instead of waiting."""
-        self.counters.add("submitted", len(batch.records))
+        n = len(batch.records)
+        self.counters.add("submitted", n)
         with self._cond:
-            if not self._abandoned.is_set() and self._queued_batches < self._queue_size:
+            queued = self._queued_records
+            if not self._abandoned.is_set() and (queued == 0 or queued + n <= self._queue_size):
                 self._queue.append(batch)
-                self._queued_batches += 1
+                self._queued_records = queued + n
                 self._cond.notify()
                 return
             warn = not self._warned_full
             self._warned_full = True
         if warn:
             _log.warning(
-                "sink %s is behind (its queue of %d steps is full); step %d and later overflow go to "
-                "the spool instead of waiting",
+                "sink %s is behind (its queue of %d records is full); step %d and later overflow go "
+                "to the spool instead of waiting",
                 self.sink.name,
                 self._queue_size,
                 batch.step,
@@ -159,7 +162,7 @@ class SinkWorker:
             self._abandoned.set()
             leftovers = list(self._queue)
             self._queue.clear()
-            self._queued_batches = 0
+            self._queued_records = 0
             if self._inflight is not None:
                 leftovers.insert(0, self._inflight)
                 self._inflight = None
@@ -189,7 +192,7 @@ class SinkWorker:
                 if self._queue:
                     item = self._queue.popleft()
                     if isinstance(item, Batch):
-                        self._queued_batches -= 1
+                        self._queued_records -= len(item.records)
                     self._inflight = item
                     return item
                 if self._closing.is_set():
@@ -257,7 +260,7 @@ class SinkWorker:
                 while self._queue:
                     item = self._queue.popleft()
                     if isinstance(item, Batch):
-                        self._queued_batches -= 1
+                        self._queued_records -= len(item.records)
                     self._spiller.offer(self.counters, item)
                 remaining = deadline - time.monotonic()
                 if self._closing.is_set() or remaining <= 0:

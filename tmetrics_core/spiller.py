@@ -55,15 +55,16 @@ class Spiller:
 
     Args:
         spool_dir: directory of the spool files (created on the first spill).
-        max_batches: how many batches may wait for the disk; beyond that a batch is dropped.
+        max_records: records that may wait for the disk (all sinks together); a batch that does
+            not fit is dropped and counted (one larger than this is taken when the queue is empty).
     """
 
-    def __init__(self, spool_dir: str | os.PathLike[str], *, max_batches: int) -> None:
+    def __init__(self, spool_dir: str | os.PathLike[str], *, max_records: int) -> None:
         self.spool_dir = spool_dir
-        self._max_batches = max_batches
+        self._max_records = max_records
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[SinkCounters, Item]] = collections.deque()
-        self._queued_batches = 0
+        self._queued_records = 0
         self._inflight: tuple[SinkCounters, Item] | None = None
         self._closing = False
         self._abandoned = False
@@ -89,12 +90,13 @@ class Spiller:
                     self._queue.append((counters, item))
                     self._cond.notify()
                 return
-            if self._abandoned or (isinstance(item, Batch) and self._queued_batches >= self._max_batches):
+            n = len(item.records) if isinstance(item, Batch) else 0
+            queued = self._queued_records
+            if self._abandoned or (queued and queued + n > self._max_records):
                 self._drop(counters, item, "the spool queue is full" if not self._abandoned else "the spool is closed")
                 return
             self._queue.append((counters, item))
-            if isinstance(item, Batch):
-                self._queued_batches += 1
+            self._queued_records = queued + n
             self._cond.notify()
 
     def close(self, timeout: float) -> None:
@@ -108,7 +110,7 @@ class Spiller:
             self._abandoned = True
             leftovers = list(self._queue)
             self._queue.clear()
-            self._queued_batches = 0
+            self._queued_records = 0
             if self._inflight is not None:
                 leftovers.insert(0, self._inflight)
                 self._inflight = None
@@ -144,7 +146,7 @@ class Spiller:
                     return
                 entry = self._queue.popleft()
                 if isinstance(entry[1], Batch):
-                    self._queued_batches -= 1
+                    self._queued_records -= len(entry[1].records)
                 self._inflight = entry
             counters, item = entry
             outcome = self._write(counters, item)
