@@ -1,0 +1,116 @@
+"""Printing the tensor manifest (`tmetrics names`): an aligned text table or JSON.
+
+A manifest row is a mapping with exactly the keys of `MANIFEST_KEYS`:
+
+==============  ===========================================================================
+``name``        canonical name (str)
+``original``    name from ``named_parameters()`` (str)
+``layer``       global layer index (int or None)
+``expert``      global expert index (int or None)
+``component``   canonical component, e.g. ``"attn.q"`` (str)
+``shape``       logical (global) shape (sequence of int)
+``dtype``       dtype (``torch.dtype`` or str; ``"torch."`` is dropped)
+``numel``       elements of the logical tensor (int)
+``placements``  axis name -> short placement tag, e.g. ``{"fsdp": "S(0)", "dp": "R"}``
+``owners``      global ranks holding a piece (sequence of int), or ``"all"``
+==============  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from tmetrics_core.errors import ConfigError
+
+__all__ = [
+    "MANIFEST_KEYS",
+    "format_manifest",
+]
+
+MANIFEST_KEYS: tuple[str, ...] = (
+    "name",
+    "original",
+    "layer",
+    "expert",
+    "component",
+    "shape",
+    "dtype",
+    "numel",
+    "placements",
+    "owners",
+)
+
+_HEADERS = ("canonical", "original", "layer", "expert", "component", "shape", "dtype", "numel", "placements", "owners")
+_RIGHT_ALIGNED = frozenset({"layer", "expert", "numel"})
+
+
+def format_manifest(entries: Sequence[Mapping[str, Any]], *, fmt: Literal["table", "json"] = "table") -> str:
+    """The manifest as text, rows in the given order.
+
+    ``fmt="table"``: one header line and one line per row, columns separated by two spaces,
+    numbers right-aligned, None shown as ``-``, shapes as ``64x32`` (``()`` for a scalar),
+    placements as ``axis=tag`` pairs, owner ranks with consecutive runs folded (``0-3,8``).
+    ``fmt="json"``: a JSON array of objects with the keys of `MANIFEST_KEYS` in that order;
+    shapes and owner lists as arrays, dtypes as strings.
+
+    Raises:
+        ConfigError: an unknown ``fmt``, or a row whose keys are not exactly `MANIFEST_KEYS`
+            (``path`` names the row, the message lists missing and unexpected keys).
+    """
+    if fmt not in ("table", "json"):
+        raise ConfigError(f"unknown format {fmt!r}; valid: 'table', 'json'", path="fmt")
+    rows = [_normalized(index, entry) for index, entry in enumerate(entries)]
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    cells = [_HEADERS] + [tuple(_cell(key, row[key]) for key in MANIFEST_KEYS) for row in rows]
+    widths = [max(len(line[column]) for line in cells) for column in range(len(MANIFEST_KEYS))]
+    lines = []
+    for line in cells:
+        padded = (
+            text.rjust(width) if key in _RIGHT_ALIGNED else text.ljust(width)
+            for key, text, width in zip(MANIFEST_KEYS, line, widths)
+        )
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def _normalized(index: int, entry: Mapping[str, Any]) -> dict[str, Any]:
+    missing = [key for key in MANIFEST_KEYS if key not in entry]
+    unexpected = sorted(str(key) for key in entry if key not in MANIFEST_KEYS)
+    if missing or unexpected:
+        raise ConfigError(
+            f"manifest row needs exactly the keys {list(MANIFEST_KEYS)}; missing {missing}, unexpected {unexpected}",
+            path=f"entries[{index}]",
+        )
+    row = {key: entry[key] for key in MANIFEST_KEYS}
+    row["shape"] = [int(size) for size in entry["shape"]]
+    row["dtype"] = str(entry["dtype"]).removeprefix("torch.")
+    row["placements"] = {str(axis): str(tag) for axis, tag in entry["placements"].items()}
+    owners = entry["owners"]
+    row["owners"] = owners if owners == "all" else [int(rank) for rank in owners]
+    return row
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "shape":
+        return "x".join(str(size) for size in value) if value else "()"
+    if key == "placements":
+        return " ".join(f"{axis}={tag}" for axis, tag in value.items()) or "-"
+    if key == "owners":
+        return value if value == "all" else _ranks(value)
+    return str(value)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"0-3,8"``; an empty list -> ``"-"``."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"
