@@ -1,0 +1,54 @@
+"""The three collectives the executor uses, behind one small seam.
+
+``TorchCollectives`` calls ``torch.distributed`` with a bounded wait on every call, so a peer
+that never arrives raises instead of hanging. Tests swap in an in-process simulation with the
+same three methods; nothing else in tmetrics talks to other ranks for metrics.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collectives", "TorchCollectives"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class Collectives(Protocol):
+    """``group`` is an axis's process group, or None for the default (world) group."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, group: Any) -> None:
+        """Reduce ``tensor`` in place with ``op`` (``sum``, ``max``, ``min``)."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere), in group-rank order."""
+        ...
+
+    def all_gather_object(self, obj: Any, group: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in group-rank order (slow path: errors only)."""
+        ...
+
+
+class TorchCollectives:
+    """``torch.distributed`` collectives, each waited on for at most ``timeout_s`` seconds."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, group: Any) -> None:
+        dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True).wait(self.timeout)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, tensor, group=group, async_op=True).wait(self.timeout)
+        return out
+
+    def all_gather_object(self, obj: Any, group: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out

@@ -1,0 +1,82 @@
+"""From observed local tensors to prepared metric states, Partial placements resolved.
+
+``prepare_states`` is the local half of a step: it materializes tensors that are ``Partial``
+on some axis when a metric's statistic does not commute with that partial reduction (one
+packed collective round for all of them), then lets each metric prepare the sites it accepts,
+sharing statistics between metrics through a per-step memo. Errors are caught per metric and
+returned, so the executor can make every rank skip a metric that raised on any rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from tmetrics_core.axes import Topology
+from tmetrics_core.executor import Executor
+from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.metrics.statistics import commutes
+from tmetrics_core.placements import Replica
+from tmetrics_core.site import Site, SiteKey
+
+__all__ = ["PreparedStep", "prepare_states", "resolve_partials"]
+
+PreparedStep = list[tuple[TensorMetric, dict[SiteKey, Any], str | None]]
+"""``(metric, state, local error text or None)`` per due metric, in config order."""
+
+
+def resolve_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site],
+                     tensors: Sequence[torch.Tensor | None], topology: Topology,
+                     executor: Executor) -> tuple[list[Site], list[torch.Tensor | None]]:
+    """Materialize sites that are ``Partial`` on an axis some accepting metric cannot reduce
+    directly; such sites become ``Replica`` on that axis. Every rank takes part in the same
+    packed round (sites are rank-symmetric); placeholders contribute zeros."""
+    need: list[int] = []
+    for i, site in enumerate(sites):
+        partial = [(a, p) for a, p in site.placements if p.is_partial() and topology.axes.get(a) and
+                   topology.axes[a].size > 1]
+        if not partial:
+            continue
+        stats = [s for m in metrics if m.accepts(site) for s in getattr(m, "statistics", ())]
+        if any(not commutes(p.op, s.op, linear=s.linear) for _, p in partial for s in stats):  # type: ignore[attr-defined]
+            need.append(i)
+    if not need:
+        return list(sites), list(tensors)
+    new_sites, new_tensors = list(sites), list(tensors)
+    shapes = [_shape(sites[i], tensors[i], topology) for i in need]
+    locals_ = [tensors[i] if tensors[i] is not None else torch.zeros(shape) for i, shape in zip(need, shapes)]
+    axes = [tuple(a for a, p in sites[i].placements if p.is_partial()) for i in need]
+    ops = [next(p.op for _, p in sites[i].placements if p.is_partial()) for i in need]  # type: ignore[attr-defined]
+    full = executor.materialize(locals_, axes, ops)
+    for i, t in zip(need, full):
+        site = sites[i]
+        placements = tuple((a, Replica() if p.is_partial() else p) for a, p in site.placements)
+        new_sites[i] = dataclasses.replace(site, placements=placements)
+        if new_tensors[i] is not None:
+            new_tensors[i] = t
+    return new_sites, new_tensors
+
+
+def _shape(site: Site, tensor: torch.Tensor | None, topology: Topology) -> tuple[int, ...]:
+    if tensor is not None:
+        return tuple(tensor.shape)
+    return site.local_shape(topology.coords(), {n: a.size for n, a in topology.axes.items()})
+
+
+def prepare_states(metrics: Sequence[TensorMetric], sites: Sequence[Site],
+                   tensors: Sequence[torch.Tensor | None], topology: Topology,
+                   memo: dict[Hashable, torch.Tensor] | None = None) -> PreparedStep:
+    """Prepare every metric on the sites it accepts; a metric that raises gets its error text
+    instead of a state (its other sites are not prepared)."""
+    memo = {} if memo is None else memo
+    out: PreparedStep = []
+    for metric in metrics:
+        chosen = [(s, t) for s, t in zip(sites, tensors) if metric.accepts(s)]
+        try:
+            state = metric.prepare([s for s, _ in chosen], [t for _, t in chosen], topology, memo)
+            out.append((metric, state, None))
+        except Exception as exc:  # noqa: BLE001 - reported, and skipped on every rank
+            out.append((metric, {}, f"{type(exc).__name__}: {exc}"))
+    return out

@@ -1,0 +1,294 @@
+"""The executor: one pass over every due metric, collectives packed per (axis, op, dtype).
+
+This module is the only one in tmetrics that calls ``torch.distributed`` for metrics; counts,
+symmetry checks and failure agreement live here (one choke point, as pluggy's ``_hookexec``).
+
+Per step the executor:
+
+1. agrees across all ranks which metrics failed locally (one ``all_reduce(MAX)`` of a small
+   int64 vector over the default group), so every rank skips the same metrics and no rank waits
+   in a collective the others never issue;
+2. optionally checks the plan (on a metric's first run, whenever the plan changes, or on
+   demand): every rank contributes fingerprints of its per-axis layouts to one ``all_gather``;
+   a difference raises :class:`PlanMismatchError` on every rank, naming the metric, the axis and
+   the ranks that differ, before any mismatched collective can hang;
+3. runs rounds: the requests of all due metrics are deduplicated by key, then for each axis in
+   topology order, requests that reduce over it are flattened into one buffer per (op, dtype)
+   and reduced with one ``all_reduce``. A request over several axes is reduced axis after axis
+   in the same round. Collective calls per round are therefore at most
+   ``#axes x #ops x #dtypes``, whatever the number of tensors, shapes or metrics;
+4. copies every metric's final vectors to the host in one transfer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Mapping, Sequence
+
+import torch
+
+from tmetrics_core.axes import Topology
+from tmetrics_core.collectives import Collectives, TorchCollectives
+from tmetrics_core.errors import PlanMismatchError
+from tmetrics_core.metrics.base import CollectiveRequest, MetricResult, Round, TensorMetric
+from tmetrics_core.site import Site, SiteKey
+
+__all__ = ["CollectiveStats", "Executor", "MetricFailure"]
+
+log = logging.getLogger(__name__)
+
+@dataclass(slots=True)
+class CollectiveStats:
+    """Counters for benchmarks and tests: collective calls and elements moved, per axis."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    elements: dict[str, int] = field(default_factory=dict)
+    rounds: int = 0
+
+    def add(self, axis: str, numel: int) -> None:
+        self.calls[axis] = self.calls.get(axis, 0) + 1
+        self.elements[axis] = self.elements.get(axis, 0) + numel
+
+    @property
+    def total_calls(self) -> int:
+        """All collective calls counted, control collectives included."""
+        return sum(self.calls.values())
+
+
+@dataclass(frozen=True, slots=True)
+class MetricFailure:
+    """A metric skipped on every rank at one step because it raised on ``ranks``."""
+
+    metric: str
+    ranks: tuple[int, ...]
+    error: str
+
+
+@dataclass(slots=True)
+class _Due:
+    metric: TensorMetric
+    state: dict[SiteKey, Any]
+    error: str | None = None
+    round: Round | None = None
+
+
+class Executor:
+    """Runs the collective rounds of all due metrics of a step over a :class:`Topology`.
+
+    Args:
+        topology: the named axes.
+        collectives: how to talk to other ranks; default ``TorchCollectives(timeout_s)``, which
+            bounds every collective so a hung peer raises instead of hanging.
+        timeout_s: the bound in seconds for the default collectives.
+        device: where packed buffers live (the device of the prepared states; ``cpu`` for gloo).
+    """
+
+    def __init__(self, topology: Topology, *, collectives: Collectives | None = None,
+                 timeout_s: float = 60.0, device: str | torch.device = "cpu") -> None:
+        self.topology = topology
+        self.comm: Collectives = collectives or TorchCollectives(timeout_s)
+        self.device = torch.device(device)
+        self.stats = CollectiveStats()
+        self._distributed = topology.world_size > 1
+
+    # -- public -------------------------------------------------------------------------------
+    def run(self, due: Sequence[tuple[TensorMetric, dict[SiteKey, Any], str | None]],
+            sites: Mapping[SiteKey, Site], *, check: bool = False
+            ) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
+        """Run every due metric to its results.
+
+        Args:
+            due: ``(metric, prepared state, local error or None)`` in the same order on every
+                rank (config order). A metric with a local error on any rank is skipped on all.
+            sites: every site of the plan by key (rank-symmetric).
+            check: compare plan fingerprints across ranks before the first data collective.
+
+        Returns:
+            ``(results by metric name, failures)``; failures name the metric, the ranks where
+            it raised and the error text (of this rank, or of the lowest failing rank).
+
+        Raises:
+            PlanMismatchError: on every rank, when ``check`` finds ranks with different plans.
+        """
+        items = [_Due(m, s, e) for m, s, e in due]
+        for item in items:
+            if item.error is None:
+                try:
+                    item.round = item.metric.start(item.state, sites, self.topology)
+                except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
+                    item.error = f"{type(exc).__name__}: {exc}"
+        failures = self._agree_failures(items)
+        failed = {f.metric for f in failures}
+        live = [i for i in items if i.metric.name not in failed]
+        first = True
+        while True:
+            pending = [i for i in live if not i.round.done]
+            if not pending:
+                break
+            requests = self._dedup(pending)
+            if check and first:
+                self._check_plan(requests, pending)
+            first = False
+            results = self._reduce(requests)
+            for item in pending:
+                item.round = item.metric.resume(item.round.continuation, results)
+        host = self._to_host(live)
+        out: dict[str, list[MetricResult]] = {}
+        for item in live:
+            try:
+                out[item.metric.name] = item.metric.finish(item.round.continuation, host)
+            except Exception as exc:  # noqa: BLE001 - local only: no collective follows
+                failures.append(MetricFailure(item.metric.name, (self.topology.global_rank,),
+                                              f"{type(exc).__name__}: {exc}"))
+        return out, failures
+
+    def check_plan(self, due: Sequence[tuple[TensorMetric, dict[SiteKey, Any]]], sites: Mapping[SiteKey, Site]) -> None:
+        """On demand: build the first round of ``due`` and compare it across ranks (raises
+        :class:`PlanMismatchError` on every rank when they differ)."""
+        items = [_Due(m, s) for m, s in due]
+        for item in items:
+            item.round = item.metric.start(item.state, sites, self.topology)
+        pending = [i for i in items if not i.round.done]
+        self._check_plan(self._dedup(pending), pending)
+
+    def materialize(self, tensors: Sequence[torch.Tensor], axes: Sequence[tuple[str, ...]],
+                    ops: Sequence[str]) -> list[torch.Tensor]:
+        """Reduce whole local tensors of ``Partial`` placements (``ops[i]`` over ``axes[i]``),
+        packed like any round; returns the full tensors in the input shapes."""
+        requests = [CollectiveRequest(("materialize", i), a, op, t.detach().reshape(-1).to(torch.float64))
+                    for i, (t, a, op) in enumerate(zip(tensors, axes, ops))]
+        results = self._reduce(requests)
+        return [results[("materialize", i)].to(t.dtype).reshape(t.shape) for i, t in enumerate(tensors)]
+
+    # -- rounds -------------------------------------------------------------------------------
+    def _dedup(self, pending: Sequence[_Due]) -> list[CollectiveRequest]:
+        seen: dict[Hashable, CollectiveRequest] = {}
+        for item in pending:
+            for req in item.round.requests:
+                if req.key not in seen:
+                    seen[req.key] = req
+        return list(seen.values())
+
+    def _reduce(self, requests: Sequence[CollectiveRequest]) -> dict[Hashable, torch.Tensor]:
+        self.stats.rounds += 1
+        current = {r.key: r.value.to(self.device) for r in requests}
+        for axis_name in self.topology.names:
+            axis = self.topology.axes[axis_name]
+            if axis.size == 1:
+                continue
+            buckets: dict[tuple[str, torch.dtype], list[CollectiveRequest]] = {}
+            for r in requests:
+                if axis_name in r.axes:
+                    buckets.setdefault((r.op, current[r.key].dtype), []).append(r)
+            for (op, _dtype), bucket in buckets.items():
+                values = [current[r.key] for r in bucket]
+                packed = torch.cat(values) if len(values) > 1 else values[0].clone()
+                self._all_reduce(packed, op, axis.group, axis_name)
+                for r, piece in zip(bucket, packed.split([v.numel() for v in values])):
+                    current[r.key] = piece
+        return current
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, group: Any, axis: str) -> None:
+        self.stats.add(axis, tensor.numel())
+        if self._distributed and group is not None:
+            self.comm.all_reduce(tensor, op, group)
+
+    def _to_host(self, live: Sequence[_Due]) -> dict[Hashable, list[float]]:
+        outputs: dict[Hashable, torch.Tensor] = {}
+        for item in live:
+            outputs.update(item.round.outputs)
+        if not outputs:
+            return {}
+        vectors = [v.reshape(-1).to(torch.float64) for v in outputs.values()]
+        flat = torch.cat(vectors).cpu().tolist()
+        out: dict[Hashable, list[float]] = {}
+        start = 0
+        for key, vec in zip(outputs, vectors):
+            out[key] = flat[start:start + vec.numel()]
+            start += vec.numel()
+        return out
+
+    # -- agreement and checks -------------------------------------------------------------------
+    def _agree_failures(self, items: Sequence[_Due]) -> list[MetricFailure]:
+        flags = torch.tensor([1 if i.error else 0 for i in items] or [0], dtype=torch.int64)
+        if self._distributed:
+            self.stats.add("world", flags.numel())
+            gathered = self.comm.all_gather(flags, None)
+        else:
+            gathered = [flags]
+        failures = []
+        for index, item in enumerate(items):
+            ranks = tuple(r for r, g in enumerate(gathered) if int(g[index]) != 0)
+            if ranks:
+                error = item.error or f"raised on rank(s) {list(ranks)}; see that rank's log"
+                failures.append(MetricFailure(item.metric.name, ranks, error))
+        return failures
+
+    def _check_plan(self, requests: Sequence[CollectiveRequest], pending: Sequence[_Due]) -> None:
+        if not self._distributed:
+            return
+        names = self.topology.names
+        layouts = {a: _layout(requests, a) for a in names}
+        coords = [self.topology.axes[a].rank for a in names]
+        fps = [_fingerprint(layouts[a]) for a in names]
+        mine = torch.tensor(coords + fps, dtype=torch.int64)
+        self.stats.add("world", mine.numel())
+        gathered = self.comm.all_gather(mine, None)
+        table = [g.tolist() for g in gathered]
+        n = len(names)
+        for ai, axis in enumerate(names):
+            groups: dict[tuple, list[int]] = {}
+            for rank, row in enumerate(table):
+                other = tuple(c for j, c in enumerate(row[:n]) if j != ai)
+                groups.setdefault(other, []).append(rank)
+            for ranks in groups.values():
+                ref = table[ranks[0]][n + ai]
+                bad = tuple(r for r in ranks if table[r][n + ai] != ref)
+                if bad:
+                    self._raise_mismatch(axis, ranks[0], bad, layouts[axis], pending)
+
+    def _raise_mismatch(self, axis: str, ref_rank: int, bad: tuple[int, ...],
+                        layout: list[tuple[str, str, str, int]], pending: Sequence[_Due]) -> None:
+        everything = self.comm.all_gather_object(layout, None)
+        ref = everything[ref_rank]
+        other = everything[bad[0]]
+        metric = "?"
+        for a, b in zip(ref + [None], other + [None]):
+            if a != b:
+                row = a or b
+                metric = _metric_of(row[0], pending) if row else "?"
+                break
+        raise PlanMismatchError(
+            f"collective plans differ on axis {axis!r}: global rank(s) {list(bad)} disagree with "
+            f"rank {ref_rank} for metric {metric!r} (first differing request: rank {ref_rank} has "
+            f"{_first_diff(ref, other, 0)}, rank {bad[0]} has {_first_diff(ref, other, 1)}). Ranks must "
+            "see the same sites: check that every rank builds the same model structure, config and "
+            "select patterns, or declare sites held elsewhere in the manifest.",
+            metric=metric, axis=axis, ranks=bad,
+        )
+
+
+def _layout(requests: Sequence[CollectiveRequest], axis: str) -> list[tuple[str, str, str, int]]:
+    return [(repr(r.key), r.op, str(r.value.dtype), r.value.numel()) for r in requests if axis in r.axes]
+
+
+def _fingerprint(layout: list[tuple[str, str, str, int]]) -> int:
+    digest = hashlib.blake2b(repr(layout).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _metric_of(key_repr: str, pending: Sequence[_Due]) -> str:
+    for item in pending:
+        if any(repr(r.key) == key_repr for r in item.round.requests):
+            return item.metric.name
+    return "?"
+
+
+def _first_diff(a: list, b: list, which: int) -> str:
+    for x, y in zip(a + [None], b + [None]):
+        if x != y:
+            row = (x, y)[which]
+            return "nothing" if row is None else f"{row[0]} ({row[1]}, {row[2]}, {row[3]} elements)"
+    return "nothing"

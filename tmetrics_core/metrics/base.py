@@ -1,0 +1,304 @@
+"""The metric protocol and the declarative base most metrics are written on.
+
+A :class:`TensorMetric` never calls a collective. It prepares local state from the tensors it
+accepts, then hands the executor :class:`CollectiveRequest` values (data: a vector, the axes to
+reduce it over and the op) round after round, and finally turns the reduced values, copied to
+the host once for all metrics, into :class:`MetricResult` values.
+
+:class:`StatMetric` covers the common shape "local statistics -> reduce over shard and owner
+axes -> merge over the tensors of a scope -> finalize": a metric names its statistics and writes
+``finalize``; see ``tmetrics_core.metrics.norms`` for metrics of a few lines each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Hashable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from tmetrics_core.axes import Topology
+from tmetrics_core.metrics.statistics import Stage, Statistic, neutral
+from tmetrics_core.placements import ReduceOpName
+from tmetrics_core.records import Value
+from tmetrics_core.site import Site, SiteKey
+
+__all__ = [
+    "CollectiveRequest",
+    "MetricResult",
+    "Round",
+    "Scope",
+    "StatMetric",
+    "TensorMetric",
+]
+
+Scope = Literal["global", "layer", "expert", "tensor", "family"]
+"""How a metric groups tensors: all of them, per layer, per (layer, expert), per tensor, or per
+family (the same tensor across layers, e.g. every layer's ``attn.q.weight``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRequest:
+    """Reduce ``value`` (1-D, usually float64) with ``op`` over each axis of ``axes`` in
+    topology order. Requests with equal ``key`` are sent once; their values must be equal."""
+
+    key: Hashable
+    axes: tuple[str, ...]
+    op: ReduceOpName
+    value: torch.Tensor
+
+
+@dataclass(slots=True)
+class Round:
+    """What a metric asks for next: ``requests`` for this round, or ``done`` with the reduced
+    vectors it needs on the host (``outputs``: key -> 1-D tensor; copied in one transfer)."""
+
+    requests: list[CollectiveRequest] = field(default_factory=list)
+    continuation: Any = None
+    done: bool = False
+    outputs: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricResult:
+    """One finished value: labels say which slice of the model it describes.
+
+    ``scope`` is the metric's grouping; ``layer``/``expert`` are global indices; ``tensor`` a
+    canonical or family name; ``stat`` a sub-statistic of a multi-valued metric.
+    """
+
+    value: Value
+    scope: Scope = "global"
+    layer: int | None = None
+    expert: int | None = None
+    tensor: str | None = None
+    stat: str | None = None
+
+
+@runtime_checkable
+class TensorMetric(Protocol):
+    """A metric: local preparation plus declared collectives, never a collective call."""
+
+    name: str
+    source_kinds: frozenset[str]
+
+    def accepts(self, site: Site) -> bool:
+        """Whether this metric wants ``site`` (kind, scope and selection)."""
+        ...
+
+    def check(self, site: Site, topology: Topology) -> None:
+        """Raise ``PlacementError`` at configuration time for a site it cannot handle."""
+        ...
+
+    def prepare(self, sites: Sequence[Site], tensors: Sequence[torch.Tensor | None],
+                topology: Topology, memo: dict[Hashable, torch.Tensor]) -> dict[SiteKey, Any]:
+        """Local state per site (``None`` tensors are placeholders for sites held elsewhere)."""
+        ...
+
+    def merge(self, a: dict[SiteKey, Any], b: dict[SiteKey, Any]) -> dict[SiteKey, Any]:
+        """Combine the states of two observations of the same step (micro-batches)."""
+        ...
+
+    def start(self, state: dict[SiteKey, Any], sites: Mapping[SiteKey, Site], topology: Topology) -> Round:
+        """The first round of requests."""
+        ...
+
+    def resume(self, continuation: Any, results: Mapping[Hashable, torch.Tensor]) -> Round:
+        """The next round, given the reduced values of the previous one."""
+        ...
+
+    def finish(self, continuation: Any, host: Mapping[Hashable, list[float]]) -> list[MetricResult]:
+        """Results from the reduced output vectors, as Python floats."""
+        ...
+
+
+@dataclass(slots=True)
+class _Program:
+    """Where one (statistic, site) pair stands: its stages and the current vector."""
+
+    stat: Statistic
+    site: Site
+    stages: tuple[Stage, ...]
+    index: int
+    vector: torch.Tensor
+
+    def key(self) -> Hashable:
+        return (self.stat.name, self.index, self.site.key)
+
+
+class StatMetric:
+    """Declarative metric: statistics per site, reduced across ranks, merged per scope group.
+
+    Subclasses set ``name``, ``source_kinds``, ``scope``, ``statistics`` and the catalogue text
+    (``formula``, ``unit``, ``baseline``), and implement :meth:`finalize`. ``select`` (glob or
+    globs on canonical names) narrows the sites; layer and expert scopes need those labels.
+    """
+
+    name: str = ""
+    source_kinds: frozenset[str] = frozenset()
+    scope: Scope = "global"
+    statistics: tuple[Statistic, ...] = ()
+    formula: str = ""
+    unit: str = ""
+    baseline: str = ""
+
+    def __init__(self, *, name: str | None = None, source_kinds: Sequence[str] | None = None,
+                 scope: Scope | None = None, select: str | Sequence[str] | None = None) -> None:
+        if name is not None:
+            self.name = name
+        if source_kinds is not None:
+            self.source_kinds = frozenset(source_kinds)
+        if scope is not None:
+            self.scope = scope
+        self.select: tuple[str, ...] = (select,) if isinstance(select, str) else tuple(select or ())
+
+    def accepts(self, site: Site) -> bool:
+        if site.kind not in self.source_kinds:
+            return False
+        if self.scope in ("layer", "expert") and site.layer is None:
+            return False
+        if self.scope == "expert" and site.expert is None:
+            return False
+        return not self.select or any(fnmatchcase(site.name, pattern) for pattern in self.select)
+
+    def check(self, site: Site, topology: Topology) -> None:
+        for stat in self.statistics:
+            stat.check(site, topology)
+
+    def prepare(self, sites, tensors, topology, memo):
+        held = [(s, t) for s, t in zip(sites, tensors) if t is not None]
+        state: dict[SiteKey, list[torch.Tensor]] = {s.key: [] for s in sites}
+        for stat in self.statistics:
+            todo = [(s, t) for s, t in held if (stat.name, s.key) not in memo]
+            if todo:
+                computed = stat.compute([t.detach() for _, t in todo], [s for s, _ in todo], topology)
+                for (s, _), vec in zip(todo, computed):
+                    memo[(stat.name, s.key)] = vec
+        for site, tensor in zip(sites, tensors):
+            for stat in self.statistics:
+                if tensor is not None:
+                    state[site.key].append(memo[(stat.name, site.key)])
+                else:
+                    first = stat.stages(site, topology)[0]
+                    state[site.key].append(neutral(first.op, first.size))
+        return state
+
+    def merge(self, a, b):
+        out = dict(a)
+        for key, vectors in b.items():
+            if key not in out:
+                out[key] = vectors
+                continue
+            merged = []
+            for stat, x, y in zip(self.statistics, out[key], vectors):
+                merged.append(_combine(stat.op, x, y))
+            out[key] = merged
+        return out
+
+    def start(self, state, sites, topology):
+        programs = []
+        for key, vectors in state.items():
+            site = sites[key]
+            for stat, vector in zip(self.statistics, vectors):
+                programs.append(_Program(stat, site, stat.stages(site, topology), 0, vector))
+        return self._round(programs, topology)
+
+    def resume(self, continuation, results):
+        programs, topology = continuation
+        for p in programs:
+            if p.index < len(p.stages):
+                reduced = results[p.key()]
+                if p.index + 1 < len(p.stages):
+                    p.vector = p.stat.between(p.index, reduced, p.site, topology)
+                else:
+                    p.vector = reduced
+                p.index += 1
+        return self._round(programs, topology)
+
+    def _round(self, programs: list[_Program], topology: Topology) -> Round:
+        live = [p for p in programs if p.index < len(p.stages)]
+        if not live:
+            outputs = {(p.stat.name, len(p.stages) - 1, p.site.key): p.vector for p in programs}
+            return Round(continuation=(programs, topology), done=True, outputs=outputs)
+        requests = [
+            CollectiveRequest(p.key(), p.stages[p.index].axes, p.stages[p.index].op, p.vector) for p in live
+        ]
+        return Round(requests=requests, continuation=(programs, topology))
+
+    def finish(self, continuation, host):
+        programs, _ = continuation
+        groups: dict[tuple, dict[str, list[float]]] = {}
+        labels: dict[tuple, Site] = {}
+        for p in programs:
+            gkey = self._group(p.site)
+            labels.setdefault(gkey, p.site)
+            values = host[(p.stat.name, len(p.stages) - 1, p.site.key)]
+            bucket = groups.setdefault(gkey, {})
+            bucket[p.stat.name] = _combine_list(p.stat.op, bucket.get(p.stat.name), values)
+        results = []
+        for gkey in sorted(groups, key=_sort_key):
+            site = labels[gkey]
+            value = self.finalize(groups[gkey])
+            base = self._labels(site)
+            if isinstance(value, Mapping):
+                results.extend(MetricResult(v, stat=stat, **base) for stat, v in value.items())
+            else:
+                results.append(MetricResult(value, **base))
+        return results
+
+    def _group(self, site: Site) -> tuple:
+        if self.scope == "layer":
+            return (site.layer,)
+        if self.scope == "expert":
+            return (site.layer, site.expert)
+        if self.scope == "tensor":
+            return (site.name,)
+        if self.scope == "family":
+            return (site.family or site.name,)
+        return ()
+
+    def _labels(self, site: Site) -> dict[str, Any]:
+        if self.scope == "layer":
+            return {"scope": "layer", "layer": site.layer}
+        if self.scope == "expert":
+            return {"scope": "expert", "layer": site.layer, "expert": site.expert}
+        if self.scope == "tensor":
+            return {"scope": "tensor", "tensor": site.name, "layer": site.layer, "expert": site.expert}
+        if self.scope == "family":
+            return {"scope": "family", "tensor": site.family or site.name}
+        return {"scope": "global"}
+
+    def finalize(self, stats: Mapping[str, list[float]]) -> Value | Mapping[str, Value]:
+        """Turn the merged statistics of one group (name -> vector) into a value (or a
+        mapping stat -> value for multi-valued metrics)."""
+        raise NotImplementedError(f"{type(self).__name__}.finalize")
+
+    def __repr__(self) -> str:
+        sel = f", select={list(self.select)}" if self.select else ""
+        return f"{type(self).__name__}({self.name!r}{sel})"
+
+
+def _combine(op: ReduceOpName, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if op == "sum":
+        return x + y
+    return torch.maximum(x, y) if op == "max" else torch.minimum(x, y)
+
+
+def _combine_list(op: ReduceOpName, acc: list[float] | None, values: list[float]) -> list[float]:
+    if acc is None:
+        return list(values)
+    if op == "sum":
+        return [a + b for a, b in zip(acc, values)]
+    pick = max if op == "max" else min
+    return [_nan_pick(pick, a, b) for a, b in zip(acc, values)]
+
+
+def _nan_pick(pick, a: float, b: float) -> float:
+    if a != a or b != b:
+        return float("nan")
+    return pick(a, b)
+
+
+def _sort_key(gkey: tuple) -> tuple:
+    return tuple((v is None, v if not isinstance(v, str) else 0, str(v)) for v in gkey)
