@@ -110,7 +110,8 @@ class ConsoleSink:
             parts.append(f"min {_number(low[0])}{self._where(low[1])}  max {_number(high[0])}{self._where(high[1])}")
         if values:
             bad = len(values) - len(finite)
-            parts.append(f"({len(values)} values" + (f", {bad} non-finite)" if bad else ")"))
+            count = f"{len(values)} value" + ("s" if len(values) != 1 else "")
+            parts.append(f"({count}" + (f", {bad} non-finite)" if bad else ")"))
         if histograms:
             total = sum(h.total for h in histograms)
             bad = sum(h.nan + h.posinf + h.neginf for h in histograms)

@@ -53,6 +53,7 @@ class TensorBoardSink:
 
     name = "tensorboard"
     key_rules: KeyRules = TENSORBOARD_RULES
+    requires = ("tensorboard", "yaml")
 
     def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, flush_secs: float = 10.0, **unknown: Any) -> None:
         if unknown:

@@ -87,6 +87,7 @@ class WandbSink:
 
     name = "wandb"
     key_rules: KeyRules = WANDB_RULES
+    requires = ("wandb", "matplotlib")
 
     def __init__(
         self,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -51,3 +53,23 @@ def run_info(tmp_path) -> RunInfo:
         num_experts=EXPERTS,
         metrics=("global-grad-l2", "layer-grad-l2"),
     )
+
+
+@pytest.fixture(scope="session")
+def mlflow_template_db(tmp_path_factory) -> Path:
+    """An empty, fully migrated MLflow SQLite store, built once per session (creating one takes
+    seconds); tests copy it rather than migrate a new one each time."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path, mlflow_template_db) -> str:
+    """A fresh SQLite tracking URI for one test (a copy of the template store)."""
+    path = tmp_path / "store" / "mlflow.db"
+    path.parent.mkdir()
+    shutil.copyfile(mlflow_template_db, path)
+    return f"sqlite:///{path}"

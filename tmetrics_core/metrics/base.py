@@ -235,7 +235,8 @@ class StatMetric:
             labels.setdefault(gkey, p.site)
             values = host[(p.stat.name, len(p.stages) - 1, p.site.key)]
             bucket = groups.setdefault(gkey, {})
-            bucket[p.stat.name] = _combine_list(p.stat.op, bucket.get(p.stat.name), values)
+            for name in (p.stat.name, f"{p.site.kind}:{p.stat.name}"):
+                bucket[name] = _combine_list(p.stat.op, bucket.get(name), values)
         results = []
         for gkey in sorted(groups, key=_sort_key):
             site = labels[gkey]
@@ -270,8 +271,10 @@ class StatMetric:
         return {"scope": "global"}
 
     def finalize(self, stats: Mapping[str, list[float]]) -> Value | Mapping[str, Value]:
-        """Turn the merged statistics of one group (name -> vector) into a value (or a
-        mapping stat -> value for multi-valued metrics)."""
+        """Turn the merged statistics of one group into a value (or a mapping stat -> value
+        for multi-valued metrics). ``stats[name]`` merges a statistic over every site of the
+        group; ``stats["kind:name"]`` over the sites of one source kind only (e.g.
+        ``"update:sumsq"`` and ``"param:sumsq"`` for an update ratio)."""
         raise NotImplementedError(f"{type(self).__name__}.finalize")
 
     def __repr__(self) -> str:
