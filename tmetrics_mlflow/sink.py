@@ -1,0 +1,246 @@
+"""``MlflowSink``: records as MLflow metrics of one run, with the config as params.
+
+Every call uses ``MlflowClient`` with the run id this sink created: the sink runs on the hub's
+worker thread, and MLflow's fluent "active run" is per thread. Metrics go in ``log_batch``
+chunks of at most ``batch_size`` (MLflow accepts 1,000 per call), synchronously.
+
+Keys are those of :mod:`tmetrics_core.keys` under :data:`~tmetrics_core.keys.MLFLOW_RULES`.
+Values:
+
+- scalar: one metric (NaN is stored; MLflow stores +-Inf as +-1.797e308);
+- vector: one metric per element, the element index as the expert
+  (``layer-expert-tokens/layer_03/expert_017``): what people compare across runs;
+- histogram: three summary metrics ``<key>/total``, ``<key>/zeros`` and ``<key>/nonfinite``
+  (``<key>/<stat>-total`` ... with a stat), never the bins.
+
+The run gets the run's topology and model as tags (``RunInfo.tags``), the config as params
+(see :mod:`tmetrics_mlflow.params`) and as ``tmetrics/config.json``, the manifest as
+``tmetrics/manifest.json``; ``close`` ends it FINISHED, FAILED or KILLED.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import urlparse
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.keys import MLFLOW_RULES, KeyBook, KeyRules, index_widths
+from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_core.redact import redact
+from tmetrics_mlflow.params import flatten_params
+
+__all__ = ["MlflowSink", "check_tracking_uri"]
+
+_OPTIONS = ("tracking_uri", "experiment", "run_name", "batch_size")
+_MAX_BATCH = 1000
+_MAX_PARAMS_PER_BATCH = 100
+_TAG_VALUE_LIMIT = 5000
+_DATABASE_SCHEMES = ("postgresql", "mysql", "mssql")
+_ACCEPTED = (
+    "sqlite:///PATH/mlflow.db (a local file; sqlite:////abs/path also works)",
+    "http://HOST:PORT or https://HOST (a tracking server)",
+    "postgresql://..., mysql://..., mssql://... (a database, with an optional +driver)",
+    "databricks or databricks://PROFILE",
+)
+_STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+_HISTOGRAM_STATS = ("total", "zeros", "nonfinite")
+
+
+def check_tracking_uri(uri: Any, *, path: str = "sinks.mlflow.tracking_uri") -> str:
+    """``uri`` if it is a tracking URI tmetrics accepts; checks the form only, connects nowhere.
+
+    Raises:
+        ConfigError: anything else, with the accepted forms. A plain path or ``file:`` URI is
+            refused (MLflow's file store is deprecated and off by default): use ``sqlite:///``.
+    """
+    accepted = "; accepted forms: " + "; ".join(_ACCEPTED)
+    if not isinstance(uri, str) or not uri:
+        raise ConfigError(f"got {uri!r}; need a tracking URI string{accepted}", path=path)
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.split("+")[0]
+    if scheme == "sqlite":
+        if not uri.startswith("sqlite:///") or len(uri) <= len("sqlite:///"):
+            raise ConfigError(f"got {uri!r}; a SQLite URI needs a file path after three slashes{accepted}", path=path)
+        return uri
+    if scheme in ("http", "https"):
+        if not parsed.hostname:
+            raise ConfigError(f"got {uri!r}; an HTTP tracking URI needs a host{accepted}", path=path)
+        return uri
+    if scheme in _DATABASE_SCHEMES or scheme == "databricks" or uri == "databricks":
+        return uri
+    hint = " (a path or file: URI is MLflow's deprecated file store; use sqlite:///PATH/mlflow.db)" if scheme in ("", "file") else ""
+    raise ConfigError(f"got {uri!r}{hint}{accepted}", path=path)
+
+
+class MlflowSink:
+    """Writes records to one MLflow run.
+
+    Keyword args:
+        tracking_uri (str, optional): where runs live; default ``sqlite:///<run.dir>/mlflow.db``
+            (artifacts then go to ``<run.dir>/mlartifacts``). See :func:`check_tracking_uri`.
+        experiment (str, optional): the experiment, created if missing; default the run name.
+        run_name (str, optional): the MLflow run name; default the tmetrics run name.
+        batch_size (int, optional): metrics per ``log_batch`` call, 1 to 1000 (default 1000).
+
+    Raises:
+        ConfigError: an unknown option or an invalid value (path ``sinks.mlflow.<option>``).
+    """
+
+    name = "mlflow"
+    key_rules: KeyRules = MLFLOW_RULES
+    requires = ("mlflow",)
+
+    def __init__(
+        self,
+        *,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        run_name: str | None = None,
+        batch_size: int = _MAX_BATCH,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            bad = sorted(unknown)[0]
+            raise ConfigError(
+                f"unknown option {bad!r}; valid options are {', '.join(_OPTIONS)}", path=f"sinks.{self.name}.{bad}"
+            )
+        self.tracking_uri = None if tracking_uri is None else check_tracking_uri(tracking_uri)
+        for option, value in (("experiment", experiment), ("run_name", run_name)):
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ConfigError(f"got {value!r}; need a non-empty string", path=f"sinks.{self.name}.{option}")
+        self.experiment = experiment
+        self.run_name = run_name
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= _MAX_BATCH:
+            raise ConfigError(
+                f"got {batch_size!r}; need a whole number from 1 to {_MAX_BATCH} (MLflow's log_batch limit)",
+                path=f"sinks.{self.name}.batch_size",
+            )
+        self.batch_size = batch_size
+        self._client: Any = None
+        self.run_id: str | None = None
+        self._book = KeyBook(MLFLOW_RULES)
+
+    def open(self, run: RunInfo) -> None:
+        """Create (or reuse) the experiment, create the run with its tags and log the manifest.
+
+        Retrying after a failure reuses the run already created.
+
+        Raises:
+            ImportError: ``mlflow`` is missing (``pip install tmetrics[mlflow]``).
+            ConfigError: the experiment exists but is deleted.
+            mlflow.exceptions.MlflowException: the store is unreachable or refuses the call.
+        """
+        from mlflow import MlflowClient
+
+        uri = self.tracking_uri
+        artifact_root: str | None = None
+        if uri is None:
+            run_dir = Path(run.dir).resolve()
+            run_dir.mkdir(parents=True, exist_ok=True)
+            uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+            artifact_root = (run_dir / "mlartifacts").as_uri()
+        elif uri.startswith("sqlite:///"):
+            database = Path(uri[len("sqlite:///") :])
+            database.parent.mkdir(parents=True, exist_ok=True)
+            artifact_root = (database.resolve().parent / "mlartifacts").as_uri()
+        layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
+        self._book = KeyBook(MLFLOW_RULES, layer_width=layer_width, expert_width=expert_width)
+        self._client = MlflowClient(tracking_uri=uri)
+        if self.run_id is None:
+            experiment_id = self._experiment_id(self.experiment or run.name, artifact_root)
+            tags = {MLFLOW_RULES.clean(k)[:250]: str(v)[:_TAG_VALUE_LIMIT] for k, v in run.tags.items()}
+            created = self._client.create_run(experiment_id, run_name=self.run_name or run.name, tags=tags)
+            self.run_id = created.info.run_id
+        manifest = json.dumps(list(run.manifest), indent=1, default=str)
+        self._client.log_text(self.run_id, manifest, "tmetrics/manifest.json")
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        """Log ``config`` as params (flattened, redacted, truncated; 100 per call) and, whole,
+        as the artifact ``tmetrics/config.json``. Logging the same values again is allowed."""
+        from mlflow.entities import Param
+
+        client, run_id = self._require_open()
+        params = [Param(key, value) for key, value in flatten_params(config).items()]
+        for start in range(0, len(params), _MAX_PARAMS_PER_BATCH):
+            client.log_batch(run_id, params=params[start : start + _MAX_PARAMS_PER_BATCH], synchronous=True)
+        client.log_text(run_id, json.dumps(redact(config), indent=2, default=str), "tmetrics/config.json")
+
+    def write(self, records: Sequence[MetricRecord], step: int) -> None:
+        """Log every record of one step in ``log_batch`` chunks of ``batch_size``.
+
+        A chunk that fails raises; earlier chunks of the call stay logged (MLflow has no
+        transaction across calls), so a retried step may hold a value twice, identically.
+
+        Raises:
+            ConfigError: two label sets render to one key (see :class:`~tmetrics_core.keys.KeyBook`).
+            RuntimeError: the sink is not open.
+            mlflow.exceptions.MlflowException: the store refused a chunk.
+        """
+        from mlflow.entities import Metric
+
+        client, run_id = self._require_open()
+        timestamp = int(time.time() * 1000)
+        metrics = [Metric(key, value, timestamp, step) for key, value in self._values(records)]
+        for start in range(0, len(metrics), self.batch_size):
+            client.log_batch(run_id, metrics=metrics[start : start + self.batch_size], synchronous=True)
+
+    def flush(self) -> None:
+        """Nothing is buffered: every ``log_batch`` call is synchronous. Raises RuntimeError when
+        the sink is not open."""
+        self._require_open()
+
+    def close(self, status: RunStatus) -> None:
+        """End the run: ``set_terminated`` with FINISHED, FAILED or KILLED."""
+        if self._client is None or self.run_id is None:
+            return
+        self._client.set_terminated(self.run_id, _STATUS[status])
+        self._client = None
+
+    def _require_open(self) -> tuple[Any, str]:
+        if self._client is None or self.run_id is None:
+            raise RuntimeError("MlflowSink is not open: call open(run) first (or it was closed)")
+        return self._client, self.run_id
+
+    def _experiment_id(self, name: str, artifact_root: str | None) -> str:
+        from mlflow.exceptions import MlflowException
+
+        client = self._client
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                return client.create_experiment(name, artifact_location=artifact_root)
+            except MlflowException:
+                experiment = client.get_experiment_by_name(name)  # created meanwhile by another process
+                if experiment is None:
+                    raise
+        if experiment.lifecycle_stage == "deleted":
+            raise ConfigError(
+                f"the MLflow experiment {name!r} exists but is deleted; restore it "
+                f"(mlflow experiments restore --experiment-id {experiment.experiment_id}) or choose another name",
+                path=f"sinks.{self.name}.experiment",
+            )
+        return experiment.experiment_id
+
+    def _values(self, records: Sequence[MetricRecord]) -> list[tuple[str, float]]:
+        add = self._book.add
+        out: list[tuple[str, float]] = []
+        for r in records:
+            value = r.value
+            if isinstance(value, Histogram):
+                counts = (value.total, value.zeros, value.nan + value.posinf + value.neginf)
+                for stat, count in zip(_HISTOGRAM_STATS, counts):
+                    label = stat if r.stat is None else f"{r.stat}-{stat}"
+                    out.append((add(r.metric, r.layer, r.expert, r.tensor, label), float(count)))
+            elif isinstance(value, tuple):
+                for index, element in enumerate(value):
+                    if r.expert is None:
+                        out.append((add(r.metric, r.layer, index, r.tensor, r.stat), float(element)))
+                    else:
+                        label = f"element_{index}" if r.stat is None else f"{r.stat}-element_{index}"
+                        out.append((add(r.metric, r.layer, r.expert, r.tensor, label), float(element)))
+            else:
+                out.append((add(r.metric, r.layer, r.expert, r.tensor, r.stat), float(value)))
+        return out
