@@ -160,7 +160,9 @@ def make_step_records(step: int) -> list[MetricRecord]:
     for i in range(LAYERS):
         out.append(MetricRecord("layer-grad-l2", s, s + i / 10, layer=i))
         out.append(MetricRecord("layer-expert-load-imbalance", s, 1 + i / 10, layer=i, stat="max_over_mean"))
-        out.append(MetricRecord("layer-expert-tokens", s, tuple(float(10 * s + e + i) for e in range(EXPERTS)), layer=i))
+        out.append(
+            MetricRecord("layer-expert-tokens", s, tuple(float(10 * s + e + i) for e in range(EXPERTS)), layer=i)
+        )
         out.append(
             MetricRecord(
                 "layer-grad-histogram",

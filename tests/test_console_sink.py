@@ -55,7 +55,9 @@ def test_every_and_stream_options(capsys):
 def test_expert_positions_use_the_run_widths(capsys):
     sink = ConsoleSink()
     sink.open(RunInfo(name="r", dir=".", num_layers=200, num_experts=2000))
-    sink.write([MetricRecord("layer-router-expert-bias", 1, v, layer=5, expert=e) for e, v in ((3, -1.0), (1500, 2.0))], 1)
+    sink.write(
+        [MetricRecord("layer-router-expert-bias", 1, v, layer=5, expert=e) for e, v in ((3, -1.0), (1500, 2.0))], 1
+    )
     assert capsys.readouterr().out.splitlines()[1].split("  ")[2:4] == [
         "min -1 @ layer 005 expert 0003",
         "max 2 @ layer 005 expert 1500",

@@ -41,7 +41,7 @@ def submit_steps(hub: SinkHub, step_records, steps, *, pace=None) -> list:
         hub.submit(records, step)
         submitted += records
         if pace is not None:
-            wait_until(lambda: pace.batches and pace.batches[-1][0] == step)
+            wait_until(lambda step=step: bool(pace.batches) and pace.batches[-1][0] == step)
     return submitted
 
 
@@ -50,7 +50,9 @@ def accounted(report) -> None:
     assert report.submitted == report.written + report.spooled + report.dropped
 
 
-def test_healthy_sink_gets_every_record_on_its_worker_thread(tmp_path, sample_run, step_records, recording_sink, record_rows):
+def test_healthy_sink_gets_every_record_on_its_worker_thread(
+    tmp_path, sample_run, step_records, recording_sink, record_rows
+):
     sink = recording_sink()
     hub = make_hub([sink], tmp_path)
     hub.open(sample_run)
@@ -63,7 +65,14 @@ def test_healthy_sink_gets_every_record_on_its_worker_thread(tmp_path, sample_ru
     assert sink.runs == [sample_run] and sink.configs == [{"lr": 0.1}] and sink.statuses == ["finished"]
     assert threading.get_ident() not in sink.threads and len(sink.threads) == 1
     r = report["recording"]
-    assert (r.submitted, r.written, r.spooled, r.dropped, r.retried, r.errors) == (len(submitted), len(submitted), 0, 0, 0, 0)
+    assert (r.submitted, r.written, r.spooled, r.dropped, r.retried, r.errors) == (
+        len(submitted),
+        len(submitted),
+        0,
+        0,
+        0,
+        0,
+    )
     assert r.opened and r.closed and r.spool_path is None
     assert report.complete and not (tmp_path / "spool").exists()
 
@@ -79,7 +88,9 @@ def test_submit_hands_over_one_shared_tuple_without_copying(tmp_path, sample_run
 
 
 @pytest.mark.parametrize("fail_open", [False, True], ids=["write-fails", "open-fails-too"])
-def test_sink_raising_on_every_call_loses_nothing(tmp_path, sample_run, step_records, failing_sink, recording_sink, record_rows, fail_open):
+def test_sink_raising_on_every_call_loses_nothing(
+    tmp_path, sample_run, step_records, failing_sink, recording_sink, record_rows, fail_open
+):
     failing, healthy = failing_sink(fail_open=fail_open), recording_sink()
     hub = make_hub([failing, healthy], tmp_path, retries=2)
     hub.open(sample_run)
@@ -123,7 +134,9 @@ def test_flaky_sink_is_retried_and_written(tmp_path, sample_run, step_records, r
     assert (r.written, r.spooled, r.retried, r.errors) == (len(submitted), 0, len(step_records(1)), 2)
 
 
-def test_hanging_sink_blocks_neither_training_nor_close(tmp_path, sample_run, step_records, hanging_sink, recording_sink, record_rows):
+def test_hanging_sink_blocks_neither_training_nor_close(
+    tmp_path, sample_run, step_records, hanging_sink, recording_sink, record_rows
+):
     hanging, healthy = hanging_sink(hang_s=10.0), recording_sink()
     hub = make_hub([hanging, healthy], tmp_path, queue_size=2 * len(step_records(1)), close_timeout=0.5)
     hub.open(sample_run)

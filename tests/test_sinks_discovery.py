@@ -141,7 +141,13 @@ def test_class_problems_are_listed_at_once(plugin_site):
     with pytest.raises(SinkError) as caught:
         load_sink_class("fake_bad")
     message = str(caught.value)
-    for problem in ("missing 'key_rules'", "missing 'requires'", "missing 'flush'", "'write' is not callable", "name='other'"):
+    for problem in (
+        "missing 'key_rules'",
+        "missing 'requires'",
+        "missing 'flush'",
+        "'write' is not callable",
+        "name='other'",
+    ):
         assert problem in message
 
 

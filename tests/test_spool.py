@@ -74,7 +74,9 @@ def test_torn_last_line_is_skipped_and_counted_then_isolated_on_append(tmp_path,
 def test_damaged_middle_lines_are_skipped_not_fatal(tmp_path):
     path = tmp_path / "s.jsonl"
     good = '{"step":1,"metric":"m","labels":{},"value":1.0}\n'
-    path.write_text(good + "not json\n" + '{"step":1,"metric":"m","labels":{"colour":"red"},"value":1}\n' + "[1,2]\n" + good)
+    path.write_text(
+        good + "not json\n" + '{"step":1,"metric":"m","labels":{"colour":"red"},"value":1}\n' + "[1,2]\n" + good
+    )
     reader = SpoolReader(path)
     assert [e.value for e in reader] == [1.0, 1.0]
     assert reader.skipped_lines == [2, 3, 4]

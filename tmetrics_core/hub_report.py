@@ -85,11 +85,12 @@ class HubReport:
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = [f"tmetrics sinks at close (run {self.status}):"]
         for row in rows:
-            cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+            cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
             lines.append("  " + "  ".join(cells))
         for s in self.sinks:
             if s.spooled:
-                lines.append(f"  {s.sink}: {s.spooled} records spooled; load them later with: tmetrics replay {s.spool_path} --sink {s.sink}")
+                replay = f"tmetrics replay {s.spool_path} --sink {s.sink}"
+                lines.append(f"  {s.sink}: {s.spooled} records spooled; load them later with: {replay}")
             if s.dropped:
                 lines.append(f"  {s.sink}: {s.dropped} records LOST (spool could not take them)")
             if s.last_error:

@@ -53,7 +53,9 @@ class JsonlSink:
 
     def __init__(self, *, path: str | os.PathLike[str] | None = None) -> None:
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
-            raise ConfigError(f"got {path!r}; need a file path such as 'runs/demo/metrics.jsonl'", path="sinks.jsonl.path")
+            raise ConfigError(
+                f"got {path!r}; need a file path such as 'runs/demo/metrics.jsonl'", path="sinks.jsonl.path"
+            )
         self._option_path = path
         self._file: AppendFile | None = None
         self._keys = KeyBook(PLAIN_RULES)

@@ -54,7 +54,10 @@ def replay(
     if isinstance(sink, str):
         target = build_sinks({sink: dict(options or {})})[0]
     elif options is not None:
-        raise ConfigError(f"options apply to a sink name only; got a {type(sink).__name__} object and {dict(options)!r}", path="replay.options")
+        raise ConfigError(
+            f"options apply to a sink name only; got a {type(sink).__name__} object and {dict(options)!r}",
+            path="replay.options",
+        )
     else:
         target = sink
     reader = SpoolReader(path)
@@ -90,8 +93,7 @@ def replay(
     target.close("finished")
     if reader.skipped_lines:
         _log.warning(
-            "replay of %s skipped %d unreadable line(s) (numbers %s); a torn last line is what a killed "
-            "writer leaves",
+            "replay of %s skipped %d unreadable line(s) (numbers %s); a torn last line is what a killed writer leaves",
             path,
             len(reader.skipped_lines),
             reader.skipped_lines[:10],

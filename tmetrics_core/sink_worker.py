@@ -182,7 +182,9 @@ class SinkWorker:
         except _Abandoned:
             return
         except BaseException:
-            _log.exception("tmetrics worker for sink %s crashed; its queued records go to the spool at close", self.sink.name)
+            _log.exception(
+                "tmetrics worker for sink %s crashed; its queued records go to the spool at close", self.sink.name
+            )
 
     def _take(self) -> Item | None:
         with self._cond:
@@ -283,7 +285,10 @@ class SinkWorker:
         if isinstance(item, Batch):
             records, step = item.records, item.step
             ok, retried = self._try(
-                lambda: self.sink.write(records, step), attempts=attempts, what=f"write of step {step}", then=self._spool_note()
+                lambda: self.sink.write(records, step),
+                attempts=attempts,
+                what=f"write of step {step}",
+                then=self._spool_note(),
             )
         else:
             config = item.config
@@ -337,7 +342,9 @@ class SinkWorker:
             raise
         except Exception as error:
             level = logging.WARNING if self._down_until is None else logging.DEBUG
-            _log.log(level, "sink %s: %s failed after %d attempt(s) (%r); %s", self.sink.name, what, attempts, error, then)
+            _log.log(
+                level, "sink %s: %s failed after %d attempt(s) (%r); %s", self.sink.name, what, attempts, error, then
+            )
             return False, retried
         return True, retried
 

@@ -127,8 +127,7 @@ def load_sink_class(name: str) -> type[MetricSink]:
     if len(matches) > 1:
         owners = ", ".join(f"{_distribution_name(ep)} ({ep.value})" for ep in matches)
         raise ConfigError(
-            f"sink name {name!r} is registered by more than one distribution: {owners}; "
-            f"uninstall one of them",
+            f"sink name {name!r} is registered by more than one distribution: {owners}; uninstall one of them",
             path=path,
         )
     entry_point = matches[0]
@@ -189,17 +188,21 @@ def build_sinks(spec: Mapping[str, Mapping[str, Any] | None]) -> list[MetricSink
             signature = inspect.signature(cls)
             signature.bind(**options)
         except TypeError as error:
-            valid = [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD]
-            problems.append(
-                ConfigError(f"{error}; valid options: {', '.join(valid) or 'none'}", path=path)
-            )
+            valid = [
+                p.name
+                for p in signature.parameters.values()
+                if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+            ]
+            problems.append(ConfigError(f"{error}; valid options: {', '.join(valid) or 'none'}", path=path))
             continue
         try:
             sinks.append(cls(**options))
         except ConfigError as error:
             problems.append(error)
         except Exception as error:
-            raise SinkError(f"sink {name!r} failed to construct with options {dict(options)!r}: {error}", sink=name) from error
+            raise SinkError(
+                f"sink {name!r} failed to construct with options {dict(options)!r}: {error}", sink=name
+            ) from error
     if len(problems) == 1:
         raise problems[0]
     if problems:
@@ -219,7 +222,11 @@ def _class_problems(name: str, cls: Any) -> list[str]:
     if not isinstance(cls, type):
         return [f"the entry point gives {cls!r}, not a class"]
     problems = [f"missing {member!r}" for member in _MEMBERS if not hasattr(cls, member)]
-    problems += [f"{method!r} is not callable" for method in _METHODS if hasattr(cls, method) and not callable(getattr(cls, method))]
+    problems += [
+        f"{method!r} is not callable"
+        for method in _METHODS
+        if hasattr(cls, method) and not callable(getattr(cls, method))
+    ]
     if hasattr(cls, "name") and cls.name != name:
         problems.append(f"class attribute name={cls.name!r} differs from the entry-point name {name!r}")
     if hasattr(cls, "key_rules") and not isinstance(cls.key_rules, KeyRules):

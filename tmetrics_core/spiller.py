@@ -128,7 +128,9 @@ class Spiller:
             counters.add("dropped", len(item.records))
         if not self._warned_full or isinstance(item, ConfigItem):
             self._warned_full = True
-            what = "the run config" if isinstance(item, ConfigItem) else f"{len(item.records)} records of step {item.step}"
+            what = (
+                "the run config" if isinstance(item, ConfigItem) else f"{len(item.records)} records of step {item.step}"
+            )
             _log.warning(
                 "%s for sink %s could not be spooled (%s) and are lost; they are counted as dropped "
                 "in the hub report (further drops are only counted)",
@@ -175,5 +177,11 @@ class Spiller:
             return 0
         started = time.monotonic()
         written = writer.write_records(item.records)
-        _log.debug("spooled %d records of step %d for %s in %.3f s", written, item.step, counters.sink, time.monotonic() - started)
+        _log.debug(
+            "spooled %d records of step %d for %s in %.3f s",
+            written,
+            item.step,
+            counters.sink,
+            time.monotonic() - started,
+        )
         return written
