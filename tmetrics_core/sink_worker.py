@@ -237,6 +237,8 @@ class SinkWorker:
                 error,
             )
             return
+        if self._abandoned.is_set():  # an open that hung past the close timeout came back too late
+            raise _Abandoned
         self.counters.opened = True
         _log.info("sink %s opened", self.sink.name)
 
