@@ -230,7 +230,11 @@ class Executor:
         if not self._distributed:
             return
         names = self.topology.names
-        layouts = {a: _layout(requests, a) for a in names}
+        owner = {}
+        for item in pending:
+            for req in item.round.requests:
+                owner.setdefault(req.key, item.metric.name)
+        layouts = {a: _layout(requests, a, owner) for a in names}
         coords = [self.topology.axes[a].rank for a in names]
         fps = [_fingerprint(layouts[a]) for a in names]
         mine = torch.tensor(coords + fps, dtype=torch.int64)
@@ -250,16 +254,12 @@ class Executor:
                     self._raise_mismatch(axis, ranks[0], bad, layouts[axis], pending)
 
     def _raise_mismatch(self, axis: str, ref_rank: int, bad: tuple[int, ...],
-                        layout: list[tuple[str, str, str, int]], pending: Sequence[_Due]) -> None:
+                        layout: list[tuple[str, str, str, int, str]], pending: Sequence[_Due]) -> None:
         everything = self.comm.all_gather_object(layout, None)
         ref = everything[ref_rank]
         other = everything[bad[0]]
-        metric = "?"
-        for a, b in zip(ref + [None], other + [None]):
-            if a != b:
-                row = a or b
-                metric = _metric_of(row[0], pending) if row else "?"
-                break
+        metric = next((row[4] for a, b in zip(ref + [None], other + [None]) if a != b
+                       for row in (a or b,)), "?")
         raise PlanMismatchError(
             f"collective plans differ on axis {axis!r}: global rank(s) {list(bad)} disagree with "
             f"rank {ref_rank} for metric {metric!r} (first differing request: rank {ref_rank} has "
@@ -270,20 +270,17 @@ class Executor:
         )
 
 
-def _layout(requests: Sequence[CollectiveRequest], axis: str) -> list[tuple[str, str, str, int]]:
-    return [(repr(r.key), r.op, str(r.value.dtype), r.value.numel()) for r in requests if axis in r.axes]
+def _layout(requests: Sequence[CollectiveRequest], axis: str,
+            owner: Mapping[Hashable, str]) -> list[tuple[str, str, str, int, str]]:
+    """What this rank will send over ``axis``: (key, op, dtype, elements, metric) per request."""
+    return [(repr(r.key), r.op, str(r.value.dtype), r.value.numel(), owner.get(r.key, "?"))
+            for r in requests if axis in r.axes]
 
 
-def _fingerprint(layout: list[tuple[str, str, str, int]]) -> int:
-    digest = hashlib.blake2b(repr(layout).encode(), digest_size=7).digest()
+def _fingerprint(layout: list[tuple[str, str, str, int, str]]) -> int:
+    """56-bit hash of the layout without metric names (two metrics may own one shared request)."""
+    digest = hashlib.blake2b(repr([row[:4] for row in layout]).encode(), digest_size=7).digest()
     return int.from_bytes(digest, "big")
-
-
-def _metric_of(key_repr: str, pending: Sequence[_Due]) -> str:
-    for item in pending:
-        if any(repr(r.key) == key_repr for r in item.round.requests):
-            return item.metric.name
-    return "?"
 
 
 def _first_diff(a: list, b: list, which: int) -> str:

@@ -1,0 +1,58 @@
+"""Plan mismatch and one-rank failures on real gloo processes: a clear error or a skipped
+metric within seconds, never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tests import test_executor as cases
+from tests.distributed.harness import run_distributed
+from tmetrics_core.axes import Axis, Topology
+from tmetrics_core.collectives import TorchCollectives
+
+
+def _topology_dp(rank, world):
+    group = dist.new_group(list(range(world)))
+    return Topology([Axis("dp", world, rank, group, tuple(range(world)))], global_rank=rank, world_size=world)
+
+
+def _with_real(fn):
+    def run(rank, world):
+        import tests.simulation as sim
+
+        topo = _topology_dp(rank, world)
+        original = sim.sim_topology
+        sim.sim_topology = lambda r, shape, names: topo
+        cases.sim_topology = sim.sim_topology
+        try:
+            return fn(rank, world, TorchCollectives(20.0))
+        finally:
+            sim.sim_topology = original
+            cases.sim_topology = original
+    return run
+
+
+def _asymmetric(rank, world):
+    return _with_real(cases._asymmetric_rank)(rank, world)
+
+
+def _failing(rank, world):
+    return _with_real(cases._failing_rank)(rank, world)
+
+
+def test_asymmetric_plan_raises_clear_error_fast():
+    start = time.monotonic()
+    for metric, axis, ranks, message in run_distributed(_asymmetric, 2, timeout=60):
+        assert (metric, axis, ranks) == ("layer-grad-l2", "dp", (1,))
+        assert "layers.0.w3" in message
+    assert time.monotonic() - start < 30
+
+
+def test_exception_on_one_rank_all_ranks_continue():
+    for results, failures in run_distributed(_failing, 2, timeout=60):
+        assert list(results) == ["good"]
+        assert results["good"] == [pytest.approx(10 ** 0.5)]
+        assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]

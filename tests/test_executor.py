@@ -1,0 +1,102 @@
+"""Executor: packing bounds, deduplication, failure agreement and plan checks (simulation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.simulation import run_threaded, sim_topology
+from tmetrics_core.errors import PlanMismatchError
+from tmetrics_core.evaluation import prepare_states
+from tmetrics_core.executor import Executor
+from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, Mean, MeanLineL2, Min, Rms, ZeroFraction
+from tmetrics_core.placements import Owned, Shard
+from tmetrics_core.site import Site
+
+SHAPES = [(8 + i, 4 + (i % 5)) for i in range(20)]
+
+
+def eight_metrics():
+    k = ["grad"]
+    return [L2Norm(name="global-grad-l2", source_kinds=k), L2Norm(name="layer-grad-l2", source_kinds=k, scope="layer"),
+            AbsMax(name="layer-grad-absmax", source_kinds=k, scope="layer"),
+            Rms(name="layer-grad-rms", source_kinds=k, scope="layer"), Max(name="global-grad-max", source_kinds=k),
+            Min(name="global-grad-min", source_kinds=k), Mean(name="global-grad-mean", source_kinds=k),
+            MeanLineL2(name="global-grad-mean-row-l2", source_kinds=k), ZeroFraction(name="z", source_kinds=k)][:8]
+
+
+def hundred_sites(topology):
+    sites, tensors = [], []
+    coords = topology.coords()
+    sizes = {n: a.size for n, a in topology.axes.items()}
+    for i in range(100):
+        shape = SHAPES[i % 20]
+        placements = (("dp", Shard(0)), ("tp", Shard(1))) if i % 3 else (("dp", Owned(i % 2)), ("tp", Shard(0)))
+        site = Site(name=f"layers.{i // 10}.w{i}", kind="grad", logical_shape=shape, placements=placements,
+                    layer=i // 10)
+        local = torch.randn(site.local_shape(coords, sizes)) if site.holds(coords) else None
+        sites.append(site)
+        tensors.append(local)
+    return sites, tensors
+
+
+def _count_rank(rank, world, comm):
+    topology = sim_topology(rank, (2, 2), ("dp", "tp"))
+    sites, tensors = hundred_sites(topology)
+    executor = Executor(topology, collectives=comm)
+    prepared = prepare_states(eight_metrics(), sites, tensors, topology)
+    executor.run(prepared, {s.key: s for s in sites})
+    return executor.stats
+
+
+def test_collective_calls_do_not_grow_with_tensors_or_metrics():
+    for stats in run_threaded(_count_rank, 4):
+        # Per round: one call per (axis, op, dtype): ops sum/max/min on dp and tp, float64 only.
+        data_calls = stats.calls["dp"] + stats.calls["tp"]
+        assert stats.rounds == 2  # the two-stage row norm needs a second round
+        assert data_calls <= stats.rounds * 2 * 3
+        assert stats.calls["world"] == 1  # the failure agreement
+
+
+def _asymmetric_rank(rank, world, comm):
+    topology = sim_topology(rank, (2,), ("dp",))
+    n = 3 if rank == 0 else 4  # rank 1 sees a site rank 0 does not
+    sites = [Site(name=f"layers.0.w{i}", kind="grad", logical_shape=(4, 4), placements=(("dp", Shard(0)),), layer=0)
+             for i in range(n)]
+    tensors = [torch.ones(2, 4) for _ in sites]
+    executor = Executor(topology, collectives=comm)
+    prepared = prepare_states([L2Norm(name="layer-grad-l2", source_kinds=["grad"], scope="layer")], sites, tensors,
+                              topology)
+    with pytest.raises(PlanMismatchError) as info:
+        executor.run(prepared, {s.key: s for s in sites}, check=True)
+    return info.value.metric, info.value.axis, info.value.ranks, str(info.value)
+
+
+def test_asymmetric_plan_raises_on_every_rank():
+    for metric, axis, ranks, message in run_threaded(_asymmetric_rank, 2, timeout=30):
+        assert (metric, axis, ranks) == ("layer-grad-l2", "dp", (1,))
+        assert "layers.0.w3" in message and "rank 0 has nothing" in message
+
+
+class _RaisesOnRank1(L2Norm):
+    def prepare(self, sites, tensors, topology, memo):
+        if topology.global_rank == 1:
+            raise ValueError("boom on rank 1")
+        return super().prepare(sites, tensors, topology, memo)
+
+
+def _failing_rank(rank, world, comm):
+    topology = sim_topology(rank, (2,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(4,), placements=(("dp", Shard(0)),), layer=0)]
+    tensors = [torch.full((2,), float(rank + 1))]
+    metrics = [_RaisesOnRank1(name="bad", source_kinds=["grad"]), L2Norm(name="good", source_kinds=["grad"])]
+    executor = Executor(topology, collectives=comm)
+    results, failures = executor.run(prepare_states(metrics, sites, tensors, topology), {s.key: s for s in sites})
+    return {k: [r.value for r in v] for k, v in results.items()}, failures
+
+
+def test_metric_raising_on_one_rank_is_skipped_on_all():
+    for results, failures in run_threaded(_failing_rank, 2, timeout=30):
+        assert list(results) == ["good"]
+        assert results["good"] == [pytest.approx((2 * 1 + 2 * 4) ** 0.5)]
+        assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]
