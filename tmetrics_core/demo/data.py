@@ -2,7 +2,7 @@
 
 Every machine with Python has the standard library, so the demo needs no download. Batches are a
 pure function of ``(seed, step)``: the same GLOBAL batch on every topology, of which each
-data-parallel rank takes its contiguous block of rows.
+data-parallel rank takes its contiguous block of rows (``ParallelModel.local_rows``).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class ByteCorpus:
     @classmethod
     def from_files(cls, files: Iterable[Path], *, source: str) -> ByteCorpus:
         """Join the bytes of ``files`` in the order given."""
-        blob = b"".join(Path(f).read_bytes() for f in files)
-        return cls(torch.frombuffer(bytearray(blob), dtype=torch.uint8), source=source)
+        blob = bytearray(b"".join(Path(f).read_bytes() for f in files))
+        data = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        return cls(data, source=source)
 
     @classmethod
     def from_stdlib(cls) -> ByteCorpus:
@@ -88,8 +89,3 @@ class ByteCorpus:
         starts = torch.randint(0, len(self) - span + 1, (batch_size,), generator=gen)
         return self.data[starts[:, None] + torch.arange(span)].long()          # (B, T + 1)
 
-
-def rank_rows(batch: torch.Tensor, *, index: int, count: int) -> torch.Tensor:
-    """Rows ``[index * B/count, (index + 1) * B/count)`` of ``batch`` [B, ...]; B % count == 0."""
-    rows = batch.shape[0] // count
-    return batch[index * rows:(index + 1) * rows]
