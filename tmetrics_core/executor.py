@@ -1,7 +1,8 @@
 """The executor: one pass over every due metric, collectives packed per (axis, op, dtype).
 
-This module is the only one in tmetrics that calls ``torch.distributed`` for metrics; counts,
-symmetry checks and failure agreement live here (one choke point, as pluggy's ``_hookexec``).
+Every metric collective goes through here (and, below it, the three calls of
+``tmetrics_core.collectives``); counts, symmetry checks and failure agreement live here (one
+choke point, as pluggy's ``_hookexec``).
 
 Per step the executor:
 
@@ -152,6 +153,21 @@ class Executor:
             item.round = item.metric.start(item.state, sites, self.topology)
         pending = [i for i in items if not i.round.done]
         self._check_plan(self._dedup(pending), pending)
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on any rank (one tiny world collective)."""
+        if not self._distributed:
+            return flag
+        self.stats.add("world", 1)
+        gathered = self.comm.all_gather(torch.tensor([int(flag)], dtype=torch.int64), None)
+        return any(int(g[0]) for g in gathered)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj`` (slow path: plan changes only)."""
+        if not self._distributed:
+            return [obj]
+        self.stats.add("world", 1)
+        return self.comm.all_gather_object(obj, None)
 
     def materialize(self, tensors: Sequence[torch.Tensor], axes: Sequence[tuple[str, ...]],
                     ops: Sequence[str]) -> list[torch.Tensor]:

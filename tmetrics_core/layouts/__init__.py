@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tmetrics_core.layouts.canonical import CANONICAL
 from tmetrics_core.layouts.hf import HF, HF_GPT2
 from tmetrics_core.layouts.layout import Layout, Rule, RuleMatch, component_of
 from tmetrics_core.layouts.megatron import MEGATRON
@@ -15,6 +16,6 @@ __all__ = [
     "component_of",
 ]
 
-LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (HF, HF_GPT2, MEGATRON, TORCHTITAN)}
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (HF, HF_GPT2, MEGATRON, TORCHTITAN, CANONICAL)}
 """Every known layout by name; when detection scores tie, the earlier one wins."""
 

@@ -1,0 +1,116 @@
+"""Module-side sources: forward hooks for residual streams, output logits and module outputs.
+
+Hooks are installed only for steps where a due metric wants them and removed at the step's
+end, so idle steps pay nothing. Blocks are found in the usual block lists (``layers``, ``h``,
+``blocks``, ``decoder.layers``, wrapped or not); the head under ``head``, ``lm_head``,
+``output`` or ``output_layer``.
+"""
+
+from __future__ import annotations
+
+import re
+from fnmatch import fnmatchcase
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tmetrics_core.names import strip_wrappers
+
+__all__ = ["ModuleIndex"]
+
+_BLOCK_LISTS = ("layers", "h", "blocks", "decoder.layers", "transformer.h", "model.layers")
+_HEADS = ("head", "lm_head", "output", "output_layer")
+
+
+class ModuleIndex:
+    """Paths, blocks and layer indices of a model's modules, computed once.
+
+    ``layer_offset`` is added to list positions of ``nn.ModuleList`` blocks (a pipeline stage
+    holding layers 8..15 passes 8); ``nn.ModuleDict`` blocks keyed by integers keep their keys.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, layer_offset: int = 0) -> None:
+        self.paths: dict[int, str] = {}
+        self.named: list[tuple[str, torch.nn.Module]] = []
+        self.blocks: list[tuple[str, int, torch.nn.Module]] = []
+        self.head: tuple[str, torch.nn.Module] | None = None
+        for raw, module in model.named_modules():
+            path = strip_wrappers(raw) if raw else ""
+            self.paths[id(module)] = path
+            self.named.append((path, module))
+            parent, _, key = path.rpartition(".")
+            if parent in _BLOCK_LISTS and key.isdigit() and raw:
+                offset = layer_offset if isinstance(_parent(model, raw), torch.nn.ModuleList) else 0
+                self.blocks.append((path, int(key) + offset, module))
+            if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
+                self.head = (path, module)
+        self._block_paths = sorted(((p, i) for p, i, _ in self.blocks), key=lambda pi: -len(pi[0]))
+
+    def path(self, module: torch.nn.Module) -> str:
+        """The cleaned module path (``layers.3.moe``); ``?`` for a module not in the model."""
+        return self.paths.get(id(module), "?")
+
+    def layer_of(self, path: str) -> int | None:
+        """Global layer index of the block containing ``path``, or None."""
+        for block, index in self._block_paths:
+            if path == block or path.startswith(block + "."):
+                return index
+        return None
+
+    def family_of(self, path: str) -> str:
+        """``path`` with the layer index replaced by ``*``."""
+        for block, _ in self._block_paths:
+            if path == block or path.startswith(block + "."):
+                return re.sub(r"\.\d+$", ".*", block) + path[len(block):]
+        return path
+
+    def matching(self, patterns: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
+        """Modules whose cleaned path matches one of the globs."""
+        return [(p, m) for p, m in self.named if p and any(fnmatchcase(p, g) for g in patterns)]
+
+    def install(self, record: Callable[..., None], *, residual: bool,
+                contribution: bool, logits: bool, patterns: Sequence[str]) -> list[Any]:
+        """Register the forward hooks a step needs; returns handles to remove at its end."""
+        handles = []
+        if residual or contribution:
+            for _, _, block in self.blocks:
+                handles.append(block.register_forward_hook(_residual_hook(record, residual, contribution)))
+        if logits and self.head is not None:
+            head = self.head[1]
+            vocab = _logical_out(head)
+            handles.append(head.register_forward_hook(
+                lambda m, args, out: record(m, "", _first(out), kind="logits",
+                                            shard_dim=1 if _first(out).shape[-1] < vocab else None)))
+        for _, module in self.matching(patterns):
+            handles.append(module.register_forward_hook(
+                lambda m, args, out: record(m, "", _first(out), kind="activation", shard_dim=None)))
+        return handles
+
+
+def _residual_hook(record: Callable[..., None], residual: bool, contribution: bool):
+    def hook(module, args, out):
+        h = _first(out)
+        if residual:
+            record(module, "", h, kind="residual_accumulator", shard_dim=None)
+        if contribution and args and isinstance(args[0], torch.Tensor) and args[0].shape == h.shape:
+            record(module, "", h - args[0], kind="residual_contribution", shard_dim=None)
+    return hook
+
+
+def _first(out: Any) -> torch.Tensor:
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    local = getattr(out, "to_local", None)
+    return local() if local is not None else out
+
+
+def _logical_out(linear: torch.nn.Linear) -> int:
+    return int(linear.weight.shape[0])
+
+
+def _parent(model: torch.nn.Module, raw: str) -> torch.nn.Module | None:
+    parent_path = raw.rpartition(".")[0]
+    try:
+        return model.get_submodule(parent_path)
+    except AttributeError:
+        return None

@@ -1,0 +1,65 @@
+"""Parameter-side sources: parameters, gradients, Adam state and updates, as local tensors.
+
+Each source kind maps every manifest entry to the local tensor this rank holds for it (the
+DTensor's local shard, the plain tensor) or None when the tensor is held elsewhere, which the
+metrics turn into a neutral placeholder. Gradients that are None on a rank that holds the
+parameter (an expert no token reached) count as zeros: that is the gradient autograd implies.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from tmetrics_core.manifest import Manifest
+
+__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "local_view", "read_kind", "snapshot"]
+
+PARAM_KINDS = frozenset({"param", "grad"})
+"""Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
+
+OPTIMIZER_KINDS = frozenset({"exp_avg", "exp_avg_sq", "update"})
+"""Read in the optimizer's step post-hook: Adam state exists only after the first step."""
+
+
+def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The local data of a DTensor (unpadded, possibly empty shard) or the tensor itself,
+    detached."""
+    if tensor is None:
+        return None
+    to_local = getattr(tensor, "to_local", None)
+    return (to_local() if to_local is not None else tensor).detach()
+
+
+def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | None,
+              before: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+    """Local tensors of ``kind`` for every manifest entry, in manifest order.
+
+    ``param``: the parameter; ``grad``: its gradient (zeros when None); ``exp_avg`` and
+    ``exp_avg_sq``: the optimizer state (None when the optimizer has none for it yet);
+    ``update``: parameter minus ``before[name]`` (the snapshot taken before the step).
+    """
+    out: list[torch.Tensor | None] = []
+    for entry in manifest.entries:
+        p = manifest.local.get(entry.name)
+        if p is None:
+            out.append(None)
+            continue
+        if kind == "param":
+            out.append(local_view(p))
+        elif kind == "grad":
+            g = local_view(p.grad)
+            out.append(g if g is not None else torch.zeros_like(local_view(p)))
+        elif kind == "update":
+            prev = (before or {}).get(entry.name)
+            out.append(None if prev is None else local_view(p) - prev)
+        else:
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            out.append(local_view(state.get(kind)))
+    return out
+
+
+def snapshot(manifest: Manifest, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Copies of the local parameters (for updates), only of ``names`` when given."""
+    return {n: local_view(p).clone() for n, p in manifest.local.items() if names is None or n in names}

@@ -1,0 +1,95 @@
+"""Token sources: the step's observer for activations, logits and router outputs.
+
+Every observation is flattened to ``[tokens, features]``, stripped of padding tokens (the last
+``token_mask`` observed in the step, when its length matches), prepared at once by every due
+metric that accepts the site, and released: only the small prepared states outlive the call.
+Recomputation under activation checkpointing runs inside backward and is skipped, so each
+forward is observed exactly once. A metric that raises here is recorded, never raised into
+the model; the executor then skips it on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from tmetrics_core.axes import Topology
+from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.placements import Placement, Shard
+from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.modules import ModuleIndex
+
+__all__ = ["TOKEN_KINDS", "TokenObserver"]
+
+TOKEN_KINDS = frozenset({
+    "residual_accumulator", "residual_contribution", "logits", "activation",
+    "router_logits", "router_topk", "router_scores",
+})
+"""Site kinds whose rows are tokens."""
+
+
+class TokenObserver:
+    """Receives ``observe()`` calls and hook outputs for one step (see ``tmetrics_core.observe``).
+
+    Attributes after the step: ``sites`` (key -> Site seen on this rank), ``states`` (metric
+    name -> prepared state), ``errors`` (metric name -> first error text).
+    """
+
+    def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
+                 *, num_experts: int | None = None) -> None:
+        self.metrics = list(metrics)
+        self.topology = topology
+        self.index = index
+        self.num_experts = num_experts
+        self.kinds = frozenset(k for m in self.metrics for k in m.source_kinds) | {"token_mask"}
+        self.sites: dict[SiteKey, Site] = {}
+        self.states: dict[str, dict[SiteKey, Any]] = {}
+        self.errors: dict[str, str] = {}
+        self._mask: torch.Tensor | None = None
+
+    def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
+               shard_dim: int | None) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # recomputation inside backward (activation checkpointing)
+        if kind == "token_mask":
+            self._mask = tensor.detach().reshape(-1).bool()
+            return
+        x = tensor.detach()
+        x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
+        if self._mask is not None and self._mask.numel() == x.shape[0]:
+            x = x[self._mask.to(x.device)]
+        path = self.index.path(module)
+        site = self._site(f"{path}.{name}" if name else path, kind, x, shard_dim, path)
+        for metric in self.metrics:
+            if metric.name in self.errors or not metric.accepts(site):
+                continue
+            try:
+                state = metric.prepare([site], [x], self.topology, {})
+                previous = self.states.get(metric.name)
+                self.states[metric.name] = state if previous is None else metric.merge(previous, state)
+            except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
+                self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
+
+    def _site(self, name: str, kind: str, x: torch.Tensor, shard_dim: int | None, path: str) -> Site:
+        key = (name, kind)
+        site = self.sites.get(key)
+        if site is not None:
+            return site
+        placements: list[tuple[str, Placement]] = []
+        for axis in self.topology.names:
+            if self.topology.axes[axis].size == 1:
+                continue
+            if axis in self.topology.population_axes:
+                placements.append((axis, Shard(None)))
+            elif axis == "tp" and shard_dim is not None:
+                placements.append((axis, Shard(1)))
+        experts = self.num_experts
+        if kind in ("router_logits", "router_scores"):
+            experts = int(x.shape[1])
+        site = Site(name=name, kind=kind, logical_shape=(-1, int(x.shape[1])), dtype=str(x.dtype).replace("torch.", ""),
+                    placements=tuple(placements), layer=self.index.layer_of(path),
+                    family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}" if name != path else ""),
+                    num_experts=experts)
+        self.sites[key] = site
+        return site

@@ -1,0 +1,346 @@
+"""``TensorMetrics``: sources, executor and sinks tied together behind ``with metrics.step(n)``.
+
+Usage (DESIGN.md section 6)::
+
+    metrics = tm.TensorMetrics.from_config("tmetrics.yaml", model=model, optimizer=optimizer,
+                                          mesh=device_mesh)
+    for step, batch in enumerate(loader, start=1):
+        with metrics.step(step):
+            loss = model(batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    metrics.close()
+
+A metric is due at step ``n`` when ``n % interval == 0``, and at the first step of the run (so
+every metric and its plan are checked at once). On steps where nothing is due, ``step()``
+installs nothing and the optimizer hooks return at once. Parameters and gradients are read in
+the optimizer's step pre-hook (before the update, gradients before ``zero_grad``; call
+:meth:`observe_gradients` to read them earlier, e.g. before clipping); Adam state and updates
+in its post-hook; activations while the forward runs. At the step's end the executor reduces
+every due metric in one pass and the records go to the sinks (logging rank only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from tmetrics_core.axes import Topology
+from tmetrics_core.collectives import Collectives
+from tmetrics_core.errors import ConfigError, PlacementError
+from tmetrics_core.evaluation import prepare_states, resolve_partials
+from tmetrics_core.executor import Executor, MetricFailure
+from tmetrics_core.hub import NullHub
+from tmetrics_core.manifest import Manifest
+from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.observe import _ACTIVE
+from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
+from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.modules import ModuleIndex
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, snapshot
+from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver
+from tmetrics_core.token_plan import TokenPlan
+
+__all__ = ["TensorMetrics"]
+
+log = logging.getLogger("tmetrics")
+
+
+class TensorMetrics:
+    """Training-time tensor metrics of one model on one topology.
+
+    Args:
+        model: the (possibly wrapped, sharded) model.
+        metrics: ``(metric, interval in steps)`` pairs in config order.
+        optimizer: its step hooks read gradients, parameters, Adam state and updates.
+        topology: named axes; single process when omitted.
+        hub: where records go (a ``SinkHub`` on the logging rank, a ``NullHub`` elsewhere);
+            None keeps records only in :attr:`last_records`.
+        run: what sinks are told at open (built by :meth:`from_config`).
+        collectives: override the executor's collectives (tests use an in-process simulation).
+        check_plan: ``"first"`` (when a metric first runs or the plan changes), ``"always"`` or
+            ``"never"``.
+        placements: config overrides, glob on canonical names -> ``{axis: placement}``.
+        layer_offset, expert_offset: first global layer / expert index held by this rank when
+            the model's own names are local (pipeline stage, expert-parallel rank).
+        timeout_s: bound on every collective, seconds.
+
+    Raises:
+        ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
+            source kind the model or optimizer never produces, a placement a metric cannot
+            handle (with the metric and tensor named).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, metrics: Sequence[tuple[TensorMetric, int]],
+                 optimizer: torch.optim.Optimizer | None = None, topology: Topology | None = None,
+                 hub: Any = None, run: RunInfo | None = None, collectives: Collectives | None = None,
+                 check_plan: str = "first", placements: Mapping[str, Mapping[str, str]] | None = None,
+                 layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
+                 modules: Mapping[str, Sequence[str]] | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.topology = topology or Topology.single_process()
+        self.metrics = list(metrics)
+        self.hub = hub
+        self.check_plan = check_plan
+        self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s)
+        self.manifest = Manifest.build(model, self.topology, overrides=placements,
+                                       layer_offset=layer_offset, expert_offset=expert_offset)
+        self.index = ModuleIndex(model, layer_offset=layer_offset)
+        self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
+        self.tokens = TokenPlan(self.topology)
+        self.last_records: list[MetricRecord] = []
+        self.failures: list[MetricFailure] = []
+        self._checked: set[str] = set()
+        self._warned: set[str] = set()
+        self._step: int | None = None
+        self._first_step: int | None = None
+        self._due: list[tuple[TensorMetric, int]] = []
+        self._prepared: dict[str, tuple[dict[SiteKey, Any], str | None]] = {}
+        self._before: dict[str, torch.Tensor] | None = None
+        self._sites: dict[SiteKey, Site] = {}
+        self._closed = False
+        self._check_config()
+        self._hooks = []
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
+            self._hooks.append(optimizer.register_step_post_hook(self._post_step))
+        if hub is not None and run is not None:
+            run = dataclasses.replace(
+                run, manifest=tuple(self.manifest.rows(self.topology.world_size)),
+                num_layers=self.manifest.num_layers, num_experts=self.manifest.num_experts)
+            if not isinstance(hub, NullHub):
+                _write_manifest(run)
+            hub.open(run)
+            hub.log_config(run.config)
+        self.run = run
+        self._install_signal_handler()
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, source: Any, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    mesh: Any = None, axes: Mapping[str, Any] | None = None, sinks: str | None = None,
+                    run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> "TensorMetrics":
+        """Build from a config file path, a dict, or a loaded ``Config`` (see DESIGN.md §6).
+
+        ``mesh`` (a DeviceMesh with dim names) or ``axes`` (``{name: process_group}``) give
+        the topology; ``sinks`` (``"tensorboard,mlflow"``) overrides the config's sinks;
+        ``run_dir`` overrides ``run.dir``. Raises ``ConfigError`` for every invalid input,
+        before any step runs.
+        """
+        from tmetrics_core.run_setup import build_from_config
+
+        return build_from_config(cls, source, model=model, optimizer=optimizer, mesh=mesh, axes=axes,
+                                 sinks=sinks, run_dir=run_dir, **kwargs)
+
+    def _check_config(self) -> None:
+        components = {e.component for e in self.manifest.entries}
+        adam = self.optimizer is not None and "betas" in getattr(self.optimizer, "defaults", {})
+        for metric, _ in self.metrics:
+            kinds = set(metric.source_kinds)
+            param_sites = [s for kind in kinds & (PARAM_KINDS | OPTIMIZER_KINDS) for s in self.manifest.sites(kind)]
+            if kinds & {"exp_avg", "exp_avg_sq"} and not adam:
+                raise ConfigError(f"metric {metric.name!r} reads Adam state (exp_avg, exp_avg_sq) but the optimizer "
+                                  f"is {type(self.optimizer).__name__}; pass an Adam/AdamW optimizer or drop it",
+                                  path="metrics")
+            if kinds & {"update"} and self.optimizer is None:
+                raise ConfigError(f"metric {metric.name!r} measures optimizer updates; pass optimizer=",
+                                  path="metrics")
+            if kinds & {"router_logits", "router_topk", "router_scores"} and "moe.router" not in components:
+                raise ConfigError(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
+                                  "parameter (canonical component moe.router); drop it for a dense model",
+                                  path="metrics")
+            if kinds & {"residual_accumulator", "residual_contribution"} and not self.index.blocks:
+                raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
+                                  "decoder.layers; none found in the model", path="metrics")
+            if "logits" in kinds and self.index.head is None:
+                raise ConfigError(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
+                                  "output_layer as an nn.Linear); none found", path="metrics")
+            patterns = self.modules.get(metric.name, ())
+            if "activation" in kinds and not self.index.matching(patterns or ("",)):
+                raise ConfigError(f"metric {metric.name!r}: modules pattern {list(patterns)} matches no module; "
+                                  f"module paths look like {[p for p, _ in self.index.named[1:4]]}", path="metrics")
+            chosen = [s for s in param_sites if metric.accepts(s)]
+            if param_sites and not chosen:
+                select = getattr(metric, "select", ())
+                raise ConfigError(f"metric {metric.name!r}: select {list(select)} matches no tensor; canonical names "
+                                  f"look like {[e.name for e in self.manifest.entries[:3]]} (see `tmetrics names`)",
+                                  path="metrics")
+            for site in chosen:
+                try:
+                    metric.check(site, self.topology)
+                except PlacementError as exc:
+                    raise ConfigError(f"metric {metric.name!r} cannot handle {site.describe()}: {exc}",
+                                      path="metrics") from exc
+
+    # -- the step scope -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator["TensorMetrics"]:
+        """Scope of training step ``step`` (an int, increasing). Raises nothing of its own:
+        metric errors are reported and skipped; the training loop's exceptions pass through."""
+        if self._first_step is None:
+            self._first_step = step
+        self._step = step
+        self._due = [(m, i) for m, i in self.metrics if step % i == 0 or step == self._first_step]
+        self._prepared = {}
+        self._sites = {}
+        self._before = None
+        token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
+        observer = handles = reset = None
+        if token_metrics:
+            observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self.manifest.num_experts)
+            kinds = observer.kinds
+            patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
+            handles = self.index.install(observer.record, residual="residual_accumulator" in kinds,
+                                         contribution="residual_contribution" in kinds, logits="logits" in kinds,
+                                         patterns=patterns)
+            reset = _ACTIVE.set(observer)
+        failed = False
+        try:
+            yield self
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if reset is not None:
+                _ACTIVE.reset(reset)
+            for h in handles or ():
+                h.remove()
+            if not failed and self._due:
+                self._finish_step(step, observer)
+            self._step = None
+            self._due = []
+
+    def observe_gradients(self) -> None:
+        """Read parameters and gradients now (e.g. before clipping) instead of in the optimizer's
+        pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``."""
+        self._prepare_phase("pre")
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._step is None or not self._due:
+            return
+        self._prepare_phase("pre")
+        if any("update" in m.source_kinds for m, _ in self._due):
+            self._before = snapshot(self.manifest)
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._step is None or not self._due:
+            return
+        self._prepare_phase("post")
+
+    def _prepare_phase(self, phase: str) -> None:
+        """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
+        state or updates (their parameters are the pre-step values when a snapshot exists)."""
+        def in_phase(m: TensorMetric) -> bool:
+            kinds = set(m.source_kinds)
+            if phase == "pre":
+                return bool(kinds) and kinds <= PARAM_KINDS
+            return bool(kinds & OPTIMIZER_KINDS) and not kinds & TOKEN_KINDS
+
+        metrics = [m for m, _ in self._due if in_phase(m) and m.name not in self._prepared]
+        if phase == "post" and self._before is None:
+            for m in [m for m in metrics if "update" in m.source_kinds]:
+                self._prepared[m.name] = ({}, "optimizer.step() did not run inside this step scope; no update")
+                metrics.remove(m)
+        if not metrics:
+            return
+        sites: list[Site] = []
+        tensors: list[torch.Tensor | None] = []
+        for kind in sorted({k for m in metrics for k in m.source_kinds}):
+            sites.extend(self.manifest.sites(kind))
+            if kind == "param" and phase == "post" and self._before is not None:
+                tensors.extend(self._before.get(e.name) for e in self.manifest.entries)
+            else:
+                tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
+        sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
+        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology):
+            self._prepared[metric.name] = (state, error)
+        self._sites.update((s.key, s) for s in sites)
+
+    # -- the step's end -----------------------------------------------------------------------
+    def _finish_step(self, step: int, observer: TokenObserver | None) -> None:
+        self._prepare_phase("pre")
+        self._prepare_phase("post")
+        sites: dict[SiteKey, Site] = dict(self._sites)
+        changed = False
+        if observer is not None:
+            changed = self.tokens.sync(observer, self.executor)
+            sites.update(self.tokens.sites)
+        due = []
+        for metric, _ in self._due:
+            if observer is not None and set(metric.source_kinds) & TOKEN_KINDS:
+                state, error = self.tokens.state_for(metric, observer)
+            else:
+                state, error = self._prepared.get(metric.name, ({}, None))
+            due.append((metric, state, error))
+        check = self.check_plan == "always" or (
+            self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
+        results, failures = self.executor.run(due, sites, check=check)
+        self._checked.update(m.name for m, _, _ in due)
+        records = [
+            MetricRecord(metric=name, step=step, value=r.value, layer=r.layer, expert=r.expert, tensor=r.tensor,
+                         stat=r.stat)
+            for name, rs in results.items() for r in rs
+        ]
+        self.last_records = records
+        self.failures.extend(failures)
+        for failure in failures:
+            if failure.metric not in self._warned and self.topology.global_rank == 0:
+                self._warned.add(failure.metric)
+                log.warning("tmetrics: metric %r skipped at step %d on every rank (raised on ranks %s): %s. "
+                            "Further failures of this metric are counted silently.", failure.metric, step,
+                            list(failure.ranks), failure.error)
+        if self.hub is not None and records:
+            self.hub.submit(records, step)
+
+    # -- shutdown -----------------------------------------------------------------------------
+    def close(self, status: RunStatus = "finished") -> Any:
+        """Remove hooks, flush every sink and end the tracker runs with ``status``; returns the
+        hub's report (counts written, retried, spooled, dropped per sink). Idempotent."""
+        if self._closed:
+            return None
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        return self.hub.close(status) if self.hub is not None else None
+
+    def __enter__(self) -> "TensorMetrics":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close("finished")
+        else:
+            self.close("killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+
+    def _install_signal_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.close("killed")
+            signal.signal(signal.SIGTERM, previous if previous not in (None, signal.SIG_IGN) else signal.SIG_DFL)
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                os.kill(os.getpid(), signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _write_manifest(run: RunInfo) -> None:
+    """``<run dir>/manifest.json``: the manifest rows, for people and for ``tmetrics names``."""
+    path = Path(run.dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "manifest.json").write_text(json.dumps(list(run.manifest), indent=1))
