@@ -1,1 +1,63 @@
-"""tmetrics: training-time tensor metrics for sharded PyTorch models."""
+"""tmetrics: training-time tensor metrics for sharded PyTorch models, per layer and per expert.
+
+The public surface is this module only::
+
+    import tmetrics_core as tm
+    metrics = tm.TensorMetrics.from_config("tmetrics.yaml", model=model, optimizer=optimizer,
+                                          mesh=device_mesh)
+"""
+
+from __future__ import annotations
+
+from tmetrics_core.axes import Axis
+from tmetrics_core.axes import Topology
+from tmetrics_core.config import Config
+from tmetrics_core.config import load_config
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.errors import PlacementError
+from tmetrics_core.errors import PlanMismatchError
+from tmetrics_core.errors import SinkError
+from tmetrics_core.errors import TMetricsError
+from tmetrics_core.metrics.base import MetricResult
+from tmetrics_core.metrics.base import StatMetric
+from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.observe import observe
+from tmetrics_core.placements import FlatShard
+from tmetrics_core.placements import Owned
+from tmetrics_core.placements import Partial
+from tmetrics_core.placements import Replica
+from tmetrics_core.placements import Shard
+from tmetrics_core.records import Histogram
+from tmetrics_core.records import MetricRecord
+from tmetrics_core.records import RunInfo
+from tmetrics_core.sinks import MetricSink
+from tmetrics_core.site import Site
+from tmetrics_core.tensor_metrics import TensorMetrics
+
+__all__ = [
+    "Axis",
+    "Config",
+    "ConfigError",
+    "FlatShard",
+    "Histogram",
+    "MetricRecord",
+    "MetricResult",
+    "MetricSink",
+    "Owned",
+    "Partial",
+    "PlacementError",
+    "PlanMismatchError",
+    "Replica",
+    "RunInfo",
+    "Shard",
+    "SinkError",
+    "Site",
+    "StatMetric",
+    "TMetricsError",
+    "TensorMetric",
+    "TensorMetrics",
+    "Topology",
+    "load_config",
+    "observe",
+]
+__version__ = "0.1.0"
