@@ -1,0 +1,52 @@
+"""The demo with tmetrics attached: the metrics factory every rank calls, and the closing note
+that says where the run is and how to open it.
+
+Config: ``--config FILE`` or the packaged ``default_config.yaml``; ``--sink a,b`` replaces its
+sinks; ``--run-dir`` replaces its ``run.dir``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tmetrics_core.demo.launch import DemoArgs, run_demo
+from tmetrics_core.tensor_metrics import TensorMetrics
+
+__all__ = ["DEFAULT_CONFIG", "make_metrics", "run_instrumented_demo"]
+
+DEFAULT_CONFIG = Path(__file__).with_name("default_config.yaml")
+"""Headline per-layer metrics to TensorBoard, MLflow (sqlite), W&B (offline) and JSONL."""
+
+
+def make_metrics(args: DemoArgs, model: Any, optimizer: Any, mesh: Any) -> TensorMetrics:
+    """Build the metrics object of one rank (a module-level function: ranks import it)."""
+    return TensorMetrics.from_config(args.config or DEFAULT_CONFIG, model=model, optimizer=optimizer, mesh=mesh,
+                                     sinks=",".join(args.sink) or None, run_dir=args.run_dir)
+
+
+def run_instrumented_demo(options: dict[str, Any]) -> None:
+    """``tmetrics demo``: train with metrics, then print where everything is."""
+    args = DemoArgs(**options)
+    run_demo(args, metrics=functools.partial(make_metrics, args))
+    click.echo(where(args.run_dir))
+
+
+def where(run_dir: Path) -> str:
+    """The closing note: the files of the run and the exact commands to open them."""
+    lines = [f"run directory: {run_dir}"]
+    if (run_dir / "tb").exists():
+        lines.append(f"  TensorBoard:  tensorboard --logdir {run_dir / 'tb'}")
+    if (run_dir / "mlflow.db").exists():
+        lines.append(f"  MLflow:       mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}")
+    offline = sorted((run_dir / "wandb").glob("offline-run-*")) if (run_dir / "wandb").exists() else []
+    if offline:
+        lines.append(f"  W&B:          wandb sync {offline[-1]}")
+    if (run_dir / "metrics.jsonl").exists():
+        lines.append(f"  JSONL:        {run_dir / 'metrics.jsonl'}")
+    if (run_dir / "spool").exists() and any((run_dir / "spool").iterdir()):
+        lines.append(f"  spooled (tracker was down): tmetrics replay {run_dir / 'spool'}/<sink>.jsonl --sink <sink>")
+    return "\n".join(lines)
