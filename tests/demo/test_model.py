@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tmetrics_core.demo.model import ModelConfig, MoE, Transformer
+from tmetrics_core.demo.model import Dispatch, ModelConfig, MoE, Transformer, fixed_shape_dispatch, local_dispatch
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.observe import observing
 
@@ -75,12 +75,27 @@ def _reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out.view_as(x)
 
 
-def test_moe_matches_per_token_reference() -> None:
+@pytest.mark.parametrize("dispatch", [local_dispatch, fixed_shape_dispatch])
+def test_moe_matches_per_token_reference(dispatch: Dispatch) -> None:
     torch.manual_seed(0)
     moe = Transformer(TINY, seed=2).layers["0"].moe
+    moe.dispatch = dispatch
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         torch.testing.assert_close(moe(x), _reference_moe(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def test_dispatches_give_the_same_gradients() -> None:
+    x = torch.randn(3, 4, 16)
+    grads = []
+    for dispatch in (local_dispatch, fixed_shape_dispatch):
+        moe = Transformer(TINY, seed=2).layers["0"].moe
+        moe.dispatch = dispatch
+        moe(x).square().sum().backward()
+        grads.append({name: p.grad for name, p in moe.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_expert_bias_steers_choice_but_not_weights() -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "ModelConfig",
     "MoE",
     "Transformer",
+    "fixed_shape_dispatch",
     "local_dispatch",
 ]
 
@@ -171,8 +172,14 @@ moves tokens between ranks (``tmetrics_core.demo.parallel``)."""
 
 def local_dispatch(moe: MoE, tokens: torch.Tensor, topk_idx: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
-    """Dispatch when this rank holds every expert: ``moe.expert_outputs`` on all tokens."""
+    """Dispatch when this rank holds every expert: each expert runs on its routed tokens."""
     return moe.expert_outputs(tokens, topk_idx, weights)
+
+
+def fixed_shape_dispatch(moe: MoE, tokens: torch.Tensor, topk_idx: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+    """Dispatch for tensor-parallel experts: each expert runs on all tokens, unrouted ones at weight 0."""
+    return moe.expert_outputs(tokens, topk_idx, weights, fixed_shapes=True)
 
 
 class MoE(nn.Module):
@@ -214,16 +221,24 @@ class MoE(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.dispatch(self, tokens, topk_idx, weights.to(tokens.dtype)).view_as(x)
 
-    def expert_outputs(self, tokens: torch.Tensor, topk_idx: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
+    def expert_outputs(self, tokens: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor, *,
+                       fixed_shapes: bool = False) -> torch.Tensor:
         """Sum over the LOCAL experts of ``weight * expert(token)`` for the tokens routed to them.
 
         ``tokens`` [N, d], ``topk_idx`` [N, k] (global expert indices), ``weights`` [N, k];
-        returns [N, d], zero rows for tokens none of whose experts is local.
+        returns [N, d], zero rows for tokens none of whose experts is local. With
+        ``fixed_shapes`` every expert runs on all N tokens and unrouted tokens get weight 0
+        (the same sums, E/k times the work, but shapes that do not change between steps, which
+        DTensor's sharding cache needs).
         """
         out = torch.zeros_like(tokens)
         for key, expert in self.experts.items():
-            rows, slots = (topk_idx == int(key)).nonzero(as_tuple=True)
+            routed = topk_idx == int(key)                                      # (N, k)
+            if fixed_shapes:
+                gate = (weights * routed).sum(dim=-1, keepdim=True)            # (N, 1)
+                out = out + expert(tokens) * gate
+                continue
+            rows, slots = routed.nonzero(as_tuple=True)
             y = expert(tokens.index_select(0, rows)) * weights[rows, slots].unsqueeze(-1)
             out = out.index_add(0, rows, y)
         return out
