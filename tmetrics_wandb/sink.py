@@ -132,7 +132,8 @@ class WandbSink:
         self._last_step = 0
 
     def open(self, run: RunInfo) -> None:
-        """Start the W&B run (a new run even if the process already has one).
+        """Start the W&B run (a new run even if the process already has one). A retry after a
+        failed ``open`` reuses the run already started.
 
         Raises:
             ImportError: ``wandb`` is missing (``pip install tmetrics[wandb]``).
@@ -140,6 +141,9 @@ class WandbSink:
         """
         import wandb
 
+        if self._run is not None:
+            self._declare_step()
+            return
         base = self.dir if self.dir is not None else Path(run.dir)
         base.mkdir(parents=True, exist_ok=True)
         for variable, sub in _HOME_DIRS.items():
@@ -157,6 +161,9 @@ class WandbSink:
             reinit="create_new",
             settings=wandb.Settings(console="off"),
         )
+        self._declare_step()
+
+    def _declare_step(self) -> None:
         self._run.define_metric(STEP_KEY)
         self._run.define_metric("*", step_metric=STEP_KEY)
 

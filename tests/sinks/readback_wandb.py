@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from wandb.proto import wandb_internal_pb2
 
 __all__ = ["WandbRun", "find_run_file", "read_run"]
@@ -89,9 +91,27 @@ def find_run_file(wandb_dir: str | Path) -> Path:
     return files[0]
 
 
-def read_run(path: str | Path) -> WandbRun:
+def read_run(path: str | Path, *, timeout: float = 30.0) -> WandbRun:
+    """The decoded run, once W&B has written its ``exit`` record (the last one).
+
+    ``finish()`` can return before W&B's service process has written the tail of the file
+    (seen on a loaded machine), so this polls until the exit record is there or ``timeout``
+    seconds pass (then it returns what is there; a test's assertions then show what is missing).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            run = _decode(Path(path).read_bytes())
+        except (ValueError, DecodeError):  # a chunk still being written
+            run = WandbRun()
+        if run.exit_code is not None or time.monotonic() > deadline:
+            return run
+        time.sleep(0.1)
+
+
+def _decode(data: bytes) -> WandbRun:
     run = WandbRun()
-    for raw in _records(Path(path).read_bytes()):
+    for raw in _records(data):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
         kind = record.WhichOneof("record_type")

@@ -195,3 +195,18 @@ def test_layout_for_expert_tensors_keeps_the_layer() -> None:
         "tensor-grad-l2 layers.0.moe.experts.*.up.weight": r"^tensor-grad-l2/layers\.0\.moe\.experts\.\d+\.up\.weight$",
         "tensor-grad-l2 layers.1.moe.experts.*.up.weight": r"^tensor-grad-l2/layers\.1\.moe\.experts\.\d+\.up\.weight$",
     }
+
+
+def test_float32_edges_and_open_retry(run_info: RunInfo) -> None:
+    sink = TensorBoardSink()
+    sink.open(run_info)
+    sink.open(run_info)  # the hub retries open after a failure: same event file
+    values = {"a": 1e39, "b": -1e39, "c": 3, "d": 0.1, "e": -math.inf}
+    sink.write([MetricRecord("tensor-param-l2", 4, v, tensor=t) for t, v in values.items()], 4)
+    sink.close("finished")
+    log_dir = Path(run_info.dir) / "tb"
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
+    log = read_log(log_dir)
+    got = {tag.split("/")[1]: log.scalars(tag) for tag in log.scalar_tags}
+    assert got == {"a": [(4, math.inf)], "b": [(4, -math.inf)], "c": [(4, 3.0)],
+                   "d": [(4, pytest.approx(0.1, rel=1e-7))], "e": [(4, -math.inf)]}
