@@ -99,7 +99,9 @@ def sim_topology(rank: int, shape: Sequence[int], names: Sequence[str]) -> Topol
         ranks = tuple(r for r in range(world)
                       if all(c == o for j, (c, o) in enumerate(zip(mesh_coords(r, shape), coords)) if j != i))
         axes.append(Axis(name, shape[i], coords[i], ranks if shape[i] > 1 else None, ranks))
-    return Topology(axes, global_rank=rank, world_size=world)
+    ranks = torch.arange(world).reshape(tuple(shape))
+    return Topology(axes, global_rank=rank, world_size=world, mesh_ranks=ranks,
+                    new_groups=lambda lists: next(tuple(g) for g in lists if rank in g))
 
 
 def run_threaded(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list[Any]:

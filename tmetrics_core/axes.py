@@ -11,8 +11,9 @@ A topology whose axes all have size 1 needs no ``torch.distributed`` at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+import torch
 import torch.distributed as dist
 
 from tmetrics_core.errors import ConfigError
@@ -49,13 +50,17 @@ class Topology:
     over axes in this order, on every rank alike.
     """
 
-    __slots__ = ("axes", "global_rank", "world_size", "population_axes")
+    __slots__ = ("axes", "global_rank", "world_size", "population_axes", "_mesh_ranks", "_new_groups", "_joint")
 
     def __init__(self, axes: Iterable[Axis], *, global_rank: int, world_size: int,
-                 population_axes: Iterable[str] | None = None) -> None:
+                 population_axes: Iterable[str] | None = None, mesh_ranks: Any = None,
+                 new_groups: Callable[[list[list[int]]], Any] | None = None) -> None:
         self.axes: dict[str, Axis] = {a.name: a for a in axes}
         self.global_rank = global_rank
         self.world_size = world_size
+        self._mesh_ranks = mesh_ranks
+        self._new_groups = new_groups
+        self._joint: dict[tuple[str, ...], Any] = {}
         names = tuple(self.axes)
         if population_axes is None:
             population_axes = [n for n in names if n not in POPULATION_EXCLUDED_AXES]
@@ -88,7 +93,7 @@ class Topology:
             axes.append(Axis(name, size, mesh.get_local_rank(name), group if size > 1 else None,
                              tuple(dist.get_process_group_ranks(group))))
         return cls(axes, global_rank=dist.get_rank(), world_size=dist.get_world_size(),
-                   population_axes=population_axes)
+                   population_axes=population_axes, mesh_ranks=mesh.mesh.clone(), new_groups=_new_subgroups)
 
     @classmethod
     def from_groups(cls, groups: Mapping[str, Any], *,
@@ -108,6 +113,29 @@ class Topology:
             axes.append(Axis(name, size, dist.get_rank(group), group if size > 1 else None,
                              tuple(dist.get_process_group_ranks(group))))
         return cls(axes, global_rank=rank, world_size=world, population_axes=population_axes)
+
+    def joint_group(self, axes: tuple[str, ...]) -> Any:
+        """The process group spanning several axes at once (ranks that differ only along
+        ``axes``), so one collective replaces one per axis; None when the topology cannot build
+        it (no mesh layout known), and callers then reduce axis after axis.
+
+        Creating a group is collective: every rank must ask for the same ``axes`` in the same
+        order, which holds because plans are rank-symmetric. Groups are cached.
+        """
+        if len(axes) == 1:
+            return self.axes[axes[0]].group
+        if axes in self._joint:
+            return self._joint[axes]
+        if self._mesh_ranks is None or self._new_groups is None:
+            return None
+        names = list(self.axes)
+        keep = [names.index(a) for a in axes]
+        other = [i for i in range(len(names)) if i not in keep]
+        table = torch.as_tensor(self._mesh_ranks).permute(*other, *keep)
+        lists = table.reshape(-1, table[(0,) * len(other)].numel() if other else table.numel()).tolist()
+        group = self._new_groups(lists)
+        self._joint[axes] = group
+        return group
 
     def axis(self, name: str) -> Axis:
         """The axis called ``name``; ``KeyError`` lists the valid names."""
@@ -134,3 +162,9 @@ class Topology:
     def __repr__(self) -> str:
         inner = ", ".join(str(a) for a in self.axes.values()) or "single process"
         return f"Topology({inner}; rank {self.global_rank} of {self.world_size})"
+
+
+def _new_subgroups(lists: list[list[int]]) -> Any:
+    """This rank's group among ``lists`` (every rank calls this with the same lists)."""
+    group, _ = dist.new_subgroups_by_enumeration(lists)
+    return group

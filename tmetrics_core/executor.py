@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Sequence
 
@@ -47,6 +48,8 @@ class CollectiveStats:
     calls: dict[str, int] = field(default_factory=dict)
     elements: dict[str, int] = field(default_factory=dict)
     rounds: int = 0
+    seconds: float = 0.0
+    """Wall time spent inside data collectives (the communication itself), seconds."""
 
     def add(self, axis: str, numel: int) -> None:
         self.calls[axis] = self.calls.get(axis, 0) + 1
@@ -188,28 +191,37 @@ class Executor:
         return list(seen.values())
 
     def _reduce(self, requests: Sequence[CollectiveRequest]) -> dict[Hashable, torch.Tensor]:
+        """One round: requests bucketed by (axes, op, dtype) and each bucket reduced with one
+        collective over the joint group of its axes. ``min`` rides in the ``max`` bucket of the
+        same axes negated (``min x = -max -x``, exact), so a round issues at most two calls per
+        distinct axis set and dtype."""
         self.stats.rounds += 1
         current = {r.key: r.value.to(self.device) for r in requests}
-        for axis_name in self.topology.names:
-            axis = self.topology.axes[axis_name]
-            if axis.size == 1:
-                continue
-            buckets: dict[tuple[str, torch.dtype], list[CollectiveRequest]] = {}
-            for r in requests:
-                if axis_name in r.axes:
-                    buckets.setdefault((r.op, current[r.key].dtype), []).append(r)
-            for (op, _dtype), bucket in buckets.items():
-                values = [current[r.key] for r in bucket]
-                packed = torch.cat(values) if len(values) > 1 else values[0].clone()
-                self._all_reduce(packed, op, axis.group, axis_name)
-                for r, piece in zip(bucket, packed.split([v.numel() for v in values])):
-                    current[r.key] = piece
+        buckets: dict[tuple[tuple[str, ...], str, torch.dtype], list[CollectiveRequest]] = {}
+        for r in requests:
+            axes = tuple(a for a in self.topology.names if a in r.axes and self.topology.axes[a].size > 1)
+            if axes:
+                op = "max" if r.op == "min" else r.op
+                buckets.setdefault((axes, op, current[r.key].dtype), []).append(r)
+        for (axes, op, _dtype), bucket in buckets.items():
+            values = [-current[r.key] if r.op == "min" else current[r.key] for r in bucket]
+            packed = torch.cat(values) if len(values) > 1 else values[0].clone()
+            group = self.topology.joint_group(axes)
+            if group is not None or len(axes) == 1:
+                self._all_reduce(packed, op, group, "+".join(axes))
+            else:
+                for axis in axes:
+                    self._all_reduce(packed, op, self.topology.axes[axis].group, axis)
+            for r, piece in zip(bucket, packed.split([v.numel() for v in values])):
+                current[r.key] = -piece if r.op == "min" else piece
         return current
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, group: Any, axis: str) -> None:
         self.stats.add(axis, tensor.numel())
         if self._distributed and group is not None:
+            start = time.perf_counter()
             self.comm.all_reduce(tensor, op, group)
+            self.stats.seconds += time.perf_counter() - start
 
     def _to_host(self, live: Sequence[_Due]) -> dict[Hashable, list[float]]:
         outputs: dict[Hashable, torch.Tensor] = {}
