@@ -2,7 +2,8 @@
 
 Everything goes into one event file in one directory (``<run.dir>/tb`` by default): no
 ``add_scalars`` or ``add_hparams`` sub-runs. Each ``write`` is one event holding every value of
-the step, which is about 20 times faster than one ``add_scalar`` call per value.
+the step, written by :class:`~tmetrics_tb.event_file.EventFile`: for 18k scalars about 20 ms
+of worker time against about 1 s for one ``SummaryWriter.add_scalar`` call per value.
 
 Tags are the keys of :mod:`tmetrics_core.keys` under :data:`~tmetrics_core.keys.TENSORBOARD_RULES`
 (``layer-grad-l2/layer_03``), so TensorBoard groups them by metric family. Values:
@@ -32,6 +33,7 @@ import yaml
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.keys import TENSORBOARD_RULES, KeyBook, KeyRules, index_widths
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_tb.event_file import EventFile
 from tmetrics_tb.layout import CONFIG_TAG, ScalarLayout
 
 __all__ = ["TensorBoardSink"]
@@ -68,7 +70,7 @@ class TensorBoardSink:
             raise ConfigError(f"got {flush_secs!r}; need a number of seconds > 0", path=f"sinks.{self.name}.flush_secs")
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.flush_secs = float(flush_secs)
-        self._writer: Any = None
+        self._writer: EventFile | None = None
         self._book = KeyBook(TENSORBOARD_RULES)
         self._layout = ScalarLayout()
         self._layout_dirty = False
@@ -82,8 +84,6 @@ class TensorBoardSink:
         Raises:
             ImportError: the ``tensorboard`` package is missing (``pip install tmetrics[tb]``).
         """
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
         if self._writer is None:
             log_dir = self.log_dir if self.log_dir is not None else Path(run.dir) / "tb"
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ class TensorBoardSink:
             layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
             self._book = KeyBook(TENSORBOARD_RULES, layer_width=layer_width, expert_width=expert_width)
             self._layout = ScalarLayout(layer_width=layer_width)
-            self._writer = EventFileWriter(str(log_dir), flush_secs=self.flush_secs)
+            self._writer = EventFile(log_dir, flush_secs=self.flush_secs)
         facts = {"name": run.name, "dir": run.dir, "tags": dict(run.tags), "metrics": list(run.metrics)}
         self._write_text("tmetrics/run", facts, step=0)
 
@@ -154,7 +154,7 @@ class TensorBoardSink:
         self._writer.close()
         self._writer = None
 
-    def _require_open(self) -> Any:
+    def _require_open(self) -> EventFile:
         if self._writer is None:
             raise RuntimeError("TensorBoardSink is not open: call open(run) first (or it was closed)")
         return self._writer
@@ -162,7 +162,8 @@ class TensorBoardSink:
     def _add(self, summary: Any, step: int) -> None:
         from tensorboard.compat.proto import event_pb2
 
-        self._require_open().add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+        event = event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary)
+        self._require_open().write(event.SerializeToString())
         self._last_step = max(self._last_step, int(step))
 
     def _write_text(self, tag: str, data: Any, *, step: int) -> None:

@@ -210,3 +210,27 @@ def test_float32_edges_and_open_retry(run_info: RunInfo) -> None:
     got = {tag.split("/")[1]: log.scalars(tag) for tag in log.scalar_tags}
     assert got == {"a": [(4, math.inf)], "b": [(4, -math.inf)], "c": [(4, 3.0)],
                    "d": [(4, pytest.approx(0.1, rel=1e-7))], "e": [(4, -math.inf)]}
+
+
+def test_event_file_crc_matches_the_reference_and_fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+
+    from tmetrics_tb import event_file
+
+    # CRC-32C check value of "123456789" is 0xE3069283 (RFC 3720); masked as TFRecord does.
+    crc = 0xE3069283
+    assert event_file.masked_crc32c(b"123456789") == ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+    for size in (0, 1, 7, 1000, 70_000):
+        data = os.urandom(size)
+        assert event_file.masked_crc32c(data) == reference(data)
+    # Without google-crc32c, tensorboard's pure-Python CRC is used; the file reads back either way.
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import crc32c
+
+    monkeypatch.setattr(event_file, "_crc32c", crc32c)
+    sink = TensorBoardSink(log_dir=tmp_path / "fallback")
+    sink.open(RunInfo(name="x", dir=str(tmp_path)))
+    sink.write([MetricRecord("layer-grad-l2", 1, 0.5, layer=0)], 1)
+    sink.close("finished")
+    assert read_log(tmp_path / "fallback").scalars("layer-grad-l2/layer_00") == [(1, 0.5)]
