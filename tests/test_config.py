@@ -438,8 +438,7 @@ BAD_MAPPINGS = [
     (
         {"placements": {"w": {"tp": "Shard(x)"}}},
         "placements.w.tp",
-        "got 'Shard(x)', not a placement (invalid literal for int() with base 10: 'x'); overrides take 'R', "
-        "'S0', 'S*', 'O1', 'P(sum)' or their long forms",
+        "cannot read placement 'Shard(x)'; use one of: 'R' or 'Replica()', 'S0' or 'Shard(0)'",
     ),
     ({"placements": {"w": {"tp": "Chunk(0)"}}}, "placements.w.tp", "cannot read placement 'Chunk(0)'"),
     (

@@ -474,8 +474,6 @@ def _check_placement(value: Any, *, path: str) -> None:
         parse_placement(value)
     except PlacementError as err:
         raise ConfigError(f"{err}; {forms}, not FlatShard (it depends on each tensor's shape)", path=path) from None
-    except ValueError as err:  # a malformed number inside the parentheses
-        raise ConfigError(f"got {value!r}, not a placement ({err}); {forms}", path=path) from None
 
 
 def _check_name(value: Any, *, path: str, what: str) -> None:
