@@ -66,8 +66,9 @@ class LayerHeatmap:
         """The heatmap as an RGB ``uint8`` array of shape ``(height, width, 3)``.
 
         Drawn with matplotlib's Agg canvas (no pyplot, so safe on a worker thread). Layers are
-        rows (layer 0 at the bottom), steps columns; non-finite cells are grey. The colour scale
-        is logarithmic when every finite value is positive and they span over two decades.
+        rows (layer 0 at the bottom), steps along x at their true positions; non-finite cells
+        are grey. The colour scale is logarithmic when every finite value is positive and they
+        span over two decades.
         """
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.colors import LogNorm, Normalize
@@ -82,13 +83,14 @@ class LayerHeatmap:
         figure = Figure(figsize=(8.0, min(2.0 + 0.12 * num_layers, 14.0)), dpi=80)
         FigureCanvasAgg(figure)
         axes = figure.add_subplot()
-        cmap = _colormap()
-        shown = np.ma.masked_invalid(values) if values.size else np.full((1, 1), np.nan)
-        picture = axes.imshow(shown, aspect="auto", origin="lower", interpolation="nearest", cmap=cmap, norm=norm)
+        shown = np.ma.masked_invalid(values) if values.size else np.ma.masked_all((1, 1))
+        x = np.asarray(steps if steps else [0], dtype=np.float64)
+        # Cell edges halfway between kept steps: the x axis is the step, even after thinning.
+        middles = (x[1:] + x[:-1]) / 2 if x.size > 1 else np.empty(0)
+        x_edges = np.concatenate([[x[0] - 0.5], middles, [x[-1] + 0.5]])
+        y_edges = np.arange(shown.shape[0] + 1) - 0.5
+        picture = axes.pcolormesh(x_edges, y_edges, shown, cmap=_colormap(), norm=norm, shading="flat")
         figure.colorbar(picture, ax=axes)
-        if steps:
-            ticks = np.unique(np.linspace(0, len(steps) - 1, num=min(len(steps), 8)).round().astype(int))
-            axes.set_xticks(ticks, [str(steps[t]) for t in ticks])
         axes.set_xlabel("step")
         axes.set_ylabel("layer")
         axes.set_title(self.title)
