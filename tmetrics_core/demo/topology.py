@@ -49,8 +49,8 @@ class Topology:
             if getattr(self, name) < 1:
                 raise ConfigError(f"got {getattr(self, name)}; need >= 1", path=f"--{name.replace('_', '-')}")
         if self.dp_replicate > 1 and not self.fsdp:
-            raise ConfigError("HSDP replicas need --fsdp; add --fsdp or drop the replicate degree",
-                              path="--dp-replicate")
+            raise ConfigError(f"dp_replicate={self.dp_replicate} (HSDP replicas) needs fsdp=True; "
+                              "set fsdp or use dp_replicate=1", path="topology.dp_replicate")
         if self.fsdp and self.dp < 2:
             raise ConfigError(f"--fsdp shards over the data-parallel axis, but dp is {self.dp}; "
                               "use --dp 2 or more (or more --nproc)", path="--fsdp")
