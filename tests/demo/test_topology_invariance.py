@@ -28,6 +28,10 @@ CASES: dict[int, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {
         ("fsdp4-uneven", {"dp": 4, "fsdp": True}, UNEVEN),
         ("hsdp2x2", {"dp_replicate": 2, "dp": 2, "fsdp": True}, EVEN),
         ("pp2xep2", {"pp": 2, "ep": 2}, EVEN),
+        ("fsdp2xtp2", {"dp": 2, "tp": 2, "fsdp": True}, EVEN),
+        ("pp2xfsdp2", {"pp": 2, "dp": 2, "fsdp": True}, EVEN),
+        ("pp2xtp2", {"pp": 2, "tp": 2}, EVEN),
+        ("pp2xdp2", {"pp": 2, "dp": 2}, EVEN),
     ],
 }
 CASE_IDS = [(world, case) for world, cases in CASES.items() for case, _, _ in cases]
