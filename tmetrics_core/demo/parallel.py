@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+import torch.distributed._functional_collectives as funcol  # autograd-aware collectives (as torchtitan)
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -130,7 +130,7 @@ def _apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> list[str]
 def _apply_data_parallel(model: Transformer, topology: Topology, mesh: DeviceMesh,
                          expert_names: list[str]) -> nn.Module:
     if topology.fsdp:
-        dp_mesh = mesh[topology.dp_axes] if len(topology.dp_axes) > 1 else mesh["dp"]
+        dp_mesh = mesh[topology.dp_axes]                                  # 1-D, or 2-D for HSDP
         for block in model.layers.values():
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
@@ -144,6 +144,7 @@ def _apply_data_parallel(model: Transformer, topology: Topology, mesh: DeviceMes
     data_axis = "dp" if topology.dp > 1 else "ep" if topology.ep > 1 else None
     if data_axis is None:
         return model
+    # Experts are owned per ep rank, not replicated: DDP must leave their gradients alone.
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     return DistributedDataParallel(model, process_group=mesh[data_axis].get_group())
 
