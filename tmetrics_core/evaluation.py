@@ -45,17 +45,25 @@ def resolve_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site],
     if not need:
         return list(sites), list(tensors)
     new_sites, new_tensors = list(sites), list(tensors)
-    shapes = [_shape(sites[i], tensors[i], topology) for i in need]
-    locals_ = [tensors[i] if tensors[i] is not None else torch.zeros(shape) for i, shape in zip(need, shapes)]
-    axes = [tuple(a for a, p in sites[i].placements if p.is_partial()) for i in need]
-    ops = [next(p.op for _, p in sites[i].placements if p.is_partial()) for i in need]  # type: ignore[attr-defined]
-    full = executor.materialize(locals_, axes, ops)
-    for i, t in zip(need, full):
+    locals_ = {i: tensors[i] if tensors[i] is not None else torch.zeros(_shape(sites[i], None, topology))
+               for i in need}
+    # NOTE [nested partials]: with Partial on several axes the logical tensor is the outer
+    # axis's op over the inner axis's op, so reduce the innermost axis (last in topology order)
+    # first; one packed round per axis that has partial sites.
+    for axis in reversed(topology.names):
+        todo = [i for i in need if sites[i].placement(axis).is_partial() and topology.axes[axis].size > 1]
+        if not todo:
+            continue
+        ops = [sites[i].placement(axis).op for i in todo]  # type: ignore[attr-defined]
+        full = executor.materialize([locals_[i] for i in todo], [(axis,)] * len(todo), ops)
+        for i, t in zip(todo, full):
+            locals_[i] = t
+    for i in need:
         site = sites[i]
         placements = tuple((a, Replica() if p.is_partial() else p) for a, p in site.placements)
         new_sites[i] = dataclasses.replace(site, placements=placements)
         if new_tensors[i] is not None:
-            new_tensors[i] = t
+            new_tensors[i] = locals_[i]
     return new_sites, new_tensors
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, Sequence
@@ -176,10 +177,17 @@ class Executor:
                     ops: Sequence[str]) -> list[torch.Tensor]:
         """Reduce whole local tensors of ``Partial`` placements (``ops[i]`` over ``axes[i]``),
         packed like any round; returns the full tensors in the input shapes."""
-        requests = [CollectiveRequest(("materialize", i), a, op, t.detach().reshape(-1).to(torch.float64))
+        requests = [CollectiveRequest(("materialize", i), a, "sum" if op == "avg" else op,
+                                      t.detach().reshape(-1).to(torch.float64))
                     for i, (t, a, op) in enumerate(zip(tensors, axes, ops))]
         results = self._reduce(requests)
-        return [results[("materialize", i)].to(t.dtype).reshape(t.shape) for i, t in enumerate(tensors)]
+        out = []
+        for i, (t, a, op) in enumerate(zip(tensors, axes, ops)):
+            full = results[("materialize", i)]
+            if op == "avg":
+                full = full / math.prod(self.topology.axes[x].size for x in a)
+            out.append(full.to(t.dtype).reshape(t.shape))
+        return out
 
     # -- rounds -------------------------------------------------------------------------------
     def _dedup(self, pending: Sequence[_Due]) -> list[CollectiveRequest]:
