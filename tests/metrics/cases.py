@@ -113,7 +113,7 @@ def local_view(sc: SiteCase, coords: Sequence[int], case: Case) -> tuple[Site, t
             if current is not None:
                 current = _partial_part(current, spec[1], n, c, sc.seed * 31 + i)
     logical = tuple(sc.full.shape)
-    if any(s[0] == "S*" for s in sc.specs):
+    if _is_tokens(sc):
         logical = (-1,) + logical[1:]
     site = Site(name=sc.name, kind=sc.kind, logical_shape=logical, dtype=str(sc.full.dtype).replace("torch.", ""),
                 placements=tuple(placements), layer=sc.layer, expert=sc.expert, family=sc.family or sc.name,
@@ -121,8 +121,12 @@ def local_view(sc: SiteCase, coords: Sequence[int], case: Case) -> tuple[Site, t
     return site, (None if current is None else current.contiguous())
 
 
+TOKEN_KINDS = frozenset({"residual_accumulator", "residual_contribution", "logits", "activation",
+                         "router_logits", "router_scores", "router_topk"})
+
+
 def _is_tokens(sc: SiteCase) -> bool:
-    return any(s[0] == "S*" for s in sc.specs)
+    return sc.kind in TOKEN_KINDS
 
 
 def run_case(rank: int, case: Case, topology: Topology, collectives: Collectives,
@@ -200,9 +204,11 @@ MESHES = [((1,), ("dp",)), ((2,), ("dp",)), ((4,), ("dp",)), ((2,), ("tp",)), ((
 def tensor_specs(draw, ndim: int, mesh: tuple[int, ...], *, partial_ops: Sequence[str] = ("sum", "max"),
                  flat: bool = True) -> tuple[Spec, ...]:
     """Placements of a parameter-like tensor on each mesh axis: Replica, Shard(d) (uneven and
-    empty shards), FlatShard (one per tensor, ranges cutting rows), Owned, Partial."""
+    empty shards), FlatShard (one per tensor, ranges cutting rows), Owned, Partial (one reduce
+    op per tensor: Partial(sum) on one axis and Partial(max) on another has no agreed order)."""
     specs: list[Spec] = []
     flat_used = False
+    partial_ops = [draw(st.sampled_from(list(partial_ops)))] if partial_ops else []
     for n in mesh:
         choices = ["R", "O"] + (["P"] if partial_ops else [])
         if not flat_used:

@@ -1,0 +1,319 @@
+"""The metric catalogue: every metric name, what it measures, and how to build it.
+
+Names are kebab-case, scope first (``layer-grad-l2``). The Megatron-LM tensor-metrics names are
+accepted as aliases with the same meaning, so a ``--tensor-metrics NAME:INTERVAL`` list moves over
+unchanged (``global-wgrad-l2`` is ``global-grad-l2``; Megatron's other names are catalogue names
+already). Each entry says which source kinds it reads, how it groups them, its formula, unit,
+healthy baseline, the placements it supports, and which config options it takes.
+
+``tmetrics metrics`` prints :func:`describe_catalogue`; the config checks names with
+:func:`resolve_metric` and :func:`metric_names`; the runtime builds metrics with
+:func:`build_metric`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.metrics.activations import DEFAULT_MODULES, ModuleRms, OutputEntropy
+from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.metrics.drift import ReplicaDrift
+from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, MeanLineL2, NonFinite, Rms, ZeroFraction
+from tmetrics_core.metrics.router import (
+    DeadExperts,
+    DecisionEntropy,
+    ExpertBias,
+    ExpertLoadImbalance,
+    ExpertTokens,
+    RouterHealth,
+    RouterZLoss,
+    RoutingBalance,
+    SeqAuxDecomposition,
+)
+from tmetrics_core.metrics.sketches import HistogramMetric, QuantileMetric
+from tmetrics_core.metrics.updates import OptimizerStateRms, UpdateRatio
+
+__all__ = [
+    "ALIASES",
+    "CatalogueEntry",
+    "build_metric",
+    "catalogue_entries",
+    "describe_catalogue",
+    "metric_names",
+    "resolve_metric",
+]
+
+_ALL = "every placement: Replica, Shard(d), Shard(None), FlatShard, Owned; Partial reduced directly when linear, else materialized"
+_LINES = "Replica, Shard(d), FlatShard (one per tensor), Owned; Partial materialized; 2-D and wider tensors only"
+_COUNTS = "every placement; counts are not linear, so Partial is materialized first"
+_ROWS = "token rows split (Shard(None), Shard(0)), Owned, Replica, vocab/expert split Shard(1); not FlatShard"
+_ROUTER_ROWS = ("token rows split (Shard(None)), Owned, Replica; not Shard(1) (needs whole expert rows) nor "
+                "FlatShard; with seq_len, not split on cp, tp or pp (they cut sequences)")
+_TOPK = "token rows split (Shard(None)), Owned, Replica; not Shard(1) nor FlatShard"
+_DRIFT = "sites Replica on dp (others are not copies); Shard, FlatShard and Owned on other axes"
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogueEntry:
+    """One catalogue metric.
+
+    Attributes:
+        name: canonical name.
+        build: makes the metric; called with ``name=`` and the options the entry takes.
+        source_kinds: site kinds the metric reads.
+        scopes: the labels its records carry (``layer``: one per layer; ``global``: one value,
+            or a cross-layer roll-up; ``tensor``/``family``: per tensor name or family).
+        formula, unit, baseline: what it computes, in which unit, and what a healthy run shows.
+        placements: placements it supports (others raise ``PlacementError`` at configuration).
+        options: config options it takes beyond ``interval``.
+        aliases: other accepted names (Megatron-LM).
+    """
+
+    name: str
+    build: Callable[..., TensorMetric]
+    source_kinds: tuple[str, ...]
+    scopes: tuple[str, ...]
+    formula: str
+    unit: str
+    baseline: str
+    placements: str
+    options: frozenset[str] = frozenset({"select"})
+    aliases: tuple[str, ...] = ()
+
+    def describe(self) -> dict[str, Any]:
+        """The entry as plain data (for JSON)."""
+        return {
+            "name": self.name, "aliases": list(self.aliases), "source_kinds": list(self.source_kinds),
+            "scopes": list(self.scopes), "formula": self.formula, "unit": self.unit,
+            "baseline": self.baseline, "placements": self.placements, "options": sorted(self.options),
+        }
+
+
+def _made(cls: type, kinds: Sequence[str], scope: str, **fixed: Any) -> Callable[..., TensorMetric]:
+    def build(**options: Any) -> TensorMetric:
+        return cls(source_kinds=tuple(kinds), scope=scope, **fixed, **options)
+    return build
+
+
+_SCOPE_WORDS = {"global": "all", "layer": "each layer's", "tensor": "each tensor's",
+                "family": "each family's (one tensor name across layers)"}
+
+
+def _norm_entries() -> list[CatalogueEntry]:
+    out = []
+    for kind, word, unit in (("param", "param", "parameter units"), ("grad", "grad", "gradient units")):
+        for scope in ("global", "layer", "tensor", "family"):
+            base = ("equals torch.nn.utils.clip_grad_norm_'s total norm (before clipping); "
+                    if (kind, scope) == ("grad", "global") else "")
+            out.append(CatalogueEntry(
+                f"{scope}-{word}-l2", _made(L2Norm, [kind], scope), (kind,), (scope,),
+                f"sqrt(sum_i x_i^2) over {_SCOPE_WORDS[scope]} {word} elements", unit,
+                base + ("smooth; spikes flag instability" if kind == "grad" else "slow drift; sudden jumps flag bad steps"),
+                _ALL, aliases=(f"{scope}-wgrad-l2",) if kind == "grad" and scope in ("global", "layer") else ()))
+        out.append(CatalogueEntry(
+            f"layer-{word}-absmax", _made(AbsMax, [kind], "layer"), (kind,), ("layer",),
+            "max_i |x_i| over the layer", unit, "a few times the layer RMS; far larger means outliers", _ALL))
+        out.append(CatalogueEntry(
+            f"layer-{word}-rms", _made(Rms, [kind], "layer"), (kind,), ("layer",),
+            "sqrt(sum_i x_i^2 / N) over the layer", unit, "stable across steps; comparable across layers", _ALL))
+        out.append(CatalogueEntry(
+            f"layer-{word}-histogram", _made(HistogramMetric, [kind], "layer"), (kind,), ("layer",),
+            "counts in fixed signed log2 bins (bins per sign over 2^-40..2^24), zeros/NaN/Inf apart",
+            "count", "a smooth bell in log-magnitude; no NaN/Inf", _COUNTS,
+            options=frozenset({"select", "bins"})))
+    return out
+
+
+def _entries() -> list[CatalogueEntry]:
+    e = CatalogueEntry
+    entries = _norm_entries() + [
+        e("global-param-mean-row-l2", _made(MeanLineL2, ["param"], "global", dim=0), ("param",), ("global",),
+          "mean over rows r of matrices of sqrt(sum_j W_rj^2)", "parameter units",
+          "slow drift (init scale about sqrt(fan_in) * std)", _LINES),
+        e("global-param-mean-column-l2", _made(MeanLineL2, ["param"], "global", dim=1), ("param",), ("global",),
+          "mean over columns c of matrices of sqrt(sum_i W_ic^2)", "parameter units", "slow drift", _LINES),
+        e("layer-grad-nonfinite", _made(NonFinite, ["grad"], "layer"), ("grad",), ("layer",),
+          "#{g_i = NaN}, #{g_i = +Inf}, #{g_i = -Inf} (stats nan, posinf, neginf, total)", "count",
+          "all 0", _COUNTS),
+        e("layer-grad-zero-fraction", _made(ZeroFraction, ["grad"], "layer"), ("grad",), ("layer",),
+          "#{g_i = 0} / N", "fraction", "near 0; growth means dead units or vanished gradients", _COUNTS),
+        e("layer-update-ratio", _made(UpdateRatio, ["update", "param"], "layer"), ("update", "param"), ("layer",),
+          "||Δθ|| / ||θ|| over the layer's updated tensors (θ after the step)", "ratio",
+          "about 1e-3 per step with Adam; 1e-2 and above is unstable, 1e-5 stalled", _ALL),
+        e("layer-optimizer-state-rms", _made(OptimizerStateRms, ["exp_avg", "exp_avg_sq"], "layer"),
+          ("exp_avg", "exp_avg_sq"), ("layer",), "sqrt(sum m_i^2 / N) for exp_avg and exp_avg_sq (stats)",
+          "gradient units / squared", "exp_avg near the gradient RMS, exp_avg_sq near its square", _ALL),
+        e("dp-replica-drift", lambda **o: ReplicaDrift(source_kinds=("param",), scope="global", **o),
+          ("param",), ("global",),
+          "max - min over dp replicas: bit hash (stat tensors-differing), sum(x) (max-sum-diff), "
+          "sampled elements (sampled-max-diff)", "count / parameter units", "all 0", _DRIFT,
+          options=frozenset({"select", "sample"})),
+        # activations
+        e("layer-residual-accumulator-l2", _made(L2Norm, ["residual_accumulator"], "layer"),
+          ("residual_accumulator",), ("layer",),
+          "sqrt(sum over tokens and features of h^2), h = block output (residual stream)", "activation units",
+          "grows with depth and token count; compare with the -rms form", _ALL),
+        e("layer-residual-contribution-l2", _made(L2Norm, ["residual_contribution"], "layer"),
+          ("residual_contribution",), ("layer",),
+          "sqrt(sum over tokens and features of (h_out - h_in)^2)", "activation units",
+          "well below the accumulator L2; a layer near 0 is bypassed", _ALL),
+        e("layer-residual-accumulator-rms", _made(Rms, ["residual_accumulator"], "layer"),
+          ("residual_accumulator",), ("layer",), "sqrt(mean over tokens and features of h^2)",
+          "activation units", "order 1 after normalization; steady growth with depth", _ALL),
+        e("layer-residual-contribution-rms", _made(Rms, ["residual_contribution"], "layer"),
+          ("residual_contribution",), ("layer",), "sqrt(mean over tokens and features of (h_out - h_in)^2)",
+          "activation units", "below the accumulator RMS", _ALL),
+        e("global-output-logits-l2", _made(L2Norm, ["logits"], "global"), ("logits",), ("global",),
+          "sqrt(sum over tokens and vocabulary of z^2)", "logit units", "grows with token count; no spikes",
+          _ALL),
+        e("output-logits-max", _made(Max, ["logits"], "global"), ("logits",), ("global",),
+          "max over tokens and vocabulary of z", "logit units", "tens at most; hundreds risk softmax round-off",
+          _ALL),
+        e("output-entropy", _made(OutputEntropy, ["logits"], "global"), ("logits",), ("global",),
+          "(1/T) sum_t -sum_v p_tv log p_tv, p_t = softmax(z_t)", "nats",
+          "falls from log V as the model learns; collapse to 0 is overconfidence", _ROWS),
+        e("layer-activation-rms", lambda **o: ModuleRms(source_kinds=("activation",), scope="tensor", **o),
+          ("activation",), ("tensor",),
+          f"sqrt(mean of y^2) of each chosen module's output y (modules default {list(DEFAULT_MODULES)})",
+          "activation units", "order 1; steady across steps", _ALL,
+          options=frozenset({"select", "modules"})),
+        # router
+        e("layer-router-logits-l2", _made(L2Norm, ["router_logits"], "layer"), ("router_logits",), ("layer",),
+          "sqrt(sum over tokens and experts of z^2)", "logit units", "grows with tokens; no spikes", _ALL),
+        e("layer-router-logits-max", _made(Max, ["router_logits"], "layer"), ("router_logits",), ("layer",),
+          "max over tokens and experts of z", "logit units", "small (under 10s); growth precedes collapse", _ALL),
+        e("layer-router-logits-median", _made(QuantileMetric, ["router_logits"], "layer"), ("router_logits",),
+          ("layer",), "lower median of z from a merged log2 histogram (1024 bins/sign over 2^-20..2^12: "
+          "relative error <= 1.1%)", "logit units", "near 0, stable", _COUNTS,
+          options=frozenset({"select", "bins"}), aliases=("layer-router-logits-sampled-median",)),
+        e("layer-router-decision-entropy", _made(DecisionEntropy, ["router_scores", "router_logits"], "layer"),
+          ("router_scores", "router_logits"), ("layer",),
+          "(1/T) sum_t H(p_t) / log E (scores, or softmax of logits)", "fraction of log E",
+          "well inside (0, 1); 1 = no decision, 0 = collapsed", _ROWS),
+        e("layer-expert-tokens", _made(ExpertTokens, ["router_topk"], "layer"), ("router_topk",), ("layer",),
+          "tokens dispatched to each global expert (vector of length E)", "tokens", "about k T / E each", _TOPK),
+        e("layer-expert-load-imbalance", _made(ExpertLoadImbalance, ["router_topk"], "layer"), ("router_topk",),
+          ("layer",), "max_e n_e / mean_e n_e (stat max-over-mean); std_e n_e / mean_e n_e (stat cv)", "ratio",
+          "max-over-mean near 1, cv near 0", _TOPK),
+        e("layer-dead-experts", _made(DeadExperts, ["router_topk"], "layer"), ("router_topk",), ("layer",),
+          "#{experts with no dispatched token in the step}", "experts", "0", _TOPK),
+        e("layer-router-z-loss", _made(RouterZLoss, ["router_logits"], "layer"), ("router_logits",), ("layer",),
+          "(1/T) sum_t (logsumexp_e z_te)^2 (ST-MoE)", "logit units squared", "small and stable", _ROWS),
+        e("layer-router-health", lambda **o: RouterHealth(**o), ("router_topk", "router_scores", "router_logits",
+          "expert_bias"), ("global",),
+          "cross-layer roll-up and worst layer of sequence aux loss E sum a_i s_i, imbalances "
+          "E sum (x_i - 1/E)^2, whole-batch loss and gap, max-over-mean, top-k boundary margin",
+          "dimensionless", "losses and max-over-mean 1, imbalances and gap 0, margin large", _ROUTER_ROWS),
+        e("layer-router-routing-balance", lambda **o: RoutingBalance(**o), ("router_topk", "router_scores",
+          "router_logits", "expert_bias"), ("layer", "global"),
+          "dispatched vs unbiased top-k: E sum (c_i - 1/E)^2, 1/2 sum |a_i - c_i|, overlap, E max c, "
+          "inactive fraction; per sequence and whole batch", "dimensionless",
+          "imbalance 0, tv 0, overlap 1, max-over-mean 1, inactive 0", _ROUTER_ROWS),
+        e("layer-router-seq-aux-decomposition", lambda **o: SeqAuxDecomposition(**o),
+          ("router_topk", "router_scores", "router_logits", "expert_bias"), ("layer", "global"),
+          "E sum a_i s_i = 1 + coupling; assignment and score imbalance E sum (x_i - 1/E)^2; alignment",
+          "dimensionless", "loss 1, imbalances 0", _ROUTER_ROWS),
+        e("layer-router-expert-bias", lambda **o: ExpertBias(**o), ("router_topk", "router_scores",
+          "router_logits", "expert_bias"), ("layer", "global"),
+          "mean, std, rms, range, max|b| of the expert bias; corr(b, scores / aux load / dispatched load)",
+          "bias units / correlation", "bounded bias; negative correlation with scores", _ROUTER_ROWS),
+    ]
+    return entries
+
+
+_ENTRIES: dict[str, CatalogueEntry] = {entry.name: entry for entry in _entries()}
+ALIASES: dict[str, str] = {alias: entry.name for entry in _ENTRIES.values() for alias in entry.aliases}
+"""Alias -> canonical name (the Megatron-LM names that differ from ours)."""
+
+
+def catalogue_entries() -> list[CatalogueEntry]:
+    """Every entry, in catalogue order (parameters and gradients, activations, router)."""
+    return list(_ENTRIES.values())
+
+
+def metric_names() -> list[str]:
+    """Canonical names and aliases, sorted (for close-match suggestions)."""
+    return sorted(set(_ENTRIES) | set(ALIASES))
+
+
+def resolve_metric(name: str) -> str:
+    """The canonical name of ``name`` (a canonical name or an alias).
+
+    Raises:
+        KeyError: unknown name; the message lists close matches.
+    """
+    if name in _ENTRIES:
+        return name
+    if name in ALIASES:
+        return ALIASES[name]
+    close = difflib.get_close_matches(name, metric_names(), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise KeyError(f"unknown metric {name!r}{hint} (`tmetrics metrics` lists them all)")
+
+
+def build_metric(name: str, *, select: str | Sequence[str] | None = None,
+                 modules: str | Sequence[str] | None = None, bins: int | None = None,
+                 sample: int | None = None) -> TensorMetric:
+    """Build the metric called ``name`` (canonical or alias); its ``name`` is canonical.
+
+    Args:
+        select: globs on canonical tensor names narrowing the sites (empty: all).
+        modules: globs on module names (``layer-activation-rms`` only).
+        bins: log-spaced bins per sign (histograms and the router-logit median).
+        sample: element positions compared per tensor (``dp-replica-drift``).
+
+    Raises:
+        ConfigError: unknown name (``path="name"``, with close matches), or an option the metric
+            does not take (``path`` names the option; the message lists the ones it takes).
+    """
+    try:
+        canonical = resolve_metric(name)
+    except KeyError as exc:
+        raise ConfigError(str(exc.args[0]), path="name") from None
+    entry = _ENTRIES[canonical]
+    given = {"select": select, "modules": modules, "bins": bins, "sample": sample}
+    options = {k: v for k, v in given.items() if v not in (None, (), [], "")}
+    for option in options:
+        if option not in entry.options:
+            takes = ", ".join(sorted(entry.options))
+            raise ConfigError(
+                f"metric {canonical!r} takes no {option!r} option (it takes: {takes}); remove "
+                f"{option!r} from this metric's entry", path=option)
+    if "select" in options:
+        options["select"] = (options["select"],) if isinstance(options["select"], str) else tuple(options["select"])
+    return entry.build(name=canonical, **options)
+
+
+def describe_catalogue(fmt: Literal["table", "json"] = "table") -> str:
+    """The catalogue for ``tmetrics metrics``: name, source kinds, scopes, formula, baseline.
+
+    ``"table"``: aligned plain text, formulas wrapped, aliases listed after the table.
+    ``"json"``: ``{"metrics": [...entries...], "aliases": {...}}``.
+
+    Raises:
+        ConfigError: ``fmt`` is neither ``"table"`` nor ``"json"``.
+    """
+    if fmt == "json":
+        return json.dumps({"metrics": [e.describe() for e in _ENTRIES.values()], "aliases": ALIASES}, indent=2)
+    if fmt != "table":
+        raise ConfigError(f"got {fmt!r}; need 'table' or 'json'", path="format")
+    headers = ("name", "source kinds", "scope", "formula", "baseline")
+    rows = [(e.name, ", ".join(e.source_kinds), ", ".join(e.scopes), e.formula, e.baseline) for e in _ENTRIES.values()]
+    widths = [max(len(r[0]) for r in rows), 21, 13, 46, 36]
+    lines = [_line(headers, widths), _line(tuple("-" * w for w in widths), widths)]
+    for row in rows:
+        cells = [textwrap.wrap(cell, w) or [""] if i else [cell] for i, (cell, w) in enumerate(zip(row, widths))]
+        for j in range(max(len(c) for c in cells)):
+            lines.append(_line(tuple(c[j] if j < len(c) else "" for c in cells), widths))
+    lines.append("")
+    lines.append("aliases (Megatron-LM names): " + ", ".join(f"{a} -> {c}" for a, c in sorted(ALIASES.items())))
+    return "\n".join(lines)
+
+
+def _line(cells: tuple[str, ...], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()

@@ -1,0 +1,72 @@
+"""Optimizer-side metrics: the relative size of a step and the scale of Adam's state.
+
+Both combine source kinds of the same layer, read per kind from the group's statistics
+(``stats["update:sumsq"]``...). Parameters, updates and optimizer state carry their tensors'
+placements, so each sum of squares counts every element once across Shard, FlatShard (ZeRO)
+and Owned (EP, PP) layouts and never twice across Replica axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tmetrics_core.metrics.base import StatMetric
+from tmetrics_core.metrics.statistics import COUNT, SUMSQ
+
+__all__ = ["OptimizerStateRms", "UpdateRatio"]
+
+
+class UpdateRatio(StatMetric):
+    """Relative update size per layer: ``||Δθ|| / ||θ||`` (dimensionless).
+
+    ``Δθ`` is the ``update`` site (parameter after the optimizer step minus before it, on due
+    steps) and ``θ`` the ``param`` site of the same tensor at the same step (after the step).
+    Both norms run over the layer's tensors that have an update; parameters without one
+    (frozen, or not stepped) are left out of ``||θ||`` too. ``inf`` when ``||θ|| = 0`` and the
+    update is not, NaN when both are 0.
+
+    Healthy training typically shows about 1e-3 per step for Adam (learning rate scale);
+    much larger ratios signal instability, much smaller ones a stalled layer.
+    """
+
+    statistics = (SUMSQ,)
+    source_kinds = frozenset({"update", "param"})
+    scope = "layer"
+    formula = "sqrt(sum_i Δθ_i^2) / sqrt(sum_i θ_i^2) over the layer's updated tensors"
+
+    def prepare(self, sites, tensors, topology, memo):
+        """Drop ``param`` sites whose tensor has no ``update`` site this step (rank-symmetric:
+        every rank knows every site)."""
+        updated = {s.name for s in sites if s.kind == "update"}
+        kept = [(s, t) for s, t in zip(sites, tensors) if s.kind == "update" or s.name in updated]
+        return super().prepare([s for s, _ in kept], [t for _, t in kept], topology, memo)
+
+    def finalize(self, stats):
+        update = stats.get("update:sumsq", [0.0])[0]
+        param = stats.get("param:sumsq", [0.0])[0]
+        if param == 0.0:
+            return math.nan if update == 0.0 else math.inf
+        return math.sqrt(update / param)
+
+
+class OptimizerStateRms(StatMetric):
+    """RMS of Adam's moment estimates per layer, one stat per kind present:
+    ``exp_avg`` (first moment, units of the gradient) and ``exp_avg_sq`` (second moment, units
+    of the gradient squared): ``sqrt(sum m_i^2 / N)`` over the layer's state elements.
+
+    ``exp_avg_sq`` near 0 with a non-zero ``exp_avg`` makes Adam's step explode; a collapsing
+    ``exp_avg`` means gradients vanished.
+    """
+
+    statistics = (SUMSQ, COUNT)
+    source_kinds = frozenset({"exp_avg", "exp_avg_sq"})
+    scope = "layer"
+    formula = "sqrt(sum_i m_i^2 / N) for m in {exp_avg, exp_avg_sq}"
+
+    def finalize(self, stats):
+        out = {}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if f"{kind}:count" in stats:
+                n = stats[f"{kind}:count"][0]
+                out[kind] = math.sqrt(stats[f"{kind}:sumsq"][0] / n) if n else math.nan
+        return out
