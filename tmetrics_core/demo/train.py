@@ -220,7 +220,7 @@ class Trainer:
         self.corpus = corpus
         self.config = config
         self.optimizer = AdamW(_param_groups(parallel.model, config.weight_decay), lr=config.lr,
-                               betas=config.betas, foreach=False)
+                               betas=config.betas)
         self.metrics: StepMetrics = (NullMetrics() if metrics is None
                                      else metrics(parallel.module, self.optimizer, parallel.mesh))
         self.is_logging_rank = not dist.is_initialized() or dist.get_rank() == 0
@@ -284,9 +284,9 @@ class Trainer:
             for step in range(1, self.config.steps + 1):
                 result = self.step(step)
                 results.append(result)
-                bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens / result.seconds:,.0f}",
                                 skipped=sum(r.skipped for r in results), refresh=False)
+                bar.update(1)
         finally:
             bar.close()
             self.metrics.close()
