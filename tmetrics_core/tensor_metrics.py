@@ -46,6 +46,7 @@ from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.observe import _ACTIVE
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver
@@ -74,6 +75,9 @@ class TensorMetrics:
         layer_offset, expert_offset: first global layer / expert index held by this rank when
             the model's own names are local (pipeline stage, expert-parallel rank).
         timeout_s: bound on every collective, seconds.
+        modules: metric name -> globs of module paths whose outputs an ``activation`` metric reads.
+        flat_buffers: ZeRO-style flat shards that hold a source kind (grads, master weights, Adam
+            state) instead of the parameters (see :class:`~tmetrics_core.sources.flat.FlatBuffer`).
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
@@ -86,7 +90,8 @@ class TensorMetrics:
                  hub: Any = None, run: RunInfo | None = None, collectives: Collectives | None = None,
                  check_plan: str = "first", placements: Mapping[str, Mapping[str, str]] | None = None,
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
-                 modules: Mapping[str, Sequence[str]] | None = None) -> None:
+                 modules: Mapping[str, Sequence[str]] | None = None,
+                 flat_buffers: Sequence[FlatBuffer] = ()) -> None:
         self.model = model
         self.optimizer = optimizer
         self.topology = topology or Topology.single_process()
@@ -98,6 +103,7 @@ class TensorMetrics:
                                        layer_offset=layer_offset, expert_offset=expert_offset)
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
+        self.flat = {fb.kind: fb for fb in flat_buffers}
         self.tokens = TokenPlan(self.topology)
         self.last_records: list[MetricRecord] = []
         self.failures: list[MetricFailure] = []
@@ -149,7 +155,7 @@ class TensorMetrics:
         for metric, _ in self.metrics:
             kinds = set(metric.source_kinds)
             param_sites = [s for kind in kinds & (PARAM_KINDS | OPTIMIZER_KINDS) for s in self.manifest.sites(kind)]
-            if kinds & {"exp_avg", "exp_avg_sq"} and not adam:
+            if kinds & {"exp_avg", "exp_avg_sq"} - set(self.flat) and not adam:
                 raise ConfigError(f"metric {metric.name!r} reads Adam state (exp_avg, exp_avg_sq) but the optimizer "
                                   f"is {type(self.optimizer).__name__}; pass an Adam/AdamW optimizer or drop it",
                                   path="metrics")
@@ -257,6 +263,13 @@ class TensorMetrics:
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
         for kind in sorted({k for m in metrics for k in m.source_kinds}):
+            if kind in self.flat:
+                flat_sites, flat_tensors = self.flat[kind].read(self.manifest, self.topology.names)
+                plain = read_kind(kind, self.manifest, self.optimizer, self._before)
+                sites.extend(flat_sites)
+                tensors.extend(t if covered else p for t, p, covered in
+                               zip(flat_tensors, plain, self.flat[kind].covers(self.manifest)))
+                continue
             sites.extend(self.manifest.sites(kind))
             if kind == "param" and phase == "post" and self._before is not None:
                 tensors.extend(self._before.get(e.name) for e in self.manifest.entries)

@@ -1,0 +1,84 @@
+"""Flat-sharded buffers (ZeRO / distributed optimizer): a source that reads a kind from them.
+
+A ZeRO-2/3 or Megatron distributed optimizer keeps gradients, master weights or Adam state as
+one flat buffer: the row-major flattenings of its parameters, concatenated, split into
+contiguous ranges across the data-parallel axis. Rank ``r`` holds ``buffer`` = elements
+``[offset, offset + buffer.numel())`` of that concatenation. Each parameter then appears on
+each rank as a ``FlatShard`` (possibly empty, possibly cutting rows) of its logical shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.manifest import Manifest
+from tmetrics_core.placements import FlatShard
+from tmetrics_core.site import Site
+
+__all__ = ["FlatBuffer"]
+
+
+@dataclass(frozen=True)
+class FlatBuffer:
+    """This rank's range of a flat buffer holding source ``kind`` of ``params``.
+
+    Attributes:
+        kind: ``"grad"``, ``"param"`` (master weights), ``"exp_avg"`` or ``"exp_avg_sq"``.
+        axis: the axis the buffer is sharded over (``"dp"``).
+        params: the parameters in buffer order (every rank passes the same list).
+        buffer: 1-D tensor, this rank's elements; read at each due step (update it in place).
+        offset: index of ``buffer[0]`` in the whole concatenation.
+    """
+
+    kind: str
+    axis: str
+    params: Sequence[torch.nn.Parameter]
+    buffer: torch.Tensor
+    offset: int
+
+    def covers(self, manifest: Manifest) -> list[bool]:
+        """Per manifest entry, whether this buffer holds it (others are read as usual)."""
+        ids = {id(p) for p in self.params}
+        return [id(manifest.local.get(e.name)) in ids for e in manifest.entries]
+
+    def read(self, manifest: Manifest, topology_axes: Sequence[str]) -> tuple[list[Site], list[torch.Tensor | None]]:
+        """Sites (FlatShard on ``axis``) and local views for every manifest entry, in manifest
+        order; entries not in the buffer keep their site and get None (see :meth:`covers`).
+
+        Raises ``ConfigError`` for an axis not in the topology or a parameter not in the model.
+        """
+        if self.axis not in topology_axes:
+            raise ConfigError(f"flat buffer axis {self.axis!r} is not an axis of the topology {list(topology_axes)}")
+        by_id = {id(p): name for name, p in manifest.local.items()}
+        ranges: dict[str, tuple[int, int]] = {}
+        cursor = 0
+        for p in self.params:
+            name = by_id.get(id(p))
+            if name is None:
+                raise ConfigError("a flat buffer lists a parameter that is not in the model given to TensorMetrics")
+            ranges[name] = (cursor, cursor + p.numel())
+            cursor += p.numel()
+        lo, hi = self.offset, self.offset + self.buffer.numel()
+        sites: list[Site] = []
+        tensors: list[torch.Tensor | None] = []
+        for entry in manifest.entries:
+            site = entry.site(self.kind)
+            if entry.name not in ranges:
+                sites.append(site)
+                tensors.append(None)
+                continue
+            start, end = ranges[entry.name]
+            a, b = max(start, lo), min(end, hi)
+            a, b = (a, b) if a < b else (start, start)
+            shard = FlatShard(entry.shape, start=a - start, end=b - start)
+            placements = tuple(p for p in site.placements if p[0] != self.axis) + ((self.axis, shard),)
+            order = {n: i for i, n in enumerate(topology_axes)}
+            placements = tuple(sorted(placements, key=lambda ap: order.get(ap[0], 0)))
+            sites.append(dataclasses.replace(site, placements=placements))
+            tensors.append(self.buffer.detach()[a - lo:b - lo] if a < b else self.buffer.detach()[:0])
+        return sites, tensors
