@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from hypothesis import strategies as st
@@ -47,6 +47,8 @@ class SiteCase:
     """Rows per indivisible unit of a population split (a sequence)."""
     seed: int = 0
     family: str = ""
+    drift: str = ""
+    """How the copies on ``dp`` differ (:func:`drift_replicas`): "", "everywhere" or "first"."""
 
 
 @dataclass
@@ -130,11 +132,16 @@ def _is_tokens(sc: SiteCase) -> bool:
 
 
 def run_case(rank: int, case: Case, topology: Topology, collectives: Collectives,
-             specs: Sequence[MetricSpec]) -> dict[str, list[tuple[Labels, Any]]]:
+             specs: Sequence[MetricSpec], perturb: Callable[..., torch.Tensor] | None = None
+             ) -> dict[str, list[tuple[Labels, Any]]]:
     """Run catalogue metrics ``specs`` on ``case`` as rank ``rank``: configuration checks,
-    Partial materialization, one prepare per micro-batch (states merged), the executor."""
+    Partial materialization, one prepare per micro-batch (states merged), the executor.
+    ``perturb(site_case, coords, local)`` may change what this rank holds (replicas that drift)."""
     coords = [topology.axes[n].rank for n in case.names]
     views = [local_view(sc, coords, case) for sc in case.sites]
+    if perturb is not None:
+        axis_coords = dict(zip(case.names, coords))
+        views = [(s, t if t is None else perturb(sc, axis_coords, t)) for (s, t), sc in zip(views, case.sites)]
     sites = [s for s, _ in views]
     tensors = [t for _, t in views]
     executor = Executor(topology, collectives=collectives, timeout_s=30.0)
@@ -157,6 +164,18 @@ def run_case(rank: int, case: Case, topology: Topology, collectives: Collectives
     results, failures = executor.run(prepared, {s.key: s for s in sites}, check=True)
     assert not failures, failures
     return {name: [((r.layer, r.expert, r.tensor, r.stat), r.value) for r in rs] for name, rs in results.items()}
+
+
+def drift_replicas(sc: SiteCase, coords: dict[str, int], local: torch.Tensor) -> torch.Tensor:
+    """Replica ``r`` on ``dp`` adds ``0.5 r`` to every element ("everywhere"), or, for ``r >= 1``,
+    0.5 to the first element of its local shard ("first"); exact for integer-valued data."""
+    replica = coords.get("dp", 0)
+    if sc.drift == "everywhere":
+        return local + 0.5 * replica
+    if sc.drift == "first" and replica and local.numel():
+        local = local.clone()
+        local.view(-1)[0] += 0.5
+    return local
 
 
 def _micro(t: torch.Tensor | None, sc: SiteCase, part: int, parts: int) -> torch.Tensor | None:
