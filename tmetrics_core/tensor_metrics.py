@@ -204,7 +204,8 @@ class TensorMetrics:
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
         observer = handles = reset = None
         if token_metrics:
-            observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self.manifest.num_experts)
+            observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self.manifest.num_experts,
+                                     modules=self.modules)
             kinds = observer.kinds
             patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
             handles = self.index.install(observer.record, residual="residual_accumulator" in kinds,

@@ -10,7 +10,8 @@ the model; the executor then skips it on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from fnmatch import fnmatchcase
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -37,8 +38,9 @@ class TokenObserver:
     """
 
     def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
-                 *, num_experts: int | None = None) -> None:
+                 *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None) -> None:
         self.metrics = list(metrics)
+        self.modules = dict(modules or {})
         self.topology = topology
         self.index = index
         self.num_experts = num_experts
@@ -60,9 +62,12 @@ class TokenObserver:
         if self._mask is not None and self._mask.numel() == x.shape[0]:
             x = x[self._mask.to(x.device)]
         path = self.index.path(module)
-        site = self._site(f"{path}.{name}" if name else path, kind, x, shard_dim, path)
+        site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path)
         for metric in self.metrics:
             if metric.name in self.errors or not metric.accepts(site):
+                continue
+            patterns = self.modules.get(metric.name)
+            if kind == "activation" and patterns and not any(fnmatchcase(path, p) for p in patterns):
                 continue
             try:
                 state = metric.prepare([site], [x], self.topology, {})
