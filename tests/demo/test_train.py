@@ -101,6 +101,9 @@ class _Probe:
             yield
         self.events.append(f"exit {step}")
 
+    def observe_gradients(self) -> None:
+        self.events.append(f"gradients {self.current}")
+
     def close(self) -> None:
         self.events.append("close")
 
@@ -117,8 +120,8 @@ def test_metrics_hook_point_wraps_each_whole_step(corpus: ByteCorpus) -> None:
     built: list[_Probe] = []
     _trainer(corpus, metrics=_probe_factory(0, built), steps=3).run(progress=False)
     (probe,) = built
-    assert probe.events == ["enter 1", "pre-step 1", "exit 1", "enter 2", "pre-step 2", "exit 2",
-                            "enter 3", "pre-step 3", "exit 3", "close"]
+    assert probe.events == ["enter 1", "gradients 1", "pre-step 1", "exit 1", "enter 2", "gradients 2", "pre-step 2",
+                            "exit 2", "enter 3", "gradients 3", "pre-step 3", "exit 3", "close"]
     assert all(len(probe.topk[s]) == 1 for s in (1, 2, 3))  # one routing site per step in the layer
 
 

@@ -152,6 +152,10 @@ class StepMetrics(Protocol):
         """Scope of one training step: forward, backward, optimizer step and zero_grad."""
         ...
 
+    def observe_gradients(self) -> None:
+        """Read gradients now, before clipping (so gradient norms are the unclipped ones)."""
+        ...
+
     def close(self) -> None:
         """Flush and release everything; called once after the last step."""
         ...
@@ -169,6 +173,9 @@ class NullMetrics:
 
     def step(self, step: int) -> AbstractContextManager[object]:
         return contextlib.nullcontext()
+
+    def observe_gradients(self) -> None:
+        return None
 
     def close(self) -> None:
         return None
@@ -250,6 +257,7 @@ class Trainer:
         hook the metrics registered) drops the gradients, and AdamW leaves parameters and
         moments untouched. Returns ``(grad_norm, skipped)``.
         """
+        self.metrics.observe_gradients()  # before clipping: gradient metrics are pre-clip, like the norm below
         norm = self.parallel.clip_grad_norm_(self.config.grad_clip)
         base = self.config.lr_at(step)
         for group in self.optimizer.param_groups:
