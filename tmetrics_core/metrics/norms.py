@@ -12,7 +12,18 @@ from __future__ import annotations
 import math
 
 from tmetrics_core.metrics.base import StatMetric
-from tmetrics_core.metrics.statistics import ABSMAX, COUNT, MAX, MIN, NONFINITE, SUM, SUMSQ, ZEROS, RowL2
+from tmetrics_core.metrics.statistics import (
+    ABSMAX,
+    COUNT,
+    MAX,
+    MIN,
+    NONFINITE,
+    SUM,
+    SUMSQ,
+    ZEROS,
+    RowL2,
+    flagged_value,
+)
 
 __all__ = ["AbsMax", "L2Norm", "Max", "Mean", "MeanLineL2", "Min", "NonFinite", "Rms", "ZeroFraction"]
 
@@ -48,7 +59,7 @@ class AbsMax(StatMetric):
     formula = "max_i |x_i|"
 
     def finalize(self, stats):
-        return stats["absmax"][0]
+        return flagged_value(stats["absmax"])
 
 
 class Max(StatMetric):
@@ -58,7 +69,7 @@ class Max(StatMetric):
     formula = "max_i x_i"
 
     def finalize(self, stats):
-        return stats["max"][0]
+        return flagged_value(stats["max"])
 
 
 class Min(StatMetric):
@@ -68,7 +79,7 @@ class Min(StatMetric):
     formula = "min_i x_i"
 
     def finalize(self, stats):
-        return stats["min"][0]
+        return flagged_value(stats["min"])
 
 
 class Mean(StatMetric):

@@ -34,6 +34,7 @@ __all__ = [
     "SUMSQ",
     "ZEROS",
     "ColumnL2",
+    "flagged_value",
     "RowL2",
     "Stage",
     "Statistic",
@@ -150,9 +151,18 @@ class _SumSq(Statistic):
 
 
 class _AbsMax(Statistic):
-    """Largest absolute value (0 for an empty tensor; NaN propagates)."""
+    """``[largest absolute value, NaN flag]`` (0 for an empty tensor).
+
+    NOTE [NaN under MAX]: gloo's (and NCCL's) MAX and MIN keep a NaN only when it comes first,
+    so a NaN on one shard could vanish in the reduction. Extreme statistics therefore carry
+    the NaN as a flag reduced with the same op (here 1.0 when NaN is present, else 0.0) and
+    the value without it; metrics report NaN when the flag is set (:func:`flagged_value`).
+    """
 
     name, op = "absmax", "max"
+
+    def size(self, site):
+        return 2
 
     def compute(self, tensors, sites, topology):
         if not tensors:
@@ -169,8 +179,23 @@ class _AbsMax(Statistic):
         else:
             peaks = torch._foreach_norm(full, float("inf"), dtype=torch.float32) if full else []
         values = iter(peaks)
-        return [next(values).reshape(1).double() if t.numel() else torch.zeros(1, dtype=torch.float64, device=t.device)
-                for t in tensors]
+        out = []
+        for t in tensors:
+            peak = next(values).double() if t.numel() else torch.zeros((), dtype=torch.float64, device=t.device)
+            out.append(_with_flag(peak, 0.0, 1.0))
+        return out
+
+
+def _with_flag(value: torch.Tensor, neutral_value: float, flag: float) -> torch.Tensor:
+    """``[value, 0]``, or ``[neutral_value, flag]`` when ``value`` is NaN."""
+    nan = torch.isnan(value)
+    return torch.stack([torch.where(nan, torch.full_like(value, neutral_value), value),
+                        torch.where(nan, torch.full_like(value, flag), torch.zeros_like(value))])
+
+
+def flagged_value(vector: Sequence[float]) -> float:
+    """The value of an extreme statistic ``[value, flag]``: NaN when the flag is set."""
+    return math.nan if vector[1] not in (0.0, -math.inf, math.inf) else vector[0]
 
 
 class _Count(Statistic):
@@ -192,21 +217,30 @@ class _Sum(Statistic):
 
 
 class _Max(Statistic):
-    """Largest element (-inf for an empty tensor)."""
+    """``[largest element, NaN flag]`` (-inf for an empty tensor; flag as in ``_AbsMax``)."""
 
     name, op = "max", "max"
 
+    def size(self, site):
+        return 2
+
     def compute(self, tensors, sites, topology):
-        return [t.max().reshape(1).double() if t.numel() else neutral("max", 1, t.device) for t in tensors]
+        return [_with_flag(t.max().double(), -math.inf, 1.0) if t.numel() else neutral("max", 2, t.device)
+                for t in tensors]
 
 
 class _Min(Statistic):
-    """Smallest element (+inf for an empty tensor)."""
+    """``[smallest element, -NaN flag]`` (+inf for an empty tensor; the flag is -1.0 when NaN
+    is present, so the MIN reduction keeps it)."""
 
     name, op = "min", "min"
 
+    def size(self, site):
+        return 2
+
     def compute(self, tensors, sites, topology):
-        return [t.min().reshape(1).double() if t.numel() else neutral("min", 1, t.device) for t in tensors]
+        return [_with_flag(t.min().double(), math.inf, -1.0) if t.numel() else neutral("min", 2, t.device)
+                for t in tensors]
 
 
 class _NonFinite(Statistic):
