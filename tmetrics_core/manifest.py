@@ -173,7 +173,7 @@ def _merge(everything: Iterable[Any], topology: Topology,
         holders = held[name]
         row = holders[0][2]
         from_dtensor = {a: parse_placement(p) for a, p in row[8]}
-        override = _override(name, overrides, topology)
+        override = _override(name, tuple(row[6]), overrides, topology)
         placements = []
         for axis in topology.names:
             size = topology.axes[axis].size
@@ -205,7 +205,9 @@ def _infer(name: str, axis: str, size: int, holders: list) -> Placement:
     )
 
 
-def _override(name: str, overrides: Mapping[str, Mapping[str, str]], topology: Topology) -> dict[str, Placement]:
+def _override(name: str, shape: tuple[int, ...], overrides: Mapping[str, Mapping[str, str]],
+              topology: Topology) -> dict[str, Placement]:
+    """The config's placements for tensor ``name``, each checked against its shape and axis."""
     out: dict[str, Placement] = {}
     for pattern, spec in overrides.items():
         if not fnmatchcase(name, pattern):
@@ -215,7 +217,17 @@ def _override(name: str, overrides: Mapping[str, Mapping[str, str]], topology: T
                 raise ConfigError(f"axis {axis!r} is not in the topology {list(topology.names)}",
                                   path=f"placements.{pattern}")
             try:
-                out[axis] = parse_placement(text)
+                placement = parse_placement(text)
             except PlacementError as exc:
                 raise ConfigError(str(exc), path=f"placements.{pattern}.{axis}") from exc
+            where = f"placements.{pattern}.{axis}"
+            size = topology.axes[axis].size
+            dim = getattr(placement, "dim", None) if placement.is_shard() else None
+            if dim is not None and dim >= len(shape):
+                raise ConfigError(f"{placement} on tensor {name!r} of shape {shape}: a {len(shape)}-dim tensor "
+                                  f"has dims 0..{len(shape) - 1}; fix the dim or the glob", path=where)
+            if placement.is_owned() and getattr(placement, "rank") >= size:
+                raise ConfigError(f"{placement} on tensor {name!r}: axis {axis!r} has {size} rank(s), "
+                                  f"0..{size - 1}; fix the rank or the glob", path=where)
+            out[axis] = placement
     return out

@@ -77,4 +77,5 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     modules = {mc.name: mc.modules for mc in config.metrics if mc.modules}
     return cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
                check_plan=config.distributed.check_plan, placements=config.placements,
-               timeout_s=config.distributed.collective_timeout_s, modules=modules, **kwargs)
+               timeout_s=config.distributed.collective_timeout_s, modules=modules,
+               key_rules=[sink.key_rules for sink in built], **kwargs)

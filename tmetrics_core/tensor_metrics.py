@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from fnmatch import fnmatchcase
 import json
 import logging
 import os
@@ -41,8 +42,10 @@ from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.evaluation import prepare_states, resolve_partials
 from tmetrics_core.executor import Executor, MetricFailure
 from tmetrics_core.hub import NullHub
+from tmetrics_core.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.manifest import Manifest
 from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
@@ -78,11 +81,14 @@ class TensorMetrics:
         modules: metric name -> globs of module paths whose outputs an ``activation`` metric reads.
         flat_buffers: ZeRO-style flat shards that hold a source kind (grads, master weights, Adam
             state) instead of the parameters (see :class:`~tmetrics_core.sources.flat.FlatBuffer`).
+        key_rules: the key rules of every configured sink (on every rank, logging or not), so
+            tensor names that render to one key are refused before the first step.
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
             source kind the model or optimizer never produces, a placement a metric cannot
-            handle (with the metric and tensor named).
+            handle (with the metric and tensor named; path ``metrics[i]``), two tensors whose
+            labels render to one key of a sink (path ``sinks.<backend>``).
     """
 
     def __init__(self, model: torch.nn.Module, *, metrics: Sequence[tuple[TensorMetric, int]],
@@ -91,7 +97,7 @@ class TensorMetrics:
                  check_plan: str = "first", placements: Mapping[str, Mapping[str, str]] | None = None,
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
-                 flat_buffers: Sequence[FlatBuffer] = ()) -> None:
+                 flat_buffers: Sequence[FlatBuffer] = (), key_rules: Sequence[KeyRules] = ()) -> None:
         self.model = model
         self.optimizer = optimizer
         self.topology = topology or Topology.single_process()
@@ -116,7 +122,7 @@ class TensorMetrics:
         self._before: dict[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
         self._closed = False
-        self._check_config()
+        self._check_config(key_rules)
         self._hooks = []
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
@@ -149,45 +155,62 @@ class TensorMetrics:
         return build_from_config(cls, source, model=model, optimizer=optimizer, mesh=mesh, axes=axes,
                                  sinks=sinks, run_dir=run_dir, **kwargs)
 
-    def _check_config(self) -> None:
+    def _check_config(self, key_rules: Sequence[KeyRules]) -> None:
         components = {e.component for e in self.manifest.entries}
         adam = self.optimizer is not None and "betas" in getattr(self.optimizer, "defaults", {})
-        for metric, _ in self.metrics:
+        for index, (metric, _) in enumerate(self.metrics):
+            path = f"metrics[{index}]"
             kinds = set(metric.source_kinds)
             param_sites = [s for kind in kinds & (PARAM_KINDS | OPTIMIZER_KINDS) for s in self.manifest.sites(kind)]
             if kinds & {"exp_avg", "exp_avg_sq"} - set(self.flat) and not adam:
                 raise ConfigError(f"metric {metric.name!r} reads Adam state (exp_avg, exp_avg_sq) but the optimizer "
                                   f"is {type(self.optimizer).__name__}; pass an Adam/AdamW optimizer or drop it",
-                                  path="metrics")
+                                  path=path)
             if kinds & {"update"} and self.optimizer is None:
                 raise ConfigError(f"metric {metric.name!r} measures optimizer updates; pass optimizer=",
-                                  path="metrics")
+                                  path=path)
             if kinds & {"router_logits", "router_topk", "router_scores"} and "moe.router" not in components:
                 raise ConfigError(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
                                   "parameter (canonical component moe.router); drop it for a dense model",
-                                  path="metrics")
+                                  path=path)
             if kinds & {"residual_accumulator", "residual_contribution"} and not self.index.blocks:
                 raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
-                                  "decoder.layers; none found in the model", path="metrics")
+                                  "decoder.layers; none found in the model", path=path)
             if "logits" in kinds and self.index.head is None:
                 raise ConfigError(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
-                                  "output_layer as an nn.Linear); none found", path="metrics")
+                                  "output_layer as an nn.Linear); none found", path=path)
             patterns = self.modules.get(metric.name, ())
             if "activation" in kinds and not self.index.matching(patterns or ("",)):
                 raise ConfigError(f"metric {metric.name!r}: modules pattern {list(patterns)} matches no module; "
-                                  f"module paths look like {[p for p, _ in self.index.named[1:4]]}", path="metrics")
+                                  f"module paths look like {[p for p, _ in self.index.named[1:4]]}", path=path)
             chosen = [s for s in param_sites if metric.accepts(s)]
             if param_sites and not chosen:
-                select = getattr(metric, "select", ())
-                raise ConfigError(f"metric {metric.name!r}: select {list(select)} matches no tensor; canonical names "
-                                  f"look like {[e.name for e in self.manifest.entries[:3]]} (see `tmetrics names`)",
-                                  path="metrics")
+                raise ConfigError(_nothing_chosen(metric, param_sites, self.manifest), path=path)
             for site in chosen:
                 try:
                     metric.check(site, self.topology)
                 except PlacementError as exc:
                     raise ConfigError(f"metric {metric.name!r} cannot handle {site.describe()}: {exc}",
-                                      path="metrics") from exc
+                                      path=path) from exc
+        self._check_keys(key_rules)
+
+    def _check_keys(self, key_rules: Sequence[KeyRules]) -> None:
+        """Tensor and family labels come from the model's own names, which a backend may
+        rewrite (``w+1`` and ``w_1`` are one TensorBoard tag): refuse such a pair now rather
+        than fail every write of the run. Other labels are catalogue words and indices."""
+        labels = set()
+        for metric, _ in self.metrics:
+            scope = getattr(metric, "scope", None)
+            if scope not in ("tensor", "family"):
+                continue
+            for kind in set(metric.source_kinds) & (PARAM_KINDS | OPTIMIZER_KINDS):
+                for site in self.manifest.sites(kind):
+                    if metric.accepts(site):
+                        labels.add((metric.name, site.layer, site.expert, site.name, None) if scope == "tensor"
+                                   else (metric.name, None, None, site.family or site.name, None))
+        layer_width, expert_width = index_widths(self.manifest.num_layers, self.manifest.num_experts)
+        for rules in {r.name: r for r in key_rules}.values():
+            check_collisions(sorted(labels, key=repr), rules, layer_width=layer_width, expert_width=expert_width)
 
     # -- the step scope -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -351,6 +374,21 @@ class TensorMetrics:
                 os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manifest) -> str:
+    """Why ``metric`` has no tensor: its select matches none, or it can use none of those it
+    matches (their placements or shapes), with what the catalogue says it supports."""
+    select = tuple(getattr(metric, "select", ()))
+    matched = [s for s in sites if not select or any(fnmatchcase(s.name, p) for p in select)]
+    if not matched:
+        return (f"metric {metric.name!r}: select {list(select)} matches no tensor; canonical names look like "
+                f"{[e.name for e in manifest.entries[:3]]} (see `tmetrics names`)")
+    supported = {e.name: e.placements for e in catalogue_entries()}.get(metric.name)
+    where = f"its select {list(select)} matches" if select else "the model has"
+    return (f"metric {metric.name!r} can use none of the {len(matched)} tensors {where}, e.g. "
+            f"{matched[0].describe()}" + (f"; it supports: {supported}" if supported else "") +
+            "; change the placements or select, or drop the metric")
 
 
 def _write_manifest(run: RunInfo) -> None:

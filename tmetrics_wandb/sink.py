@@ -23,6 +23,7 @@ is also logged as an image ``<metric>/heatmap`` (``<metric>/<stat>-heatmap``): l
 
 from __future__ import annotations
 
+import logging
 import math
 import netrc
 import os
@@ -36,6 +37,8 @@ from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
 from tmetrics_wandb.heatmap import LayerHeatmap
 
 __all__ = ["STEP_KEY", "WandbSink"]
+
+_log = logging.getLogger("tmetrics.wandb")
 
 STEP_KEY = "tmetrics/step"
 """The logged step field, the x axis of every tmetrics chart in W&B."""
@@ -70,7 +73,8 @@ class WandbSink:
         entity (str, optional): the W&B team or user; default W&B's default entity.
         mode (str, optional): ``"online"``, ``"offline"`` or ``"disabled"``; default ``"offline"``
             when no API key is configured (``WANDB_API_KEY`` or a ``netrc`` entry for the W&B
-            host), ``"online"`` otherwise.
+            host), with a warning on the ``tmetrics.wandb`` logger that says so and how to
+            sync later; ``"online"`` otherwise.
         dir (str, optional): where W&B writes (``<dir>/wandb/...``) and keeps its cache, config
             and data directories unless ``WANDB_*_DIR`` are set; default ``<run.dir>``.
         name (str, optional): the run's display name; default the tmetrics run name.
@@ -149,6 +153,14 @@ class WandbSink:
         for variable, sub in _HOME_DIRS.items():
             os.environ.setdefault(variable, str(base / "wandb-home" / sub))
         mode = self.mode or ("online" if _api_key_configured() else "offline")
+        if self.mode is None and mode == "offline":
+            _log.warning(
+                "W&B: no API key found (WANDB_API_KEY or a netrc entry for the W&B host), so this run is "
+                "logged offline under %s; upload it later with `wandb sync %s`, or run `wandb login` "
+                "(or set mode: offline to silence this)",
+                base / "wandb",
+                base / "wandb" / "offline-run-*",
+            )
         layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
         self._book = KeyBook(WANDB_RULES, layer_width=layer_width, expert_width=expert_width)
         self._run = wandb.init(
