@@ -86,7 +86,7 @@ def _rank(rank, world, comm, case, specs):
     return run_case(rank, case, sim_topology(rank, case.shape, case.names), comm, specs)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_activation_metrics_equal_unsharded_reference(case):
     want, custom = reference(case)

@@ -115,7 +115,7 @@ def _rank(rank, world, comm, case, specs):
     return run_case(rank, case, sim_topology(rank, case.shape, case.names), comm, specs)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_param_and_grad_metrics_equal_unsharded_reference(case):
     results = run_threaded(_rank, math.prod(case.shape), case, SPECS)

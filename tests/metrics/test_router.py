@@ -196,7 +196,7 @@ def _rank(rank, world, comm, case, specs):
     return run_case(rank, case, sim_topology(rank, case.shape, case.names), comm, specs)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_router_metrics_equal_reference_with_sequences_split_across_ranks(drawn):
     case, layers = drawn

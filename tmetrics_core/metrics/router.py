@@ -469,9 +469,6 @@ class _RouterFamily(StatMetric):
                     results.append(MetricResult(worst, scope="global", stat=f"worst-layer-{op.name}"))
         return results
 
-    def finalize(self, stats):
-        raise NotImplementedError("router families build their results in finish()")
-
 
 def _probabilities(tensor: torch.Tensor, kind: str) -> torch.Tensor:
     x = tensor.detach().to(torch.float64)
