@@ -78,4 +78,4 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     return cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
                check_plan=config.distributed.check_plan, placements=config.placements,
                timeout_s=config.distributed.collective_timeout_s, modules=modules,
-               key_rules=[sink.key_rules for sink in built], **kwargs)
+               key_rules={sink.name: sink.key_rules for sink in built}, **kwargs)

@@ -81,8 +81,8 @@ class TensorMetrics:
         modules: metric name -> globs of module paths whose outputs an ``activation`` metric reads.
         flat_buffers: ZeRO-style flat shards that hold a source kind (grads, master weights, Adam
             state) instead of the parameters (see :class:`~tmetrics_core.sources.flat.FlatBuffer`).
-        key_rules: the key rules of every configured sink (on every rank, logging or not), so
-            tensor names that render to one key are refused before the first step.
+        key_rules: sink name -> that sink's key rules, for every configured sink (on every rank,
+            logging or not), so tensor names that render to one key are refused before the first step.
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
@@ -97,7 +97,7 @@ class TensorMetrics:
                  check_plan: str = "first", placements: Mapping[str, Mapping[str, str]] | None = None,
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
-                 flat_buffers: Sequence[FlatBuffer] = (), key_rules: Sequence[KeyRules] = ()) -> None:
+                 flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.topology = topology or Topology.single_process()
@@ -122,7 +122,7 @@ class TensorMetrics:
         self._before: dict[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
         self._closed = False
-        self._check_config(key_rules)
+        self._check_config(key_rules or {})
         self._hooks = []
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
@@ -155,7 +155,7 @@ class TensorMetrics:
         return build_from_config(cls, source, model=model, optimizer=optimizer, mesh=mesh, axes=axes,
                                  sinks=sinks, run_dir=run_dir, **kwargs)
 
-    def _check_config(self, key_rules: Sequence[KeyRules]) -> None:
+    def _check_config(self, key_rules: Mapping[str, KeyRules]) -> None:
         components = {e.component for e in self.manifest.entries}
         adam = self.optimizer is not None and "betas" in getattr(self.optimizer, "defaults", {})
         for index, (metric, _) in enumerate(self.metrics):
@@ -194,7 +194,7 @@ class TensorMetrics:
                                       path=path) from exc
         self._check_keys(key_rules)
 
-    def _check_keys(self, key_rules: Sequence[KeyRules]) -> None:
+    def _check_keys(self, key_rules: Mapping[str, KeyRules]) -> None:
         """Tensor and family labels come from the model's own names, which a backend may
         rewrite (``w+1`` and ``w_1`` are one TensorBoard tag): refuse such a pair now rather
         than fail every write of the run. Other labels are catalogue words and indices."""
@@ -209,8 +209,11 @@ class TensorMetrics:
                         labels.add((metric.name, site.layer, site.expert, site.name, None) if scope == "tensor"
                                    else (metric.name, None, None, site.family or site.name, None))
         layer_width, expert_width = index_widths(self.manifest.num_layers, self.manifest.num_experts)
-        for rules in {r.name: r for r in key_rules}.values():
-            check_collisions(sorted(labels, key=repr), rules, layer_width=layer_width, expert_width=expert_width)
+        for sink, rules in key_rules.items():
+            try:
+                check_collisions(sorted(labels, key=repr), rules, layer_width=layer_width, expert_width=expert_width)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).removeprefix(f"{exc.path}: "), path=f"sinks.{sink}") from None
 
     # -- the step scope -----------------------------------------------------------------------
     @contextlib.contextmanager
