@@ -171,7 +171,7 @@ class WandbSink:
             mode=mode,
             tags=[*self.tags, *(f"{k}={v}"[:64] for k, v in run.tags.items())],
             reinit="create_new",
-            settings=wandb.Settings(console="off"),
+            settings=wandb.Settings(console="off", silent=True),
         )
         self._declare_step()
 
