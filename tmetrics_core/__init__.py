@@ -31,6 +31,7 @@ from tmetrics_core.records import Histogram
 from tmetrics_core.records import MetricRecord
 from tmetrics_core.records import RunInfo
 from tmetrics_core.sinks import MetricSink
+from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.site import Site
 from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -38,6 +39,7 @@ __all__ = [
     "Axis",
     "Config",
     "ConfigError",
+    "FlatBuffer",
     "FlatShard",
     "Histogram",
     "MetricRecord",

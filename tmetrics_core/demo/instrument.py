@@ -8,6 +8,7 @@ sinks; ``--run-dir`` replaces its ``run.dir``.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ def run_instrumented_demo(options: dict[str, Any]) -> None:
     """``tmetrics demo``: train with metrics, then print where everything is."""
     args = DemoArgs(**options)
     run_demo(args, metrics=functools.partial(make_metrics, args))
-    click.echo(where(args.run_dir))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this
+        click.echo(where(args.run_dir))
 
 
 def where(run_dir: Path) -> str:
