@@ -180,7 +180,7 @@ class TensorMetrics:
                 raise ConfigError(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
                                   "output_layer as an nn.Linear); none found", path=path)
             patterns = self.modules.get(metric.name, ())
-            if "activation" in kinds and not self.index.matching(patterns or ("",)):
+            if "activation" in kinds and patterns and not self.index.matching(patterns):
                 raise ConfigError(f"metric {metric.name!r}: modules pattern {list(patterns)} matches no module; "
                                   f"module paths look like {[p for p, _ in self.index.named[1:4]]}", path=path)
             chosen = [s for s in param_sites if metric.accepts(s)]

@@ -57,12 +57,12 @@ class TokenObserver:
         if kind == "token_mask":
             self._mask = tensor.detach().reshape(-1).bool()
             return
-        x = tensor.detach()
+        x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
         x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
         if self._mask is not None and self._mask.numel() == x.shape[0]:
             x = x[self._mask.to(x.device)]
         path = self.index.path(module)
-        site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path)
+        site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path, split_axes)
         for metric in self.metrics:
             if metric.name in self.errors or not metric.accepts(site):
                 continue
@@ -76,7 +76,8 @@ class TokenObserver:
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
 
-    def _site(self, name: str, kind: str, x: torch.Tensor, shard_dim: int | None, path: str) -> Site:
+    def _site(self, name: str, kind: str, x: torch.Tensor, shard_dim: int | None, path: str,
+              split_axes: frozenset[str] = frozenset()) -> Site:
         key = (name, kind)
         site = self.sites.get(key)
         if site is not None:
@@ -85,7 +86,7 @@ class TokenObserver:
         for axis in self.topology.names:
             if self.topology.axes[axis].size == 1:
                 continue
-            if axis in self.topology.population_axes:
+            if axis in self.topology.population_axes or axis in split_axes:
                 placements.append((axis, Shard(None)))
             elif axis == "tp" and shard_dim is not None:
                 placements.append((axis, Shard(1)))
@@ -98,3 +99,29 @@ class TokenObserver:
                     num_experts=experts)
         self.sites[key] = site
         return site
+
+
+def _local_tokens(tensor: torch.Tensor, shard_dim: int | None
+                  ) -> tuple[torch.Tensor, int | None, frozenset[str]]:
+    """The local tensor of an observation, the dim it is split along on ``tp``, and the mesh
+    axes over which it holds different tokens.
+
+    A DTensor activation is made local here: ``Partial`` placements are reduced first (one
+    collective, issued by every rank of the mesh since the forward is the same on each), a
+    ``Shard`` of the last (feature) dim becomes ``shard_dim``, and a ``Shard`` of a leading
+    dim (sequence parallel) makes that axis a population split, like the data axes.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(tensor, DTensor):
+        return tensor, shard_dim, frozenset()
+    if any(p.is_partial() for p in tensor.placements):
+        tensor = tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
+    names = tensor.device_mesh.mesh_dim_names or ()
+    split: set[str] = set()
+    for axis, p in zip(names, tensor.placements):
+        if p.is_shard() and p.dim in (-1, tensor.dim() - 1):
+            shard_dim = tensor.dim() - 1
+        elif p.is_shard():
+            split.add(axis)
+    return tensor.to_local(), shard_dim, frozenset(split)
