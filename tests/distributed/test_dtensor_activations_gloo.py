@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor, DTensor
+from torch.distributed.tensor import Partial, Shard, distribute_tensor, DTensor
 
 from tests.distributed.harness import run_distributed
 from tmetrics_core.axes import Topology

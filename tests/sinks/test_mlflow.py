@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sinks.conftest import EXPERTS, LAYERS, make_records
+from tests.sinks.conftest import EXPERTS, make_records
 from tests.sinks.readback_mlflow import artifact_json, histories, run_by_id
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.keys import MLFLOW_RULES, render_key
