@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from tmetrics_core.errors import TMetricsError
+
 __all__ = ["Collectives", "TorchCollectives"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -35,18 +37,34 @@ class Collectives(Protocol):
 
 
 class TorchCollectives:
-    """``torch.distributed`` collectives, each waited on for at most ``timeout_s`` seconds."""
+    """``torch.distributed`` collectives, each waited on for at most ``timeout_s`` seconds.
+
+    Raises:
+        TMetricsError: from ``all_reduce`` and ``all_gather`` when the wait fails (time out, or a
+            peer lost), naming the operation and the bound; the backend's error is the cause.
+    """
 
     def __init__(self, timeout_s: float = 60.0) -> None:
         self.timeout = timedelta(seconds=timeout_s)
 
     def all_reduce(self, tensor: torch.Tensor, op: str, group: Any) -> None:
-        dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True).wait(self.timeout)
+        self._wait(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), f"all_reduce({op})")
 
     def all_gather(self, tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, tensor, group=group, async_op=True).wait(self.timeout)
+        self._wait(dist.all_gather(out, tensor, group=group, async_op=True), "all_gather")
         return out
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (or DistBackendError) here
+            seconds = self.timeout.total_seconds()
+            raise TMetricsError(
+                f"a tmetrics {what} did not complete within {seconds:g} s ({exc}): some rank never joined it. "
+                "It crashed, hangs, or skipped a due `with metrics.step(n)`; every rank must enter every step "
+                "scope. If the ranks are only slow, raise distributed.collective_timeout_s."
+            ) from exc
 
     def all_gather_object(self, obj: Any, group: Any) -> list[Any]:
         out: list[Any] = [None] * dist.get_world_size(group)

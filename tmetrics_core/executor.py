@@ -254,12 +254,15 @@ class Executor:
             gathered = self.comm.all_gather(flags, None)
         else:
             gathered = [flags]
+        # Slow path, only when something failed: every rank learns the lowest failing rank's
+        # error text, so the one warning (logged where the sinks are) says what went wrong.
+        texts = self.gather_objects([i.error for i in items]) if any(int(v) for g in gathered for v in g) else None
         failures = []
         for index, item in enumerate(items):
             ranks = tuple(r for r, g in enumerate(gathered) if int(g[index]) != 0)
             if ranks:
-                error = item.error or f"raised on rank(s) {list(ranks)}; see that rank's log"
-                failures.append(MetricFailure(item.metric.name, ranks, error))
+                error = texts[ranks[0]][index] if texts is not None else item.error
+                failures.append(MetricFailure(item.metric.name, ranks, error or f"raised on rank(s) {list(ranks)}"))
         return failures
 
     def _check_plan(self, requests: Sequence[CollectiveRequest], pending: Sequence[_Due]) -> None:
