@@ -6,8 +6,9 @@ raises, so everything it is given goes to its spool; what it was handed is also 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from tmetrics_core.keys import PLAIN_RULES, KeyRules
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus

@@ -116,7 +116,8 @@ CASES = [
     # -- files ---------------------------------------------------------------------------------
     Case("malformed-yaml", "file", "metrics:\n  - layer-grad-l2\n sinks: {}\n", "{file}",
          "line 3, column 2: malformed YAML:"),
-    Case("malformed-toml-cli", "cli", "[run]\nname = demo\n", "{file}", "line 2, column 8: malformed TOML: Invalid value",
+    Case("malformed-toml-cli", "cli", "[run]\nname = demo\n", "{file}",
+         "line 2, column 8: malformed TOML: Invalid value",
          suffix=".toml"),
     Case("malformed-json", "file", '{"metrics": ["layer-grad-l2",]}', "{file}",
          "line 1, column 30: malformed JSON: Expecting value", suffix=".json"),
@@ -167,7 +168,8 @@ CASES = [
     Case("placement-owner-out-of-range", "dict",
          {"metrics": ["layer-grad-l2"], "placements": {"layers.1.*": {"dp": "O3"}}},
          "placements.layers.1.*.dp", "axis 'dp' has 1 rank(s), 0..0; fix the rank or the glob", dp_axis=True),
-    Case("placement-axis-not-in-topology", "dict", {"metrics": ["layer-grad-l2"], "placements": {"head.*": {"tp": "S0"}}},
+    Case("placement-axis-not-in-topology", "dict",
+         {"metrics": ["layer-grad-l2"], "placements": {"head.*": {"tp": "S0"}}},
          "placements.head.*", "axis 'tp' is not in the topology ['dp']", dp_axis=True),
     Case("key-collision-after-rendering", "dict", {"metrics": ["tensor-grad-l2"], "sinks": {"tensorboard": {}}},
          "sinks.tensorboard", "2 key collision(s) for tensorboard:\n  two label sets render to the same tensorboard "

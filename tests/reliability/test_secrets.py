@@ -9,7 +9,6 @@ Every file the run leaves is searched byte for byte; the redacted config must st
 from __future__ import annotations
 
 import importlib.metadata
-from pathlib import Path
 
 import pytest
 import torch
