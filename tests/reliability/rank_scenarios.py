@@ -21,7 +21,9 @@ from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
 from tmetrics_core.demo.topology import Topology as DemoTopology
 from tmetrics_core.errors import PlanMismatchError
+from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import L2Norm
+from tmetrics_core.observe import observe
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = [
@@ -185,6 +187,65 @@ def _absent_rank(rank: int, world: int, timeout_s: float) -> dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+class _Expert(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(4, 4)
+
+
+class _TensorParallelRouter(torch.nn.Module):
+    """One MoE layer (4 experts) whose router outputs are split by expert over ``tp`` (each rank
+    observes its half of the logits, and of the top-2 ids, with ``shard_dim=1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = torch.nn.Linear(4, 4, bias=False)
+        self.experts = torch.nn.ModuleList(_Expert() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = dist.get_rank()
+        logits = self.router(x)
+        observe(self, "router_logits", logits[:, 2 * rank:2 * rank + 2], kind="router_logits", shard_dim=1)
+        observe(self, "expert_indices", logits.topk(2, dim=-1).indices[:, rank:rank + 1], kind="router_topk",
+                shard_dim=1)
+        return logits
+
+
+class _RouterLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Module()])
+        self.layers[0].moe = _TensorParallelRouter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0].moe(x)
+
+
+def _router_split_by_expert(rank: int, world: int) -> dict[str, Any]:
+    """Expert counts need each token's whole top-k row; here the ids are split over ``tp``. The
+    metric is skipped on every rank with the placement named; the logits norm (a sum over the
+    split) is computed as usual."""
+    captured: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: captured.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tmetrics").addHandler(handler)
+    model = _RouterLayers()
+    topology = Topology([Axis("tp", world, rank, dist.group.WORLD, tuple(range(world)))], global_rank=rank,
+                        world_size=world)
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-expert-tokens"), 1),
+                                            (build_metric("layer-router-logits-l2"), 1)], topology=topology,
+                            timeout_s=20)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    with metrics.step(1):
+        full_logits = model(x)
+    metrics.close()
+    logging.getLogger("tmetrics").removeHandler(handler)
+    return {"records": {(r.metric, r.layer): r.value for r in metrics.last_records},
+            "failures": [(f.metric, f.ranks, f.error) for f in metrics.failures],
+            "reference_l2": float(full_logits.detach().double().norm()), "warnings": captured}
+
+
 def two_rank_faults(rank: int, world: int, root: str) -> dict[str, Any]:
     """Every two-rank scenario in one job (spawning ranks costs seconds); the absent rank last,
     since a timed-out collective leaves the group unusable."""
@@ -194,6 +255,7 @@ def two_rank_faults(rank: int, world: int, root: str) -> dict[str, Any]:
     out["pipeline"] = train({"pp": 2}, TINY, 2, run_dir=str(Path(root) / "pipeline"))
     out["raising"] = _metric_raising_on_one_rank(rank, world)
     out["asymmetric"] = _asymmetric_plan(rank, world)
+    out["router_split"] = _router_split_by_expert(rank, world)
     out["absent"] = _absent_rank(rank, world, timeout_s=3.0)
     return out
 

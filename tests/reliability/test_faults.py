@@ -145,3 +145,22 @@ def test_a_rank_that_never_joins_fails_the_step_within_the_collective_timeout(tw
     assert "some rank never joined it" in absent["message"]
     assert 3.0 <= absent["seconds"] < 6.0
     assert results[1]["absent"] == {"error": None}
+
+
+def test_token_placement_a_metric_cannot_handle_is_skipped_everywhere_with_the_reason(two_ranks):
+    """Token sites exist only once the model runs, so their placements are checked there: expert
+    counts need whole top-k rows, and here the ids are split over ``tp``."""
+    results, _ = two_ranks
+    reason = ("PlacementError: expert_counts: router_topk is split by expert (Shard(1) on axis 'tp') but this "
+              "metric needs each token's full row; got layers.0.moe.expert_indices [router_topk] (-1, 1) tp=S1. "
+              "Observe the router tensors replicated on that axis (tm.observe without shard_dim): they are small")
+    for result in results:
+        run = result["router_split"]
+        assert run["failures"] == [("layer-expert-tokens", (0, 1), reason)]
+        assert list(run["records"]) == [("layer-router-logits-l2", 0)]  # a sum over the split is fine
+        assert run["records"][("layer-router-logits-l2", 0)] == pytest.approx(run["reference_l2"], rel=1e-6)
+    assert results[0]["router_split"]["warnings"] == [
+        f"tmetrics: metric 'layer-expert-tokens' skipped at step 1 on every rank (raised on ranks [0, 1]): {reason}. "
+        "Further failures of this metric are counted silently."
+    ]
+    assert results[1]["router_split"]["warnings"] == []

@@ -70,6 +70,7 @@ class TokenObserver:
             if kind == "activation" and patterns and not any(fnmatchcase(path, p) for p in patterns):
                 continue
             try:
+                metric.check(site, self.topology)  # token sites exist only now: their placements too
                 state = metric.prepare([site], [x], self.topology, {})
                 previous = self.states.get(metric.name)
                 self.states[metric.name] = state if previous is None else metric.merge(previous, state)
