@@ -95,7 +95,8 @@ def train(topology: dict[str, Any], config: dict[str, Any], steps: int, *, run_d
         records[step] = {(r.metric, r.layer, r.expert, r.tensor, r.stat): r.value for r in metrics.last_records}
     report = metrics.close()
     return {"records": records, "failures": [(f.metric, f.ranks) for f in metrics.failures],
-            "report": report["jsonl"] if report is not None and report.sinks else None}
+            "report": report["jsonl"] if report is not None and report.sinks else None,
+            "empty_shards": sorted(n for n, p in params.items() if _local(p.detach()).numel() == 0)}
 
 
 class RaisesOnRank1(L2Norm):

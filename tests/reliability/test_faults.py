@@ -106,6 +106,9 @@ def test_pipeline_stage_without_experts_completes_with_one_process_values(two_ra
 
 
 def test_empty_shards_complete_with_one_process_values(four_ranks, tmp_path):
+    # 3 experts: the router weight has 3 rows, so the 4th rank's FSDP2 shard of it is empty
+    assert "layers.0.moe.router.weight" in four_ranks[3]["empty_shards"]
+    assert four_ranks[0]["empty_shards"] == []
     reference = _one_process(scenarios.UNEVEN, 2, tmp_path)
     for result in four_ranks:
         assert result["failures"] == []
