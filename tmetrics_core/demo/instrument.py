@@ -7,6 +7,7 @@ sinks; ``--run-dir`` replaces its ``run.dir``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import click
 
+from tmetrics_core.config import load_config
 from tmetrics_core.demo.launch import DemoArgs, run_demo
 from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -24,8 +26,19 @@ DEFAULT_CONFIG = Path(__file__).with_name("default_config.yaml")
 
 
 def make_metrics(args: DemoArgs, model: Any, optimizer: Any, mesh: Any) -> TensorMetrics:
-    """Build the metrics object of one rank (a module-level function: ranks import it)."""
-    return TensorMetrics.from_config(args.config or DEFAULT_CONFIG, model=model, optimizer=optimizer, mesh=mesh,
+    """Build the metrics object of one rank (a module-level function: ranks import it).
+
+    A ``--run-dir`` other than the default also names the run after its directory, so two demo
+    runs in one tracker (``runs/lr3e-3``, ``runs/lr1e-2``) are told apart by name; MLflow keeps
+    them in one experiment named after the config's run name.
+    """
+    config = load_config(args.config or DEFAULT_CONFIG)
+    if args.run_dir != DemoArgs().run_dir:
+        sinks = {name: ({"experiment": config.run.name, **options} if name == "mlflow" else options)
+                 for name, options in config.sinks.items()}
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, name=args.run_dir.name),
+                                     sinks=sinks)
+    return TensorMetrics.from_config(config, model=model, optimizer=optimizer, mesh=mesh,
                                      sinks=",".join(args.sink) or None, run_dir=args.run_dir)
 
 
