@@ -130,6 +130,7 @@ class WandbSink:
             raise _option_error("heatmap_metrics", f"got {heatmap_metrics!r}; need a list of metric names")
         self.heatmap_metrics = None if heatmap_metrics is None else frozenset(heatmap_metrics)
         self._run: Any = None
+        self._set_env: list[str] = []
         self._book = KeyBook(WANDB_RULES)
         self._heatmaps: dict[tuple[str, str | None], LayerHeatmap] = {}
         self._next_heatmap = heatmap_every
@@ -151,7 +152,9 @@ class WandbSink:
         base = self.dir if self.dir is not None else Path(run.dir)
         base.mkdir(parents=True, exist_ok=True)
         for variable, sub in _HOME_DIRS.items():
-            os.environ.setdefault(variable, str(base / "wandb-home" / sub))
+            if variable not in os.environ:  # the user's own settings win; ours are undone at close
+                os.environ[variable] = str(base / "wandb-home" / sub)
+                self._set_env.append(variable)
         mode = self.mode or ("online" if _api_key_configured() else "offline")
         if self.mode is None and mode == "offline":
             _log.warning(
@@ -234,6 +237,9 @@ class WandbSink:
             self._run.log({STEP_KEY: self._last_step, **images})
         self._run.finish(exit_code=0 if status == "finished" else 1)
         self._run = None
+        for variable in self._set_env:
+            os.environ.pop(variable, None)
+        self._set_env.clear()
 
     def _require_open(self) -> Any:
         if self._run is None:
