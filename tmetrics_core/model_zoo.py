@@ -4,6 +4,8 @@ models from their config classes, or any zero-argument factory the user names.""
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import torch
 
@@ -32,6 +34,8 @@ def load_model(*, hf: str | None = None, factory: str | None = None) -> torch.nn
         raise ConfigError("pass --hf or --factory, not both")
     if factory is not None:
         module_name, _, attr = factory.partition(":")
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # a script's own module in the working directory, as `python -m` finds it
         try:
             return getattr(importlib.import_module(module_name), attr)()
         except (ImportError, AttributeError, ValueError) as exc:

@@ -21,6 +21,7 @@ The run gets the run's topology and model as tags (``RunInfo.tags``), the config
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -135,6 +136,9 @@ class MlflowSink:
         """
         from mlflow import MlflowClient
 
+        # Creating a sqlite store logs schema migrations at INFO on every fresh run: noise here.
+        for noisy in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
         uri = self.tracking_uri
         artifact_root: str | None = None
         if uri is None:

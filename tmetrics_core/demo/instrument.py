@@ -47,15 +47,19 @@ def run_instrumented_demo(options: dict[str, Any]) -> None:
     args = DemoArgs(**options)
     run_demo(args, metrics=functools.partial(make_metrics, args))
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this
-        click.echo(where(args.run_dir))
+        mlflow = load_config(args.config or DEFAULT_CONFIG).sinks.get("mlflow") or {}
+        click.echo(where(args.run_dir, mlflow_uri=mlflow.get("tracking_uri")))
 
 
-def where(run_dir: Path) -> str:
-    """The closing note: the files of the run and the exact commands to open them."""
+def where(run_dir: Path, *, mlflow_uri: str | None = None) -> str:
+    """The closing note: the files of the run and the exact commands to open them
+    (``mlflow_uri``: the MLflow store when the config names one)."""
     lines = [f"run directory: {run_dir}"]
     if (run_dir / "tb").exists():
         lines.append(f"  TensorBoard:  tensorboard --logdir {run_dir / 'tb'}")
-    if (run_dir / "mlflow.db").exists():
+    if mlflow_uri:
+        lines.append(f"  MLflow:       mlflow ui --backend-store-uri {mlflow_uri}   (run {run_dir.name!r})")
+    elif (run_dir / "mlflow.db").exists():
         lines.append(f"  MLflow:       mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}")
     offline = sorted((run_dir / "wandb").glob("offline-run-*")) if (run_dir / "wandb").exists() else []
     if offline:
