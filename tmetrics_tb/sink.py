@@ -254,6 +254,10 @@ def _histogram_proto(hist: Histogram) -> Any:
         lefts, rights, counts = [0.0], [0.0], [0]
     num = sum(counts)
     filled = [i for i, c in enumerate(counts) if c]
+    if filled:  # TensorBoard's first bucket runs from ``min``: drop the empty outer bins
+        keep = slice(filled[0], filled[-1] + 1)
+        lefts, rights, counts = lefts[keep], rights[keep], counts[keep]
+        filled = [i - filled[0] for i in filled]
     mids = [(lo + hi) / 2 for lo, hi in zip(lefts, rights)]
     return summary_pb2.HistogramProto(
         min=lefts[filled[0]] if filled else 0.0,
