@@ -84,8 +84,8 @@ def dtensor_placements(tensor: torch.Tensor) -> tuple[tuple[str, Placement], ...
         if p.is_shard():
             out.append((axis, Shard(p.dim)))
         elif p.is_partial():
-            op = getattr(p, "reduce_op", "sum")
-            out.append((axis, Partial("sum" if op in ("sum", "avg") else op)))
+            op = str(getattr(p, "reduce_op", "sum"))
+            out.append((axis, Partial(op if op in ("sum", "avg", "max", "min") else "sum")))
         else:
             out.append((axis, Replica()))
     return tuple(out)

@@ -34,14 +34,18 @@ class ModuleIndex:
         self.named: list[tuple[str, torch.nn.Module]] = []
         self.blocks: list[tuple[str, int, torch.nn.Module]] = []
         self.head: tuple[str, torch.nn.Module] | None = None
+        renamed: dict[str, str] = {}  # local block path -> global one (pipeline stages' ModuleLists)
         for raw, module in model.named_modules():
             path = strip_wrappers(raw) if raw else ""
-            self.paths[id(module)] = path
-            self.named.append((path, module))
             parent, _, key = path.rpartition(".")
             if parent in _BLOCK_LISTS and key.isdigit() and raw:
                 offset = layer_offset if isinstance(_parent(model, raw), torch.nn.ModuleList) else 0
-                self.blocks.append((path, int(key) + offset, module))
+                renamed[path] = f"{parent}.{int(key) + offset}"
+            path = _global_path(path, renamed)
+            self.paths[id(module)] = path
+            self.named.append((path, module))
+            if path in renamed.values() and path.rpartition(".")[0] in _BLOCK_LISTS:
+                self.blocks.append((path, int(path.rpartition(".")[2]), module))
             if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
                 self.head = (path, module)
         self._block_paths = sorted(((p, i) for p, i, _ in self.blocks), key=lambda pi: -len(pi[0]))
@@ -114,3 +118,12 @@ def _parent(model: torch.nn.Module, raw: str) -> torch.nn.Module | None:
         return model.get_submodule(parent_path)
     except AttributeError:
         return None
+
+
+def _global_path(path: str, renamed: dict[str, str]) -> str:
+    """``path`` with its block prefix replaced by the block's global path (same names on every
+    pipeline stage would otherwise merge different layers into one site)."""
+    for local, global_ in renamed.items():
+        if path == local or path.startswith(local + "."):
+            return global_ + path[len(local):]
+    return path
