@@ -87,7 +87,8 @@ class Executor:
         collectives: how to talk to other ranks; default ``TorchCollectives(timeout_s)``, which
             bounds every collective so a hung peer raises instead of hanging.
         timeout_s: the bound in seconds for the default collectives.
-        device: where packed buffers live (the device of the prepared states; ``cpu`` for gloo).
+        device: where packed buffers and control tensors live: ``cpu`` for gloo, the rank's
+            CUDA device for NCCL (which moves device tensors only).
     """
 
     def __init__(self, topology: Topology, *, collectives: Collectives | None = None,
@@ -163,8 +164,8 @@ class Executor:
         if not self._distributed:
             return flag
         self.stats.add("world", 1)
-        gathered = self.comm.all_gather(torch.tensor([int(flag)], dtype=torch.int64), None)
-        return any(int(g[0]) for g in gathered)
+        gathered = self.comm.all_gather(torch.tensor([int(flag)], dtype=torch.int64, device=self.device), None)
+        return any(v for g in gathered for v in g.tolist())
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj`` (slow path: plan changes only)."""
@@ -204,7 +205,7 @@ class Executor:
         same axes negated (``min x = -max -x``, exact), so a round issues at most two calls per
         distinct axis set and dtype."""
         self.stats.rounds += 1
-        current = {r.key: r.value.to(self.device) for r in requests}
+        current = {r.key: r.value if r.value.device == self.device else r.value.to(self.device) for r in requests}
         buckets: dict[tuple[tuple[str, ...], str, torch.dtype], list[CollectiveRequest]] = {}
         for r in requests:
             axes = tuple(a for a in self.topology.names if a in r.axes and self.topology.axes[a].size > 1)
@@ -237,8 +238,9 @@ class Executor:
             outputs.update(item.round.outputs)
         if not outputs:
             return {}
-        vectors = [v.reshape(-1).to(torch.float64) for v in outputs.values()]
-        flat = torch.cat(vectors).cpu().tolist()
+        vectors = [v if v.dtype == torch.float64 and v.dim() == 1 else v.reshape(-1).to(torch.float64)
+                   for v in outputs.values()]
+        flat = (torch.cat(vectors) if len(vectors) > 1 else vectors[0]).cpu().tolist()
         out: dict[Hashable, list[float]] = {}
         start = 0
         for key, vec in zip(outputs, vectors):
@@ -248,7 +250,7 @@ class Executor:
 
     # -- agreement and checks -------------------------------------------------------------------
     def _agree_failures(self, items: Sequence[_Due]) -> list[MetricFailure]:
-        flags = torch.tensor([1 if i.error else 0 for i in items] or [0], dtype=torch.int64)
+        flags = torch.tensor([1 if i.error else 0 for i in items] or [0], dtype=torch.int64, device=self.device)
         if self._distributed:
             self.stats.add("world", flags.numel())
             gathered = self.comm.all_gather(flags, None)
@@ -256,10 +258,11 @@ class Executor:
             gathered = [flags]
         # Slow path, only when something failed: every rank learns the lowest failing rank's
         # error text, so the one warning (logged where the sinks are) says what went wrong.
-        texts = self.gather_objects([i.error for i in items]) if any(int(v) for g in gathered for v in g) else None
+        table = [g.tolist() for g in gathered]
+        texts = self.gather_objects([i.error for i in items]) if any(v for row in table for v in row) else None
         failures = []
         for index, item in enumerate(items):
-            ranks = tuple(r for r, g in enumerate(gathered) if int(g[index]) != 0)
+            ranks = tuple(r for r, row in enumerate(table) if row[index] != 0)
             if ranks:
                 error = texts[ranks[0]][index] if texts is not None else item.error
                 failures.append(MetricFailure(item.metric.name, ranks, error or f"raised on rank(s) {list(ranks)}"))
@@ -276,7 +279,7 @@ class Executor:
         layouts = {a: _layout(requests, a, owner) for a in names}
         coords = [self.topology.axes[a].rank for a in names]
         fps = [_fingerprint(layouts[a]) for a in names]
-        mine = torch.tensor(coords + fps, dtype=torch.int64)
+        mine = torch.tensor(coords + fps, dtype=torch.int64, device=self.device)
         self.stats.add("world", mine.numel())
         gathered = self.comm.all_gather(mine, None)
         table = [g.tolist() for g in gathered]
@@ -312,8 +315,14 @@ class Executor:
 def _layout(requests: Sequence[CollectiveRequest], axis: str,
             owner: Mapping[Hashable, str]) -> list[tuple[str, str, str, int, str]]:
     """What this rank will send over ``axis``: (key, op, dtype, elements, metric) per request."""
-    return [(repr(r.key), r.op, str(r.value.dtype), r.value.numel(), owner.get(r.key, "?"))
-            for r in requests if axis in r.axes]
+    rows = []
+    for r in requests:
+        if axis not in r.axes:
+            continue
+        parts = r.parts or (r.key,)
+        size = r.value.numel() // len(parts)
+        rows.extend((repr(part), r.op, str(r.value.dtype), size, owner.get(r.key, "?")) for part in parts)
+    return rows
 
 
 def _fingerprint(layout: list[tuple[str, str, str, int, str]]) -> int:

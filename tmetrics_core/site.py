@@ -47,11 +47,11 @@ class Site:
     family: str = ""
     num_experts: int | None = None
     meta: tuple[tuple[str, object], ...] = field(default=(), compare=True)
+    key: SiteKey = field(init=False, repr=False, compare=False)
+    """``(name, kind)``; computed once (the hot path reads it per site and statistic)."""
 
-    @property
-    def key(self) -> SiteKey:
-        """``(name, kind)``."""
-        return (self.name, self.kind)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.name, self.kind))
 
     @property
     def placement_map(self) -> dict[str, Placement]:

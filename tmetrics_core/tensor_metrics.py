@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from tmetrics_core.axes import Topology
 from tmetrics_core.collectives import Collectives
@@ -104,7 +105,8 @@ class TensorMetrics:
         self.metrics = list(metrics)
         self.hub = hub
         self.check_plan = check_plan
-        self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s)
+        self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s,
+                                 device=_collective_device())
         self.manifest = Manifest.build(model, self.topology, overrides=placements,
                                        layer_offset=layer_offset, expert_offset=expert_offset)
         self.index = ModuleIndex(model, layer_offset=layer_offset)
@@ -121,6 +123,7 @@ class TensorMetrics:
         self._prepared: dict[str, tuple[dict[SiteKey, Any], str | None]] = {}
         self._before: dict[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
+        self._kind_sites: dict[str, list[Site]] = {}
         self._closed = False
         self._check_config(key_rules or {})
         self._hooks = []
@@ -249,10 +252,12 @@ class TensorMetrics:
                 _ACTIVE.reset(reset)
             for h in handles or ():
                 h.remove()
-            if not failed and self._due:
-                self._finish_step(step, observer)
-            self._step = None
-            self._due = []
+            try:
+                if not failed and self._due:
+                    self._finish_step(step, observer)
+            finally:
+                # Nothing outlives the step: the update snapshot is a copy of the parameters.
+                self._step, self._due, self._before, self._prepared, self._sites = None, [], None, {}, {}
 
     def observe_gradients(self) -> None:
         """Read parameters and gradients now (e.g. before clipping) instead of in the optimizer's
@@ -263,8 +268,10 @@ class TensorMetrics:
         if self._step is None or not self._due:
             return
         self._prepare_phase("pre")
-        if any("update" in m.source_kinds for m, _ in self._due):
-            self._before = snapshot(self.manifest)
+        updates = [m for m, _ in self._due if "update" in m.source_kinds]
+        if updates:  # only the tensors some update metric reads: the snapshot is their copy
+            self._before = snapshot(self.manifest, {s.name for s in self._sites_of("update")
+                                                    if any(m.accepts(s) for m in updates)})
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._step is None or not self._due:
@@ -273,7 +280,8 @@ class TensorMetrics:
 
     def _prepare_phase(self, phase: str) -> None:
         """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
-        state or updates (their parameters are the pre-step values when a snapshot exists)."""
+        state or updates (their parameters are the values after the step; updates are computed
+        in place in the snapshot, which they consume)."""
         def in_phase(m: TensorMetric) -> bool:
             kinds = set(m.source_kinds)
             if phase == "pre":
@@ -297,15 +305,18 @@ class TensorMetrics:
                 tensors.extend(t if covered else p for t, p, covered in
                                zip(flat_tensors, plain, self.flat[kind].covers(self.manifest)))
                 continue
-            sites.extend(self.manifest.sites(kind))
-            if kind == "param" and phase == "post" and self._before is not None:
-                tensors.extend(self._before.get(e.name) for e in self.manifest.entries)
-            else:
-                tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
+            sites.extend(self._sites_of(kind))
+            tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
         sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
         for metric, state, error in prepare_states(metrics, sites, tensors, self.topology):
             self._prepared[metric.name] = (state, error)
         self._sites.update((s.key, s) for s in sites)
+
+    def _sites_of(self, kind: str) -> list[Site]:
+        """The manifest's sites of ``kind``, built once (the manifest does not change)."""
+        if kind not in self._kind_sites:
+            self._kind_sites[kind] = self.manifest.sites(kind)
+        return self._kind_sites[kind]
 
     # -- the step's end -----------------------------------------------------------------------
     def _finish_step(self, step: int, observer: TokenObserver | None) -> None:
@@ -392,6 +403,13 @@ def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manif
     return (f"metric {metric.name!r} can use none of the {len(matched)} tensors {where}, e.g. "
             f"{matched[0].describe()}" + (f"; it supports: {supported}" if supported else "") +
             "; change the placements or select, or drop the metric")
+
+
+def _collective_device() -> torch.device:
+    """Where metric collectives run: the current CUDA device under NCCL, else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _write_manifest(run: RunInfo) -> None:

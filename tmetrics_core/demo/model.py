@@ -106,8 +106,8 @@ class ModelConfig:
 def _rotate(x: torch.Tensor, base: float) -> torch.Tensor:
     """Apply rotary position embedding to ``x`` [B, H, T, hd] (pairs are the two halves of hd)."""
     t, hd = x.shape[-2], x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)      # (hd/2,)
-    angles = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, hd/2)
+    inv_freq = base ** (-torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd)      # (hd/2,)
+    angles = torch.arange(t, dtype=torch.float32, device=x.device)[:, None] * inv_freq[None, :]  # (T, hd/2)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)

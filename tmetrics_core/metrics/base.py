@@ -19,7 +19,8 @@ from typing import Any, Hashable, Literal, Mapping, Protocol, Sequence, runtime_
 import torch
 
 from tmetrics_core.axes import Topology
-from tmetrics_core.metrics.statistics import Stage, Statistic, neutral
+from tmetrics_core.metrics.batches import Batch, BatchPlan, advance, canonical, merged_outputs, next_stage
+from tmetrics_core.metrics.statistics import Statistic, neutral
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Value
 from tmetrics_core.site import Site, SiteKey
@@ -47,6 +48,9 @@ class CollectiveRequest:
     axes: tuple[str, ...]
     op: ReduceOpName
     value: torch.Tensor
+    parts: tuple[Hashable, ...] = ()
+    """Keys of the equal-sized pieces ``value`` concatenates (one per site of a batch), for plan
+    checks and their messages; empty when ``value`` is one piece."""
 
 
 @dataclass(slots=True)
@@ -113,20 +117,6 @@ class TensorMetric(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class _Program:
-    """Where one (statistic, site) pair stands: its stages and the current vector."""
-
-    stat: Statistic
-    site: Site
-    stages: tuple[Stage, ...]
-    index: int
-    vector: torch.Tensor
-
-    def key(self) -> Hashable:
-        return (self.stat.name, self.index, self.site.key)
-
-
 class StatMetric:
     """Declarative metric: statistics per site, reduced across ranks, merged per scope group.
 
@@ -172,7 +162,8 @@ class StatMetric:
         for stat in self.statistics:
             todo = [(s, t) for s, t in held if (stat.name, s.key) not in memo]
             if todo:
-                computed = stat.compute([t.detach() for _, t in todo], [s for s, _ in todo], topology)
+                computed = stat.compute([t.detach() if t.requires_grad else t for _, t in todo], [s for s, _ in todo],
+                                        topology)
                 for (s, _), vec in zip(todo, computed):
                     memo[(stat.name, s.key)] = vec
         for site, tensor in zip(sites, tensors):
@@ -197,51 +188,57 @@ class StatMetric:
         return out
 
     def start(self, state, sites, topology):
-        programs = []
-        for key, vectors in state.items():
-            site = sites[key]
-            for stat, vector in zip(self.statistics, vectors):
-                programs.append(_Program(stat, site, stat.stages(site, topology), 0, vector))
-        return self._round(programs, topology)
+        plan = getattr(self, "_plan", None)
+        if plan is None:
+            plan = self._plan = BatchPlan(self.statistics, self._group)
+        return self._round(plan.batches(state, sites, topology), topology)
 
     def resume(self, continuation, results):
-        programs, topology = continuation
-        for p in programs:
-            if p.index < len(p.stages):
-                reduced = results[p.key()]
-                if p.index + 1 < len(p.stages):
-                    p.vector = p.stat.between(p.index, reduced, p.site, topology)
-                else:
-                    p.vector = reduced
-                p.index += 1
-        return self._round(programs, topology)
+        batches, topology = continuation
+        following = []
+        for b in batches:
+            if b.index == len(b.stages):
+                following.append(b)
+                continue
+            regrouped = next_stage(b, results[b.key].reshape(b.rows.shape), topology)
+            for batch in regrouped if regrouped is not None else [b]:
+                following.extend(advance(batch, topology))
+        return self._round(following, topology)
 
-    def _round(self, programs: list[_Program], topology: Topology) -> Round:
-        live = [p for p in programs if p.index < len(p.stages)]
-        if not live:
-            outputs = {(p.stat.name, len(p.stages) - 1, p.site.key): p.vector for p in programs}
-            return Round(continuation=(programs, topology), done=True, outputs=outputs)
-        requests = [
-            CollectiveRequest(p.key(), p.stages[p.index].axes, p.stages[p.index].op, p.vector) for p in live
-        ]
-        return Round(requests=requests, continuation=(programs, topology))
+    def _round(self, batches: list[Batch], topology: Topology) -> Round:
+        batches = canonical(batches)
+        requests = [CollectiveRequest(b.key, b.stages[b.index].axes, b.stages[b.index].op, b.rows.reshape(-1),
+                                      b.parts) for b in batches if b.index < len(b.stages)]
+        if requests:
+            return Round(requests=requests, continuation=(batches, topology))
+        return Round(continuation=(batches, topology), done=True, outputs=merged_outputs(batches, self._group, id(self)))
 
-    def finish(self, continuation, host):
-        programs, _ = continuation
+    def grouped(self, continuation: Any, host: Mapping[Hashable, list[float]]
+                ) -> tuple[dict[tuple, dict[str, list[float]]], dict[tuple, Site]]:
+        """The finished statistics merged per scope group, as :meth:`finalize` reads them
+        (``stats[name]`` and ``stats["kind:name"]``), and the first site of each group (its
+        labels). Groups are merged on the device before the host copy; here only kinds of one
+        group and batches of one statistic combine."""
+        batches, _ = continuation
         groups: dict[tuple, dict[str, list[float]]] = {}
         labels: dict[tuple, Site] = {}
-        for p in programs:
-            gkey = self._group(p.site)
-            labels.setdefault(gkey, p.site)
-            values = host[(p.stat.name, len(p.stages) - 1, p.site.key)]
-            bucket = groups.setdefault(gkey, {})
-            for name in (p.stat.name, f"{p.site.kind}:{p.stat.name}"):
-                bucket[name] = _combine_list(p.stat.op, bucket.get(name), values)
+        for b in batches:
+            values = host[b.out_key]
+            width = len(values) // len(b.slots)
+            for i, (gkey, kind, site) in enumerate(b.slots):
+                labels.setdefault(gkey, site)
+                row = values[i * width:(i + 1) * width]
+                bucket = groups.setdefault(gkey, {})
+                for name in (b.stat.name, f"{kind}:{b.stat.name}"):
+                    bucket[name] = _combine_list(b.stat.op, bucket.get(name), row)
+        return groups, labels
+
+    def finish(self, continuation, host):
+        groups, labels = self.grouped(continuation, host)
         results = []
         for gkey in sorted(groups, key=_sort_key):
-            site = labels[gkey]
             value = self.finalize(groups[gkey])
-            base = self._labels(site)
+            base = self._labels(labels[gkey])
             if isinstance(value, Mapping):
                 results.extend(MetricResult(v, stat=stat, **base) for stat, v in value.items())
             else:

@@ -132,8 +132,9 @@ def _check_rows(site: Site, metric: str, *, allow_class_split: bool) -> None:
 class ExpertCounts(Statistic):
     """Tokens dispatched to each global expert: ``bincount`` of ``router_topk`` ids (length E).
 
-    A token routed to k experts counts once for each. Ids outside ``[0, E)`` raise
-    ``ValueError`` (a source bug, reported on every rank by the executor).
+    A token routed to k experts counts once for each. Ids outside ``[0, E)`` (a source bug)
+    raise ``ValueError`` on CPU, reported on every rank by the executor; on an accelerator,
+    where checking would stall the device for a host read, they make the layer's counts NaN.
     """
 
     name, op = "expert_counts", "sum"
@@ -150,12 +151,25 @@ class ExpertCounts(Statistic):
         for ids, site in zip(tensors, sites):
             experts = _experts(site)
             flat = ids.detach().reshape(-1).to(torch.int64)
+            if flat.device.type != "cpu":
+                out.append(_device_counts(flat, experts))
+                continue
             if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= experts):
                 raise ValueError(
                     f"{site.name}: expert ids must be in [0, {experts}); got {int(flat.min())}..{int(flat.max())}"
                 )
             out.append(torch.bincount(flat, minlength=experts).to(torch.float64))
         return out
+
+
+def _device_counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """Counts per expert without a host read: ids outside ``[0, E)`` land in an extra slot
+    that, when not empty, turns every count NaN (``bincount`` would size its output from the
+    largest id, a host read)."""
+    valid = (flat >= 0) & (flat < experts)
+    slots = torch.zeros(experts + 1, dtype=torch.float64, device=flat.device)
+    slots.index_add_(0, torch.where(valid, flat, experts), torch.ones_like(flat, dtype=torch.float64))
+    return slots[:experts] + torch.where(slots[experts] > 0, math.nan, 0.0)
 
 
 class ExpertTokens(StatMetric):
@@ -444,11 +458,8 @@ class _RouterFamily(StatMetric):
         return state
 
     def finish(self, continuation, host):
-        programs, _ = continuation
-        per_layer: dict[Any, dict[str, list[float]]] = {}
-        for p in programs:
-            values = host[(p.stat.name, len(p.stages) - 1, p.site.key)]
-            per_layer.setdefault(p.site.layer, {})[p.stat.name] = values
+        groups, _ = self.grouped(continuation, host)
+        per_layer: dict[Any, Mapping[str, list[float]]] = {gkey[0]: stats for gkey, stats in groups.items()}
         layers = sorted(per_layer, key=lambda v: (v is None, v))
         summaries = {layer: _LayerSummary(per_layer[layer]) for layer in layers}
         if self.needs_bias:

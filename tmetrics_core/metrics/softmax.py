@@ -112,7 +112,7 @@ class RowSoftmax(Statistic):
             # Zeros elsewhere: the SUM leaves each slot exactly as its owner wrote it.
             table = torch.zeros((slots, m.numel(), 3), dtype=torch.float64, device=tensor.device)
             table[slot] = torch.stack([m, s, t], dim=1)
-            header = torch.tensor([float(slots)], dtype=torch.float64, device=tensor.device)
+            header = torch.full((1,), float(slots), dtype=torch.float64, device=tensor.device)
             out.append(torch.cat([header, table.reshape(-1)]))
         return out
 
@@ -172,7 +172,7 @@ def _finished(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, classes: int) -
     norm = math.log(classes) if classes > 1 else math.nan
     zero = torch.zeros((), dtype=torch.float64, device=m.device)
     return torch.stack([zero, entropy.sum(), entropy.sum() / norm, lse.sum(), lse.pow(2).sum(),
-                        torch.tensor(float(rows), dtype=torch.float64, device=m.device)])
+                        torch.full((), float(rows), dtype=torch.float64, device=m.device)])
 
 
 class RowSoftmaxMetric(StatMetric):

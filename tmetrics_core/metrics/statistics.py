@@ -132,11 +132,13 @@ class _SumSq(Statistic):
         # NOTE [chunked sums]: CPU _foreach kernels accumulate each tensor serially, which
         # loses 1.6e-4 relative accuracy on 4M fp32 elements. Views of at most _CHUNK
         # elements keep fp32 error near 1e-6 for one extra pass-free split (about 1.2x the
-        # plain _foreach_norm time); the chunk sums add in float64.
+        # plain _foreach_norm time); the chunk sums add in float64. Accelerator kernels reduce
+        # in parallel blocks (no long serial sums), so tensors there are not split: no index
+        # tensor to copy to the device either.
         pieces: list[torch.Tensor] = []
         owners: list[int] = []
         for i, t in enumerate(tensors):
-            if t.numel() > _CHUNK:
+            if t.numel() > _CHUNK and t.device.type == "cpu":
                 split = t.reshape(-1).split(_CHUNK)
                 pieces.extend(split)
                 owners.extend([i] * len(split))
@@ -144,10 +146,10 @@ class _SumSq(Statistic):
                 pieces.append(t)
                 owners.append(i)
         sums = torch.stack(torch._foreach_powsum(pieces, 2, dtype=torch.float32)).double()
-        device = sums.device
-        total = torch.zeros(len(tensors), dtype=torch.float64, device=device)
-        total.index_add_(0, torch.tensor(owners, device=device), sums)
-        return list(total.unsqueeze(1).unbind(0))
+        if len(pieces) > len(tensors):
+            total = torch.zeros(len(tensors), dtype=torch.float64, device=sums.device)
+            sums = total.index_add_(0, torch.tensor(owners, device=sums.device), sums)
+        return list(sums.unsqueeze(1).unbind(0))
 
 
 class _AbsMax(Statistic):
@@ -168,22 +170,25 @@ class _AbsMax(Statistic):
         if not tensors:
             return []
         full = [t for t in tensors if t.numel()]
+        if not full:
+            return [torch.zeros(2, dtype=torch.float64, device=t.device) for t in tensors]
         # NOTE [absmax kernels]: CPU has no vectorized kernel for the inf-norm (_foreach_norm
         # with ord=inf runs 18-30x slower than one _foreach_norm(2) pass); aminmax is one
         # vectorized pass and propagates NaN. Accelerators keep the batched foreach kernel.
-        if full and full[0].device.type == "cpu":
-            peaks = []
-            for t in full:
-                low, high = torch.aminmax(t)
-                peaks.append(torch.maximum(-low, high).to(torch.float32))
+        # Either way the per-tensor results are stacked and flagged in a few vector ops.
+        if full[0].device.type == "cpu":
+            pairs = [x for t in full for x in torch.aminmax(t)]
+            if any(x.dtype != pairs[0].dtype for x in pairs):
+                pairs = [x.double() for x in pairs]
+            bounds = torch.stack(pairs).double().reshape(-1, 2)
+            peaks = torch.maximum(-bounds[:, 0], bounds[:, 1])
         else:
-            peaks = torch._foreach_norm(full, float("inf"), dtype=torch.float32) if full else []
-        values = iter(peaks)
-        out = []
-        for t in tensors:
-            peak = next(values).double() if t.numel() else torch.zeros((), dtype=torch.float64, device=t.device)
-            out.append(_with_flag(peak, 0.0, 1.0))
-        return out
+            peaks = torch.stack(torch._foreach_norm(full, float("inf"), dtype=torch.float32)).double()
+        flagged = _with_flag(peaks, 0.0, 1.0).t()
+        if len(full) == len(tensors):
+            return list(flagged.unbind(0))
+        rows = iter(flagged.unbind(0))
+        return [next(rows) if t.numel() else torch.zeros(2, dtype=torch.float64, device=t.device) for t in tensors]
 
 
 def _with_flag(value: torch.Tensor, neutral_value: float, flag: float) -> torch.Tensor:
@@ -204,7 +209,8 @@ class _Count(Statistic):
     name, op = "count", "sum"
 
     def compute(self, tensors, sites, topology):
-        return [torch.tensor([float(t.numel())], dtype=torch.float64, device=t.device) for t in tensors]
+        # torch.full is a device kernel; torch.tensor(..., device=) would copy from the host.
+        return [torch.full((1,), float(t.numel()), dtype=torch.float64, device=t.device) for t in tensors]
 
 
 class _Sum(Statistic):
@@ -385,6 +391,6 @@ class RowL2(Statistic):
 
     def between(self, index, vector, site, topology):
         if site.holds(topology.coords()) and vector.numel():
-            return torch.stack([vector.sqrt().sum(), torch.tensor(float(vector.numel()), dtype=torch.float64,
+            return torch.stack([vector.sqrt().sum(), torch.full((), float(vector.numel()), dtype=torch.float64,
                                                                   device=vector.device)])
         return torch.zeros(2, dtype=torch.float64, device=vector.device)

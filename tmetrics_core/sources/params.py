@@ -8,7 +8,6 @@ parameter (an expert no token reached) count as zeros: that is the gradient auto
 
 from __future__ import annotations
 
-from typing import Mapping
 
 import torch
 
@@ -33,12 +32,14 @@ def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | None,
-              before: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+              before: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """Local tensors of ``kind`` for every manifest entry, in manifest order.
 
     ``param``: the parameter; ``grad``: its gradient (zeros when None); ``exp_avg`` and
     ``exp_avg_sq``: the optimizer state (None when the optimizer has none for it yet);
-    ``update``: parameter minus ``before[name]`` (the snapshot taken before the step).
+    ``update``: parameter minus ``before[name]`` (the snapshot taken before the step), written
+    into the snapshot tensor itself (no second model-size buffer; the snapshot is consumed, so
+    read ``update`` once per snapshot). None for tensors without a snapshot.
     """
     out: list[torch.Tensor | None] = []
     for entry in manifest.entries:
@@ -52,8 +53,8 @@ def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | 
             g = local_view(p.grad)
             out.append(g if g is not None else torch.zeros_like(local_view(p)))
         elif kind == "update":
-            prev = (before or {}).get(entry.name)
-            out.append(None if prev is None else local_view(p) - prev)
+            prev = (before or {}).pop(entry.name, None)
+            out.append(None if prev is None else torch.sub(local_view(p), prev, out=prev))
         else:
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             out.append(local_view(state.get(kind)))

@@ -63,6 +63,7 @@ class TokenObserver:
             x = x[self._mask.to(x.device)]
         path = self.index.path(module)
         site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path, split_axes)
+        memo: dict = {}  # metrics of this observation share statistics (expert counts, sums of squares)
         for metric in self.metrics:
             if metric.name in self.errors or not metric.accepts(site):
                 continue
@@ -71,7 +72,7 @@ class TokenObserver:
                 continue
             try:
                 metric.check(site, self.topology)  # token sites exist only now: their placements too
-                state = metric.prepare([site], [x], self.topology, {})
+                state = metric.prepare([site], [x], self.topology, memo)
                 previous = self.states.get(metric.name)
                 self.states[metric.name] = state if previous is None else metric.merge(previous, state)
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
