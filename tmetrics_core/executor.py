@@ -250,15 +250,15 @@ class Executor:
 
     # -- agreement and checks -------------------------------------------------------------------
     def _agree_failures(self, items: Sequence[_Due]) -> list[MetricFailure]:
-        flags = torch.tensor([1 if i.error else 0 for i in items] or [0], dtype=torch.int64, device=self.device)
+        mine = [1 if i.error else 0 for i in items] or [0]
         if self._distributed:
+            flags = torch.tensor(mine, dtype=torch.int64, device=self.device)
             self.stats.add("world", flags.numel())
-            gathered = self.comm.all_gather(flags, None)
+            table = [g.tolist() for g in self.comm.all_gather(flags, None)]
         else:
-            gathered = [flags]
+            table = [mine]
         # Slow path, only when something failed: every rank learns the lowest failing rank's
         # error text, so the one warning (logged where the sinks are) says what went wrong.
-        table = [g.tolist() for g in gathered]
         texts = self.gather_objects([i.error for i in items]) if any(v for row in table for v in row) else None
         failures = []
         for index, item in enumerate(items):

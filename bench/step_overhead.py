@@ -1,0 +1,248 @@
+"""What tmetrics costs a training step of the demo model, next to the usual alternatives.
+
+    python -m bench.step_overhead [--rounds 30] [--steps 5] [--threads 2] [--no-ddp] [--no-memory]
+
+Table 1, one process (``--threads`` intra-op threads): the demo model's full step (forward,
+backward, clipping, AdamW) with the standard bundle (``bench.demo_variants.BUNDLE``) every 1,
+10 and 100 steps and on steps where nothing is due, against the same loop without tmetrics,
+``wandb.watch(model, log="all", log_freq=1)`` (offline) and a per-parameter ``.norm().item()``
+loop. Variants alternate in short rounds (``bench.rounds``); ratios are to the bare loop.
+Interval rows also give the mean over all their steps and the mean expected from the due and
+idle rows: ``(due + (N - 1) idle) / N``. The idle step is also timed directly (the tmetrics
+code it runs: step scope, optimizer hooks, ``observe_gradients``) and its torch operations and
+host reads counted (both should be zero).
+
+Table 2, two gloo ranks under DDP (1 thread each): the bundle every step against the bare loop
+and the per-parameter loop with one ``all_reduce`` per norm; collective calls per step.
+
+Table 3, peak memory: each variant in its own process; the peak of the C heap during three
+steps (see ``bench.peak_memory``) above the heap before the model existed, and max RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.demo_variants import (
+    BUNDLE, NEVER, make_trainer, norm_loop_factory, tmetrics_factory, wandb_factory,
+)
+from bench.peak_memory import HeapPeak, heap_in_use, max_rss_bytes
+from bench.rounds import Rounds, interleave
+from tmetrics_core.demo.data import ByteCorpus
+from tmetrics_core.demo.train import Trainer
+
+__all__ = ["main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERVALS = (1, 10, 100)
+SINGLE = {
+    "bare": None,
+    "tmetrics every 1": tmetrics_factory(1),
+    "tmetrics every 10": tmetrics_factory(10),
+    "tmetrics every 100": tmetrics_factory(100),
+    "tmetrics not due": tmetrics_factory(NEVER),
+    "wandb.watch all/1": wandb_factory,
+    "norm().item() loop": norm_loop_factory(),
+}
+MEMORY = ("bare", "tmetrics every 1", "wandb.watch all/1", "norm().item() loop")
+
+
+class _TmetricsOps(TorchDispatchMode):
+    """Counts torch ops dispatched from tmetrics code (not the demo model), and host reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        frames = traceback.extract_stack()
+        if any("tmetrics_core" in f.filename and "/demo/" not in f.filename for f in frames):
+            self.ops += 1
+            self.host_reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def _stepper(trainer: Trainer) -> Callable[[int], None]:
+    count = [0]
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            count[0] += 1
+            trainer.step(count[0])
+    run.count = count  # type: ignore[attr-defined]
+    return run
+
+
+def _idle_code_us(trainer: Trainer, first_step: int, repeats: int = 20000) -> float:
+    """Microseconds of tmetrics code per idle step: the step scope, both optimizer hooks and
+    ``observe_gradients``, timed directly (``observe()`` sites run in the bare model too)."""
+    metrics, optimizer = trainer.metrics, trainer.optimizer
+    pre = list(optimizer._optimizer_step_pre_hooks.values())
+    post = list(optimizer._optimizer_step_post_hooks.values())
+    start = time.perf_counter()
+    for i in range(repeats):
+        with metrics.step(first_step + i):
+            metrics.observe_gradients()
+            for hook in pre:
+                hook(optimizer, (), {})
+            for hook in post:
+                hook(optimizer, (), {})
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def _ops_of_step(trainer: Trainer, step: int) -> tuple[int, int]:
+    with _TmetricsOps() as counter:
+        trainer.step(step)
+    return counter.ops, counter.host_reads
+
+
+def single_process(rounds: int, steps: int) -> list[str]:
+    corpus = ByteCorpus.from_stdlib()
+    trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in SINGLE.items()}
+    runners = {name: _stepper(t) for name, t in trainers.items()}
+    for run in runners.values():
+        run(2)  # warm-up; spends the always-due first step of "not due"
+    result = interleave(runners, rounds=rounds, steps=steps)
+    idle = trainers["tmetrics not due"]
+    idle_run = runners["tmetrics not due"]
+    idle_ops = _ops_of_step(idle, idle_run.count[0] + 1)  # type: ignore[attr-defined]
+    due_ops = _ops_of_step(trainers["tmetrics every 1"], runners["tmetrics every 1"].count[0] + 1)  # type: ignore[attr-defined]
+    idle_us = _idle_code_us(idle, idle_run.count[0] + 2)  # type: ignore[attr-defined]
+    return _single_table(result, rounds, steps, idle_us, idle_ops, due_ops)
+
+
+def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: tuple[int, int],
+                  due_ops: tuple[int, int]) -> list[str]:
+    base = "bare"
+    due = r.paired("tmetrics every 1", base) - 1
+    idle = r.paired("tmetrics not due", base) - 1
+    lines = [f"Table 1: demo step, one process, {torch.get_num_threads()} threads, {rounds} rounds x {steps} steps "
+             f"per variant (bare step {r.median_ms(base):.1f} ms)",
+             f"{'variant':<22} {'ms/step':>8} {'wall x':>7} {'cpu x':>7} {'mean x':>7} {'expected x':>10}"]
+    for name in SINGLE:
+        interval = int(name.rsplit(" ", 1)[1]) if name.startswith("tmetrics every") else None
+        expected = f"{1 + (due + (interval - 1) * idle) / interval:>10.4f}" if interval else f"{'':>10}"
+        lines.append(f"{name:<22} {r.median_ms(name):>8.1f} {r.paired(name, base):>7.3f} "
+                     f"{r.paired(name, base, cpu=True):>7.3f} {r.total(name, base):>7.3f} {expected}")
+    watch = r.paired("wandb.watch all/1", base) - 1
+    lines += [
+        "wall x / cpu x: median over rounds of the paired ratio to bare (wall time / process CPU time); mean x: all",
+        "steps' wall time over bare's (the average over steps); expected x: (due + (N-1) idle) / N from the",
+        "'every 1' and 'not due' rows. Noise: about 1.5% (MACHINE-NOTES).",
+        f"not-due step, timed directly: {idle_us:.1f} us of tmetrics code per step "
+        f"({idle_us / (r.median_ms(base) * 1e3):.4%} of a bare step); torch ops issued by tmetrics: "
+        f"{idle_ops[0]}, host reads: {idle_ops[1]}",
+        f"due step: torch ops issued by tmetrics: {due_ops[0]}, item()-style host reads: {due_ops[1]}",
+        f"wandb.watch overhead / tmetrics-every-1 overhead: {watch / due if due > 0 else float('inf'):.1f}x",
+    ]
+    return lines
+
+
+def _ddp_rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
+    corpus = ByteCorpus.from_stdlib()
+    factories = {"bare": None, "tmetrics every 1": tmetrics_factory(1),
+                 "norm + all_reduce each": norm_loop_factory(all_reduce=True)}
+    trainers = {name: make_trainer(f, dp=world, corpus=corpus) for name, f in factories.items()}
+    runners = {name: _stepper(t) for name, t in trainers.items()}
+    for run in runners.values():
+        run(2)
+    calls_before = trainers["tmetrics every 1"].metrics.executor.stats.total_calls
+    loop_before = trainers["norm + all_reduce each"].metrics.collectives
+    result = interleave(runners, rounds=rounds, steps=steps)
+    n = rounds * steps
+    calls = {"bare": 0.0,
+             "tmetrics every 1": (trainers["tmetrics every 1"].metrics.executor.stats.total_calls - calls_before) / n,
+             "norm + all_reduce each": (trainers["norm + all_reduce each"].metrics.collectives - loop_before) / n}
+    return {"wall": result.wall, "cpu": result.cpu, "calls": calls}
+
+
+def ddp(rounds: int, steps: int) -> list[str]:
+    from tests.distributed.harness import run_distributed
+
+    out = run_distributed(_ddp_rank, 2, rounds, steps, timeout=3600, collective_timeout=300)[0]
+    r = Rounds(out["wall"], out["cpu"])
+    lines = [f"Table 2: demo step, DDP on 2 gloo ranks (1 thread each), {rounds} rounds x {steps} steps "
+             f"(bare step {r.median_ms('bare'):.1f} ms on rank 0)",
+             f"{'variant':<24} {'ms/step':>8} {'wall x':>7} {'cpu x':>7} {'metric collectives/step':>24}"]
+    for name in out["wall"]:
+        lines.append(f"{name:<24} {r.median_ms(name):>8.1f} {r.paired(name, 'bare'):>7.3f} "
+                     f"{r.paired(name, 'bare', cpu=True):>7.3f} {out['calls'][name]:>24.1f}")
+    lines.append("collectives: issued for metrics (tmetrics: executor calls incl. control; DDP's own gradient "
+                 "all-reduce not counted)")
+    return lines
+
+
+def _memory_variant(name: str, threads: int) -> dict[str, float]:
+    torch.set_num_threads(threads)
+    corpus = ByteCorpus.from_stdlib()
+    base = heap_in_use()
+    trainer = make_trainer(SINGLE[name], corpus=corpus)
+    for step in range(1, 4):
+        trainer.step(step)
+    with HeapPeak() as peak:
+        for step in range(4, 7):
+            trainer.step(step)
+    trainer.metrics.close()
+    return {"peak": peak.peak - base, "rss": max_rss_bytes()}
+
+
+def memory(threads: int) -> list[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    got = {}
+    for name in MEMORY:
+        proc = subprocess.run([sys.executable, "-m", "bench.step_overhead", "--memory-variant", name,
+                               "--threads", str(threads)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              check=True)
+        got[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    base = got["bare"]
+    lines = ["Table 3: peak memory over 3 steps (after 3 warm-up steps), each variant in a fresh process",
+             f"{'variant':<22} {'peak MiB':>9} {'x bare':>7} {'max RSS MiB':>12}"]
+    for name, m in got.items():
+        lines.append(f"{name:<22} {m['peak'] / 2**20:>9.2f} {m['peak'] / base['peak']:>7.4f} {m['rss'] / 2**20:>12.0f}")
+    lines.append("peak: C-heap high-water mark sampled after every torch op, above the heap before the model "
+                 "was built (all tensors: parameters, gradients, Adam state, activations, tmetrics)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per variant and round (default 5)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, one process (default 2)")
+    parser.add_argument("--no-ddp", action="store_true", help="skip the 2-rank DDP table")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak memory table")
+    parser.add_argument("--memory-variant", choices=MEMORY, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_variant:
+        print(json.dumps(_memory_variant(args.memory_variant, args.threads)))
+        return
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; "
+          f"bundle: {', '.join(BUNDLE)}")
+    for line in single_process(args.rounds, args.steps):
+        print(line)
+    if not args.no_ddp:
+        print()
+        for line in ddp(args.rounds, args.steps):
+            print(line)
+    if not args.no_memory:
+        print()
+        for line in memory(args.threads):
+            print(line)
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()

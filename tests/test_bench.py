@@ -1,0 +1,58 @@
+"""The benchmark scripts' own machinery (their figures come from running them, not from tests):
+the GPU script refuses cleanly without CUDA and its step harness runs every variant; the heap
+peak sees tensor memory; rounds rotate the order and pair ratios per round."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from bench import gpu_overhead
+from bench.peak_memory import HeapPeak, heap_in_use
+from bench.rounds import Rounds, interleave
+
+
+def test_gpu_script_prints_help_and_refuses_without_cuda(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as help_exit:
+        gpu_overhead.main(["--help"])
+    assert help_exit.value.code == 0 and "--nproc" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as refused:
+        gpu_overhead.main([])
+    assert refused.value.code == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_step_harness_runs_every_variant_on_any_device():
+    args = argparse.Namespace(batch=2, seq_len=8, d_model=16, layers=2, heads=2, d_ff=16, experts=4, top_k=2)
+    for name in gpu_overhead.VARIANTS:
+        job = gpu_overhead._job(name, args, torch.device("cpu"))
+        before = [p.detach().clone() for p in job.model.parameters()]
+        job.run(2)
+        assert job.step == 2
+        assert any(not torch.equal(b, p) for b, p in zip(before, job.model.parameters()))
+        if name == "tmetrics every 1":
+            assert {r.metric for r in job.metrics.last_records} == set(gpu_overhead.BUNDLE)
+        job.metrics.close()
+
+
+def test_heap_peak_sees_a_tensor_that_lived_inside_the_block():
+    before = heap_in_use()
+    with HeapPeak() as peak:
+        x = torch.ones(1 << 20)  # 4 MiB
+        del x
+    assert peak.peak - before >= 4 << 20
+    assert heap_in_use() - before < 1 << 20
+
+
+def test_rounds_rotate_the_order_and_pair_ratios_per_round():
+    calls = []
+    result = interleave({n: (lambda steps, n=n: calls.append((n, steps))) for n in "abc"}, rounds=3, steps=2)
+    assert [n for n, _ in calls] == list("abc" "bca" "cab") and {s for _, s in calls} == {2}
+    assert all(len(v) == 3 for v in result.wall.values())
+    r = Rounds({"base": [1.0, 2.0, 4.0], "x": [1.1, 2.4, 4.0]}, {"base": [1.0] * 3, "x": [1.0] * 3})
+    assert r.paired("x", "base") == pytest.approx(1.1)  # median of 1.1, 1.2, 1.0
+    assert r.total("x", "base") == pytest.approx(7.5 / 7.0)
+    assert r.paired("x", "base", cpu=True) == 1.0
