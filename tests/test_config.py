@@ -237,18 +237,16 @@ def test_check_names_resolves_aliases() -> None:
     )
 
 
-def test_check_names_allows_one_metric_on_different_tensors() -> None:
-    config = checked(
-        {
-            "metrics": [
-                {"name": "layer-grad-l2", "select": "layers.*.mlp.*"},
-                {"name": "layer-grad-l2", "select": "layers.*.attn.*"},
-                {"name": "layer-activation-rms", "modules": "layers.*.mlp"},
-                {"name": "layer-activation-rms", "modules": "layers.*.attn"},
-            ]
-        }
-    )
-    assert len(config.metrics) == 4
+def test_check_names_wants_one_entry_per_metric() -> None:
+    # Records are labelled by metric name: two entries of one metric on different tensors would
+    # collide (a per-layer record of each), so their patterns go into one list.
+    with pytest.raises(ConfigError) as err:
+        checked({"metrics": [{"name": "layer-grad-l2", "select": "layers.*.mlp.*"},
+                             {"name": "layer-grad-l2", "select": "layers.*.attn.*"}]})
+    assert err.value.path == "metrics[1]"
+    assert "merge their select/modules patterns into one list" in str(err.value)
+    config = checked({"metrics": [{"name": "layer-grad-l2", "select": ["layers.*.mlp.*", "layers.*.attn.*"]}]})
+    assert config.metrics[0].select == ("layers.*.mlp.*", "layers.*.attn.*")
 
 
 # (config, error path, message fragment)
@@ -268,7 +266,7 @@ CHECK_NAME_ERRORS = [
         "metrics[1]",
         "'global-wgrad-l2' (= global-grad-l2) [interval 100, select all tensors] repeats metrics[0] "
         "'global-grad-l2' [interval 10, select all tensors]: the same metric on the same tensors; "
-        "remove one entry, or give them different select/modules patterns",
+        "remove one entry",
     ),
     (
         {

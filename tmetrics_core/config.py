@@ -293,7 +293,7 @@ def check_names(
             unknown sink (``sinks.<name>``, with the valid names).
     """
     known_metrics = sorted(set(metric_names))
-    first_entry: dict[tuple[str, frozenset[str], frozenset[str]], int] = {}
+    first_entry: dict[str, int] = {}
     resolved: list[MetricConfig] = []
     for index, metric in enumerate(config.metrics):
         try:
@@ -304,13 +304,16 @@ def check_names(
                 f"`tmetrics metrics` lists all {len(known_metrics)} metrics with their formulas",
                 path=f"metrics[{index}].name",
             ) from None
-        identity = (canonical, frozenset(metric.select), frozenset(metric.modules))
-        earlier = first_entry.setdefault(identity, index)
+        earlier = first_entry.setdefault(canonical, index)
         if earlier != index:
+            same = (frozenset(metric.select), frozenset(metric.modules)) == (
+                frozenset(config.metrics[earlier].select), frozenset(config.metrics[earlier].modules))
             raise ConfigError(
                 f"{_entry(metric, canonical)} repeats metrics[{earlier}] "
-                f"{_entry(config.metrics[earlier], canonical)}: the same metric on the same tensors; "
-                f"remove one entry, or give them different select/modules patterns",
+                f"{_entry(config.metrics[earlier], canonical)}: "
+                + ("the same metric on the same tensors; remove one entry" if same else
+                   "a metric is listed once; merge their select/modules patterns into one list, "
+                   "e.g. select: ['layers.0.*', 'layers.1.*']"),
                 path=f"metrics[{index}]",
             )
         resolved.append(replace(metric, name=canonical))

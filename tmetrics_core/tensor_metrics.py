@@ -161,6 +161,16 @@ class TensorMetrics:
     def _check_config(self, key_rules: Mapping[str, KeyRules]) -> None:
         components = {e.component for e in self.manifest.entries}
         adam = self.optimizer is not None and "betas" in getattr(self.optimizer, "defaults", {})
+        seen: dict[str, int] = {}
+        for index, (metric, _) in enumerate(self.metrics):
+            if metric.name in seen:
+                raise ConfigError(f"metric {metric.name!r} is listed twice (metrics[{seen[metric.name]}] and "
+                                  f"metrics[{index}]); list it once with every pattern in one select or modules "
+                                  "list, e.g. select: ['layers.0.*', 'layers.1.*']", path=f"metrics[{index}]")
+            seen[metric.name] = index
+        # A pipeline stage may lack the head, the blocks or the modules another stage has: what
+        # the model has is agreed across ranks (one small gather), so every rank decides alike.
+        present = self._present_anywhere()
         for index, (metric, _) in enumerate(self.metrics):
             path = f"metrics[{index}]"
             kinds = set(metric.source_kinds)
@@ -176,14 +186,14 @@ class TensorMetrics:
                 raise ConfigError(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
                                   "parameter (canonical component moe.router); drop it for a dense model",
                                   path=path)
-            if kinds & {"residual_accumulator", "residual_contribution"} and not self.index.blocks:
+            if kinds & {"residual_accumulator", "residual_contribution"} and not present["blocks"]:
                 raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
                                   "decoder.layers; none found in the model", path=path)
-            if "logits" in kinds and self.index.head is None:
+            if "logits" in kinds and not present["head"]:
                 raise ConfigError(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
                                   "output_layer as an nn.Linear); none found", path=path)
             patterns = self.modules.get(metric.name, ())
-            if "activation" in kinds and patterns and not self.index.matching(patterns):
+            if "activation" in kinds and patterns and not present["modules"].get(metric.name):
                 raise ConfigError(f"metric {metric.name!r}: modules pattern {list(patterns)} matches no module; "
                                   f"module paths look like {[p for p, _ in self.index.named[1:4]]}", path=path)
             chosen = [s for s in param_sites if metric.accepts(s)]
@@ -196,6 +206,14 @@ class TensorMetrics:
                     raise ConfigError(f"metric {metric.name!r} cannot handle {site.describe()}: {exc}",
                                       path=path) from exc
         self._check_keys(key_rules)
+
+    def _present_anywhere(self) -> dict[str, Any]:
+        """Whether any rank has blocks, a head, and modules matching each metric's globs."""
+        mine = {"blocks": bool(self.index.blocks), "head": self.index.head is not None,
+                "modules": {name: bool(self.index.matching(p)) for name, p in self.modules.items()}}
+        everyone = self.executor.gather_objects(mine)
+        return {"blocks": any(r["blocks"] for r in everyone), "head": any(r["head"] for r in everyone),
+                "modules": {name: any(r["modules"].get(name) for r in everyone) for name in self.modules}}
 
     def _check_keys(self, key_rules: Mapping[str, KeyRules]) -> None:
         """Tensor and family labels come from the model's own names, which a backend may

@@ -90,3 +90,41 @@ def test_dtensor_partial_avg_is_averaged():
     for got, want in run_distributed(_avg_rank, 2, timeout=90):
         assert got == pytest.approx(want, rel=1e-6)
         assert want == pytest.approx(1.5 * 8, rel=1e-6)
+
+
+class HeadStage(Stage):
+    def __init__(self, last):
+        super().__init__(1)
+        if last:
+            self.head = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, x):
+        x = super().forward(x)
+        return self.head(x) if hasattr(self, "head") else x
+
+
+def _head_rank(rank, world):
+    import torch.distributed as dist
+
+    from tmetrics_core.axes import Topology
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    torch.manual_seed(rank)
+    model = HeadStage(last=rank == world - 1)
+    metrics = TensorMetrics(model, metrics=[(build_metric("global-output-logits-l2"), 1)],
+                            topology=Topology.from_groups({"pp": dist.group.WORLD}), layer_offset=rank, timeout_s=30)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), metrics.step(1):
+        out = model(x)
+    logits_norm = out.norm().item() if rank == world - 1 else None
+    return [r.value for r in metrics.last_records], logits_norm
+
+
+def test_stage_without_head_accepts_logit_metrics():
+    # Only the last stage has the head: the config check is agreed across stages (no stage
+    # raises while another waits), and every rank reports the last stage's logits.
+    results = run_distributed(_head_rank, 2, timeout=90)
+    want = results[-1][1]
+    for values, _ in results:
+        assert values == [pytest.approx(want, rel=1e-6)]
