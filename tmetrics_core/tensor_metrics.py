@@ -343,6 +343,7 @@ class TensorMetrics:
         sites: dict[SiteKey, Site] = dict(self._sites)
         changed = False
         if observer is not None:
+            observer.finish()
             changed = self.tokens.sync(observer, self.executor)
             sites.update(self.tokens.sites)
         due = []

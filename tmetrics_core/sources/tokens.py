@@ -49,6 +49,7 @@ class TokenObserver:
         self.states: dict[str, dict[SiteKey, Any]] = {}
         self.errors: dict[str, str] = {}
         self._mask: torch.Tensor | None = None
+        self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
 
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None) -> None:
@@ -70,11 +71,40 @@ class TokenObserver:
             patterns = self.modules.get(metric.name)
             if kind == "activation" and patterns and not any(fnmatchcase(path, p) for p in patterns):
                 continue
+            if _joint(metric):
+                self._deferred.setdefault(metric.name, []).append((site, x))
+                continue
             try:
                 metric.check(site, self.topology)  # token sites exist only now: their placements too
                 state = metric.prepare([site], [x], self.topology, memo)
                 previous = self.states.get(metric.name)
                 self.states[metric.name] = state if previous is None else metric.merge(previous, state)
+            except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
+                self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
+
+    def finish(self) -> None:
+        """Prepare the metrics that need a layer's top-k choices together with its logits or
+        scores (the router diagnostic families). Their observations were kept, not prepared:
+        the k-th observation of every site forms micro-batch k, prepared in one call."""
+        for metric in self.metrics:
+            observed = self._deferred.pop(metric.name, [])
+            if not observed or metric.name in self.errors:
+                continue
+            batches: list[list[tuple[Site, torch.Tensor]]] = []
+            count: dict[SiteKey, int] = {}
+            for site, x in observed:
+                k = count.get(site.key, 0)
+                count[site.key] = k + 1
+                if k == len(batches):
+                    batches.append([])
+                batches[k].append((site, x))
+            try:
+                for batch in batches:
+                    for site, _ in batch:
+                        metric.check(site, self.topology)
+                    state = metric.prepare([s for s, _ in batch], [x for _, x in batch], self.topology, {})
+                    previous = self.states.get(metric.name)
+                    self.states[metric.name] = state if previous is None else metric.merge(previous, state)
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
 
@@ -101,6 +131,12 @@ class TokenObserver:
                     num_experts=experts)
         self.sites[key] = site
         return site
+
+
+def _joint(metric: TensorMetric) -> bool:
+    """Whether ``metric`` reads top-k choices together with router logits or scores."""
+    kinds = set(metric.source_kinds)
+    return "router_topk" in kinds and bool(kinds & {"router_logits", "router_scores"})
 
 
 def _local_tokens(tensor: torch.Tensor, shard_dim: int | None
