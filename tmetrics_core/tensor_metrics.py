@@ -44,7 +44,7 @@ from tmetrics_core.evaluation import prepare_states, resolve_partials
 from tmetrics_core.executor import Executor, MetricFailure
 from tmetrics_core.hub import NullHub
 from tmetrics_core.keys import KeyRules, check_collisions, index_widths
-from tmetrics_core.manifest import Manifest
+from tmetrics_core.manifest import Manifest, dtensor_placements
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
@@ -323,12 +323,27 @@ class TensorMetrics:
                 tensors.extend(t if covered else p for t, p, covered in
                                zip(flat_tensors, plain, self.flat[kind].covers(self.manifest)))
                 continue
-            sites.extend(self._sites_of(kind))
+            sites.extend(self._sites_of(kind) if kind != "grad" else self._grad_sites())
             tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
         sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
         for metric, state, error in prepare_states(metrics, sites, tensors, self.topology):
             self._prepared[metric.name] = (state, error)
         self._sites.update((s.key, s) for s in sites)
+
+    def _grad_sites(self) -> list[Site]:
+        """Gradient sites with the gradient's own DTensor placements where they differ from the
+        parameter's: a replicated weight fed by sequence-parallel activations has a
+        ``Partial(sum)`` gradient, which is reduced before any norm is taken."""
+        sites = []
+        for site, entry in zip(self._sites_of("grad"), self.manifest.entries):
+            param = self.manifest.local.get(entry.name)
+            grad = dtensor_placements(param.grad) if param is not None and param.grad is not None else None
+            if grad is not None:
+                grad = tuple((a, p) for a, p in grad if not p.is_replica())
+                if grad != site.placements:
+                    site = dataclasses.replace(site, placements=grad)
+            sites.append(site)
+        return sites
 
     def _sites_of(self, kind: str) -> list[Site]:
         """The manifest's sites of ``kind``, built once (the manifest does not change)."""
