@@ -99,13 +99,14 @@ def local_view(tc: TensorCase, coords: Sequence[int], case: Case) -> tuple[Site,
 
 
 def _partial_part(x: torch.Tensor, op: str, n: int, c: int, seed: int) -> torch.Tensor:
+    """Rank ``c``'s piece of ``x`` under ``Partial(op)``: every element is held whole by one
+    random rank; the others hold the op's neutral-ish filler (0 for sum, a smaller or larger
+    value for max or min). The pieces reduce to ``x`` exactly in any precision, so the metrics
+    are compared at full precision (random real-valued splits would round in fp32)."""
     g = torch.Generator().manual_seed(seed)
-    if op == "sum":
-        parts = [torch.randn(x.shape, generator=g, dtype=torch.float64) for _ in range(n - 1)]
-        if c < n - 1:
-            return parts[c].to(x.dtype)
-        return (x.double() - sum(p.to(x.dtype).double() for p in parts)).to(x.dtype) if parts else x
     owner = torch.randint(0, n, x.shape, generator=g)
+    if op == "sum":
+        return torch.where(owner == c, x, torch.zeros_like(x))
     noise = torch.rand(x.shape, generator=g) + 0.1
     lowered = x - noise.to(x.dtype) if op == "max" else x + noise.to(x.dtype)
     return torch.where(owner == c, x, lowered)

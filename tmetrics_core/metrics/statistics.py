@@ -33,7 +33,6 @@ __all__ = [
     "SUM",
     "SUMSQ",
     "ZEROS",
-    "ColumnL2",
     "flagged_value",
     "RowL2",
     "Stage",
@@ -80,7 +79,7 @@ def split_axes(site: Site, topology: Topology, op: ReduceOpName, *, linear: bool
 
 def commutes(partial_op: str, op: ReduceOpName, *, linear: bool) -> bool:
     """Whether a statistic with merge ``op`` can be reduced directly over ``Partial(partial_op)``."""
-    return (partial_op == op == "sum" and linear) or (partial_op == op and op in ("max", "min"))
+    return linear and partial_op == op
 
 
 class Statistic:
@@ -90,8 +89,9 @@ class Statistic:
     name: str = ""
     op: ReduceOpName = "sum"
     linear: bool = False
-    """True when the local value is linear in the tensor, so ``Partial(sum)`` needs no
-    materialization (a sum of elements, a count is not: counts of a partial are wrong)."""
+    """True when the local value is the statistic's own op applied to the elements (a sum of
+    elements, a maximum, a minimum), so a ``Partial`` of that same op needs no materialization.
+    A count, a sum of squares or an absolute maximum is not: of a partial tensor they are wrong."""
 
     def stages(self, site: Site, topology: Topology) -> tuple[Stage, ...]:
         """The reductions of this statistic for ``site``: a single stage by default."""
@@ -146,7 +146,9 @@ class _SumSq(Statistic):
                 pieces.append(t)
                 owners.append(i)
         sums = torch.stack(torch._foreach_powsum(pieces, 2, dtype=torch.float32)).double()
-        if len(pieces) > len(tensors):
+        if len(tensors) == 1:
+            sums = sums.sum(0, keepdim=True)
+        elif len(pieces) > len(tensors):
             total = torch.zeros(len(tensors), dtype=torch.float64, device=sums.device)
             sums = total.index_add_(0, torch.tensor(owners, device=sums.device), sums)
         return list(sums.unsqueeze(1).unbind(0))
@@ -225,7 +227,7 @@ class _Sum(Statistic):
 class _Max(Statistic):
     """``[largest element, NaN flag]`` (-inf for an empty tensor; flag as in ``_AbsMax``)."""
 
-    name, op = "max", "max"
+    name, op, linear = "max", "max", True
 
     def size(self, site):
         return 2
@@ -239,7 +241,7 @@ class _Min(Statistic):
     """``[smallest element, -NaN flag]`` (+inf for an empty tensor; the flag is -1.0 when NaN
     is present, so the MIN reduction keeps it)."""
 
-    name, op = "min", "min"
+    name, op, linear = "min", "min", True
 
     def size(self, site):
         return 2
