@@ -122,10 +122,14 @@ class TokenObserver:
                 placements.append((axis, Shard(None)))
             elif axis == "tp" and shard_dim is not None:
                 placements.append((axis, Shard(1)))
+        width = int(x.shape[1])
+        tp = self.topology.axes.get("tp")
+        if shard_dim is not None and tp is not None and tp.size > 1:
+            width *= tp.size  # features (vocabulary, experts) split evenly over tp: the row is wider
         experts = self.num_experts
         if kind in ("router_logits", "router_scores"):
-            experts = int(x.shape[1])
-        site = Site(name=name, kind=kind, logical_shape=(-1, int(x.shape[1])), dtype=str(x.dtype).replace("torch.", ""),
+            experts = width
+        site = Site(name=name, kind=kind, logical_shape=(-1, width), dtype=str(x.dtype).replace("torch.", ""),
                     placements=tuple(placements), layer=self.index.layer_of(path),
                     family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}" if name != path else ""),
                     num_experts=experts)
