@@ -58,11 +58,12 @@ def make_trainer(metrics: MetricsFactory | None, *, dp: int = 1, corpus: ByteCor
     return Trainer(parallel, corpus or ByteCorpus.from_stdlib(), config, metrics=metrics)
 
 
-def tmetrics_factory(interval: int) -> MetricsFactory:
-    """TensorMetrics with the standard bundle every ``interval`` steps, no sink."""
+def tmetrics_factory(interval: int, names: tuple[str, ...] = BUNDLE) -> MetricsFactory:
+    """TensorMetrics with the metrics ``names`` (default the standard bundle) every ``interval``
+    steps, no sink."""
     def build(model: nn.Module, optimizer: Optimizer, mesh: Any) -> StepMetrics:
         topology = Axes.from_mesh(mesh) if mesh is not None else None
-        return TensorMetrics(model, metrics=[(build_metric(name), interval) for name in BUNDLE],
+        return TensorMetrics(model, metrics=[(build_metric(name), interval) for name in names],
                              optimizer=optimizer, topology=topology)
     return build
 

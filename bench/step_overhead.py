@@ -7,10 +7,11 @@ backward, clipping, AdamW) with the standard bundle (``bench.demo_variants.BUNDL
 10 and 100 steps and on steps where nothing is due, against the same loop without tmetrics,
 ``wandb.watch(model, log="all", log_freq=1)`` (offline) and a per-parameter ``.norm().item()``
 loop. Variants alternate in short rounds (``bench.rounds``); ratios are to the bare loop.
-Interval rows also give the mean over all their steps and the mean expected from the due and
-idle rows: ``(due + (N - 1) idle) / N``. The idle step is also timed directly (the tmetrics
-code it runs: step scope, optimizer hooks, ``observe_gradients``) and its torch operations and
-host reads counted (both should be zero).
+Interval rows also give the mean over all their steps and the mean expected from the due
+overhead and the idle one: ``1 + (due + (N - 1) idle) / N``, where the idle cost is the tmetrics
+code a not-due step runs (step scope, optimizer hooks, ``observe_gradients``) timed directly,
+far below what paired rounds can resolve; the torch operations and host reads of that step are
+counted too (both should be zero). ``--bundle`` measures other metrics.
 
 Table 2, two gloo ranks under DDP (1 thread each): the bundle every step against the bare loop
 and the per-parameter loop with one ``all_reduce`` per norm; collective calls per step.
@@ -45,17 +46,20 @@ from tmetrics_core.demo.train import Trainer
 __all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-INTERVALS = (1, 10, 100)
-SINGLE = {
-    "bare": None,
-    "tmetrics every 1": tmetrics_factory(1),
-    "tmetrics every 10": tmetrics_factory(10),
-    "tmetrics every 100": tmetrics_factory(100),
-    "tmetrics not due": tmetrics_factory(NEVER),
-    "wandb.watch all/1": wandb_factory,
-    "norm().item() loop": norm_loop_factory(),
-}
 MEMORY = ("bare", "tmetrics every 1", "wandb.watch all/1", "norm().item() loop")
+
+
+def _variants(bundle: tuple[str, ...]) -> dict[str, Any]:
+    """Variant name -> metrics factory (None: the bare loop)."""
+    return {
+        "bare": None,
+        "tmetrics every 1": tmetrics_factory(1, bundle),
+        "tmetrics every 10": tmetrics_factory(10, bundle),
+        "tmetrics every 100": tmetrics_factory(100, bundle),
+        "tmetrics not due": tmetrics_factory(NEVER, bundle),
+        "wandb.watch all/1": wandb_factory,
+        "norm().item() loop": norm_loop_factory(),
+    }
 
 
 class _TmetricsOps(TorchDispatchMode):
@@ -108,9 +112,9 @@ def _ops_of_step(trainer: Trainer, step: int) -> tuple[int, int]:
     return counter.ops, counter.host_reads
 
 
-def single_process(rounds: int, steps: int) -> list[str]:
+def single_process(rounds: int, steps: int, bundle: tuple[str, ...]) -> list[str]:
     corpus = ByteCorpus.from_stdlib()
-    trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in SINGLE.items()}
+    trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in _variants(bundle).items()}
     runners = {name: _stepper(t) for name, t in trainers.items()}
     for run in runners.values():
         run(2)  # warm-up; spends the always-due first step of "not due"
@@ -127,11 +131,11 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
                   due_ops: tuple[int, int]) -> list[str]:
     base = "bare"
     due = r.paired("tmetrics every 1", base) - 1
-    idle = r.paired("tmetrics not due", base) - 1
+    idle = idle_us / (r.median_ms(base) * 1e3)  # timed directly: below the noise of paired rounds
     lines = [f"Table 1: demo step, one process, {torch.get_num_threads()} threads, {rounds} rounds x {steps} steps "
              f"per variant (bare step {r.median_ms(base):.1f} ms)",
              f"{'variant':<22} {'ms/step':>8} {'wall x':>7} {'cpu x':>7} {'mean x':>7} {'expected x':>10}"]
-    for name in SINGLE:
+    for name in r.wall:
         interval = int(name.rsplit(" ", 1)[1]) if name.startswith("tmetrics every") else None
         expected = f"{1 + (due + (interval - 1) * idle) / interval:>10.4f}" if interval else f"{'':>10}"
         lines.append(f"{name:<22} {r.median_ms(name):>8.1f} {r.paired(name, base):>7.3f} "
@@ -139,8 +143,8 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
     watch = r.paired("wandb.watch all/1", base) - 1
     lines += [
         "wall x / cpu x: median over rounds of the paired ratio to bare (wall time / process CPU time); mean x: all",
-        "steps' wall time over bare's (the average over steps); expected x: (due + (N-1) idle) / N from the",
-        "'every 1' and 'not due' rows. Noise: about 1.5% (MACHINE-NOTES).",
+        "steps' wall time over bare's (the average over steps); expected x: 1 + (due + (N-1) idle) / N with due the",
+        "'every 1' overhead and idle the directly timed not-due cost below. Noise: about 1.5% (MACHINE-NOTES).",
         f"not-due step, timed directly: {idle_us:.1f} us of tmetrics code per step "
         f"({idle_us / (r.median_ms(base) * 1e3):.4%} of a bare step); torch ops issued by tmetrics: "
         f"{idle_ops[0]}, host reads: {idle_ops[1]}",
@@ -150,9 +154,9 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
     return lines
 
 
-def _ddp_rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
+def _ddp_rank(rank: int, world: int, rounds: int, steps: int, bundle: tuple[str, ...]) -> dict[str, Any]:
     corpus = ByteCorpus.from_stdlib()
-    factories = {"bare": None, "tmetrics every 1": tmetrics_factory(1),
+    factories = {"bare": None, "tmetrics every 1": tmetrics_factory(1, bundle),
                  "norm + all_reduce each": norm_loop_factory(all_reduce=True)}
     trainers = {name: make_trainer(f, dp=world, corpus=corpus) for name, f in factories.items()}
     runners = {name: _stepper(t) for name, t in trainers.items()}
@@ -168,10 +172,10 @@ def _ddp_rank(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     return {"wall": result.wall, "cpu": result.cpu, "calls": calls}
 
 
-def ddp(rounds: int, steps: int) -> list[str]:
+def ddp(rounds: int, steps: int, bundle: tuple[str, ...]) -> list[str]:
     from tests.distributed.harness import run_distributed
 
-    out = run_distributed(_ddp_rank, 2, rounds, steps, timeout=3600, collective_timeout=300)[0]
+    out = run_distributed(_ddp_rank, 2, rounds, steps, bundle, timeout=3600, collective_timeout=300)[0]
     r = Rounds(out["wall"], out["cpu"])
     lines = [f"Table 2: demo step, DDP on 2 gloo ranks (1 thread each), {rounds} rounds x {steps} steps "
              f"(bare step {r.median_ms('bare'):.1f} ms on rank 0)",
@@ -184,11 +188,11 @@ def ddp(rounds: int, steps: int) -> list[str]:
     return lines
 
 
-def _memory_variant(name: str, threads: int) -> dict[str, float]:
+def _memory_variant(name: str, threads: int, bundle: tuple[str, ...]) -> dict[str, float]:
     torch.set_num_threads(threads)
     corpus = ByteCorpus.from_stdlib()
     base = heap_in_use()
-    trainer = make_trainer(SINGLE[name], corpus=corpus)
+    trainer = make_trainer(_variants(bundle)[name], corpus=corpus)
     for step in range(1, 4):
         trainer.step(step)
     with HeapPeak() as peak:
@@ -198,13 +202,13 @@ def _memory_variant(name: str, threads: int) -> dict[str, float]:
     return {"peak": peak.peak - base, "rss": max_rss_bytes()}
 
 
-def memory(threads: int) -> list[str]:
+def memory(threads: int, bundle: tuple[str, ...]) -> list[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     got = {}
     for name in MEMORY:
         proc = subprocess.run([sys.executable, "-m", "bench.step_overhead", "--memory-variant", name,
-                               "--threads", str(threads)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              check=True)
+                               "--threads", str(threads), "--bundle", ",".join(bundle)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=True)
         got[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     base = got["bare"]
     lines = ["Table 3: peak memory over 3 steps (after 3 warm-up steps), each variant in a fresh process",
@@ -223,23 +227,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, one process (default 2)")
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-rank DDP table")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak memory table")
+    parser.add_argument("--bundle", default=",".join(BUNDLE),
+                        help="comma-separated metric names to measure instead of the standard bundle")
     parser.add_argument("--memory-variant", choices=MEMORY, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    bundle = tuple(n.strip() for n in args.bundle.split(",") if n.strip())
     if args.memory_variant:
-        print(json.dumps(_memory_variant(args.memory_variant, args.threads)))
+        print(json.dumps(_memory_variant(args.memory_variant, args.threads, bundle)))
         return
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; "
-          f"bundle: {', '.join(BUNDLE)}")
-    for line in single_process(args.rounds, args.steps):
+          f"bundle: {', '.join(bundle)}")
+    for line in single_process(args.rounds, args.steps, bundle):
         print(line)
     if not args.no_ddp:
         print()
-        for line in ddp(args.rounds, args.steps):
+        for line in ddp(args.rounds, args.steps, bundle):
             print(line)
     if not args.no_memory:
         print()
-        for line in memory(args.threads):
+        for line in memory(args.threads, bundle):
             print(line)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 

@@ -13,11 +13,12 @@ Per step the executor:
    demand): every rank contributes fingerprints of its per-axis layouts to one ``all_gather``;
    a difference raises :class:`PlanMismatchError` on every rank, naming the metric, the axis and
    the ranks that differ, before any mismatched collective can hang;
-3. runs rounds: the requests of all due metrics are deduplicated by key, then for each axis in
-   topology order, requests that reduce over it are flattened into one buffer per (op, dtype)
-   and reduced with one ``all_reduce``. A request over several axes is reduced axis after axis
-   in the same round. Collective calls per round are therefore at most
-   ``#axes x #ops x #dtypes``, whatever the number of tensors, shapes or metrics;
+3. runs rounds: the requests of all due metrics are deduplicated by key and bucketed by (axes,
+   op, dtype); each bucket is flattened into one buffer and reduced with one ``all_reduce`` over
+   the joint group of its axes, except that the buckets of one axis set (sums and maxima) go out
+   together as ONE small ``all_gather`` and are reduced locally (NOTE [gathered rounds]).
+   Collective calls per round are therefore about ``#axis sets``, whatever the number of
+   tensors, shapes or metrics;
 4. copies every metric's final vectors to the host in one transfer.
 """
 
@@ -41,6 +42,10 @@ from tmetrics_core.site import Site, SiteKey
 __all__ = ["CollectiveStats", "Executor", "MetricFailure"]
 
 log = logging.getLogger(__name__)
+
+_GATHER_LIMIT = 1 << 19
+"""Most elements an all_gather of buckets may collect on one rank (members x values; 4 MiB in
+float64); larger buckets are all-reduced."""
 
 @dataclass(slots=True)
 class CollectiveStats:
@@ -212,6 +217,13 @@ class Executor:
             if axes:
                 op = "max" if r.op == "min" else r.op
                 buckets.setdefault((axes, op, current[r.key].dtype), []).append(r)
+        by_axes: dict[tuple[str, ...], dict] = {}
+        for key, bucket in buckets.items():
+            by_axes.setdefault(key[0], {})[key] = bucket
+        for axes, same in by_axes.items():
+            if len(same) > 1 and self._gathered(axes, same, current):
+                for key in same:
+                    del buckets[key]
         for (axes, op, _dtype), bucket in buckets.items():
             values = [-current[r.key] if r.op == "min" else current[r.key] for r in bucket]
             packed = torch.cat(values) if len(values) > 1 else values[0].clone()
@@ -224,6 +236,41 @@ class Executor:
             for r, piece in zip(bucket, packed.split([v.numel() for v in values])):
                 current[r.key] = -piece if r.op == "min" else piece
         return current
+
+    def _gathered(self, axes: tuple[str, ...],
+                  buckets: Mapping[tuple[tuple[str, ...], str, torch.dtype], list[CollectiveRequest]],
+                  current: dict[Hashable, torch.Tensor]) -> bool:
+        """Reduce the buckets of one axis set (several ops or dtypes) with ONE collective: their
+        values are packed in one buffer (float64), all-gathered over the joint group of ``axes``
+        and reduced locally per bucket, in member order (so every member gets identical
+        results). Returns False, doing nothing, when the joint group cannot be built or the
+        gathered table would exceed ``_GATHER_LIMIT`` elements (then one ``all_reduce`` per
+        bucket moves less data).
+
+        NOTE [gathered rounds]: metric rounds are latency-bound (a few thousand values), so one
+        all_gather beats an all_reduce per op. Only buckets over the same axes are gathered
+        together: a bucket over fewer axes may have other sizes on ranks outside its group."""
+        members = math.prod(self.topology.axes[a].size for a in axes)
+        values = [[(-current[r.key] if r.op == "min" else current[r.key]).to(torch.float64) for r in bucket]
+                  for bucket in buckets.values()]
+        total = sum(v.numel() for vs in values for v in vs)
+        group = self.topology.joint_group(axes) if total * members <= _GATHER_LIMIT else None
+        if group is None:
+            return False
+        packed = torch.cat([v for vs in values for v in vs])
+        self.stats.add("+".join(axes), total)
+        start = time.perf_counter()
+        table = torch.stack(self.comm.all_gather(packed, group))  # [members, total]
+        self.stats.seconds += time.perf_counter() - start
+        offset = 0
+        for ((_, op, dtype), bucket), vs in zip(buckets.items(), values):
+            width = sum(v.numel() for v in vs)
+            block = table[:, offset:offset + width]
+            reduced = (block.sum(0) if op == "sum" else block.amax(0)).to(dtype)
+            for r, piece in zip(bucket, reduced.split([v.numel() for v in vs])):
+                current[r.key] = -piece if r.op == "min" else piece
+            offset += width
+        return True
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, group: Any, axis: str) -> None:
         self.stats.add(axis, tensor.numel())
