@@ -124,6 +124,7 @@ class TensorMetrics:
         self._before: dict[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
         self._kind_sites: dict[str, list[Site]] = {}
+        self._num_experts = self.manifest.num_experts
         self._closed = False
         self._check_config(key_rules or {})
         self._hooks = []
@@ -251,7 +252,7 @@ class TensorMetrics:
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
         observer = handles = reset = None
         if token_metrics:
-            observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self.manifest.num_experts,
+            observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self._num_experts,
                                      modules=self.modules)
             kinds = observer.kinds
             patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))

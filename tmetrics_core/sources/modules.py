@@ -70,6 +70,8 @@ class ModuleIndex:
 
     def matching(self, patterns: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
         """Modules whose cleaned path matches one of the globs."""
+        if not patterns:  # the common case, on every due step: no scan of the model
+            return []
         return [(p, m) for p, m in self.named if p and any(fnmatchcase(p, g) for g in patterns)]
 
     def install(self, record: Callable[..., None], *, residual: bool,
