@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
@@ -123,6 +124,8 @@ class NormLoop:
         self.all_reduce = all_reduce
         self.values: list[float] = []
         self.collectives = 0
+        self.seconds = 0.0
+        """Wall time inside the all_reduce calls."""
 
     def step(self, step: int) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -136,7 +139,9 @@ class NormLoop:
                 norm = t.norm()
                 if self.all_reduce:
                     norm = norm.square()
+                    start = time.perf_counter()
                     dist.all_reduce(norm)
+                    self.seconds += time.perf_counter() - start
                     self.collectives += 1
                 values.append(norm.item())
         self.values = values
