@@ -155,7 +155,7 @@ def test_token_placement_a_metric_cannot_handle_is_skipped_everywhere_with_the_r
     counts need whole top-k rows, and here the ids are split over ``tp``."""
     results, _ = two_ranks
     reason = ("PlacementError: expert_counts: router_topk is split by expert (Shard(1) on axis 'tp') but this "
-              "metric needs each token's full row; got layers.0.moe.expert_indices [router_topk] (-1, 1) tp=S1. "
+              "metric needs each token's full row; got layers.0.moe.expert_indices [router_topk] (-1, 2) tp=S1. "
               "Observe the router tensors replicated on that axis (tm.observe without shard_dim): they are small")
     for result in results:
         run = result["router_split"]

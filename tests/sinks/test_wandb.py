@@ -82,8 +82,9 @@ def test_roundtrip_every_step_value_histogram_and_definition(run_info: RunInfo, 
     files = list(find_run_file(Path(run_info.dir) / "wandb").parent.rglob("*.png"))
     assert len(files) == 9  # three images at each of steps 2, 4 and the close
     # Nothing of W&B's landed in HOME (matplotlib keeps its own font cache there).
+    # (Where W&B's own cache lands depends on what an earlier W&B import in this process read;
+    # the guarantee is only that it is not HOME.)
     assert [p for p in clean_home.rglob("*") if "wandb" in p.name] == []
-    assert (Path(run_info.dir) / "wandb-home" / "cache").is_dir()
 
 
 def test_late_and_repeated_steps_are_kept(run_info: RunInfo) -> None:
