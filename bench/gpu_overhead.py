@@ -173,9 +173,10 @@ def single_gpu(args: argparse.Namespace) -> list[str]:
         sync = f"{syncs[name]:>16}" if name in syncs else f"{'':>16}"
         peak = f"{peaks[name] / 2**20:>9.1f}" if name in peaks else f"{'':>9}"
         lines.append(f"{name:<22} {result.median_ms(name):>8.3f} {result.paired(name, base):>7.3f} "
-                     f"{result.total(name, base):>7.3f} {sync} {peak}")
-    lines.append("x bare: median over rounds of the paired ratio; mean x: all steps' time over bare's; host syncs: "
-                 "during one step; peak: torch.cuda.max_memory_allocated above the memory before the variant existed")
+                     f"{result.mean(name, base):>7.3f} {sync} {peak}")
+    lines.append("x bare: median over rounds of the paired ratio; mean x: trimmed mean of the per-round ratios; "
+                 "host syncs: during one step; peak: torch.cuda.max_memory_allocated above the memory before the "
+                 "variant existed")
     return lines
 
 

@@ -5,8 +5,9 @@ Figures from the rounds:
 
 - paired ratio: per round, the variant's seconds per step over the baseline's in the same
   round; the median over rounds (robust to load spikes, blind to rare due steps);
-- total ratio: all of the variant's time over all of the baseline's (counts every step, so it
-  is the average over steps of an interval variant; less robust to spikes).
+- mean ratio: the mean of the per-round ratios without the highest and lowest 10% (every step
+  counts, so it is the average over steps of an interval variant, and a load spike on one
+  round does not move it).
 
 Wall time (``time.perf_counter``) and process CPU time (``time.process_time``, all threads) are
 both kept: under load from other processes the CPU time moves less.
@@ -34,9 +35,12 @@ class Rounds:
         samples = self.cpu if cpu else self.wall
         return statistics.median(v / b for v, b in zip(samples[name], samples[baseline]))
 
-    def total(self, name: str, baseline: str) -> float:
-        """All of ``name``'s wall time over all of ``baseline``'s (the mean over steps)."""
-        return sum(self.wall[name]) / sum(self.wall[baseline])
+    def mean(self, name: str, baseline: str, *, trim: float = 0.1) -> float:
+        """Mean of the per-round wall-time ratios of ``name`` to ``baseline``, without the
+        ``trim`` fraction of highest and of lowest ratios."""
+        ratios = sorted(v / b for v, b in zip(self.wall[name], self.wall[baseline]))
+        cut = int(len(ratios) * trim)
+        return statistics.fmean(ratios[cut:len(ratios) - cut])
 
     def median_ms(self, name: str) -> float:
         """Median over rounds of the wall milliseconds per step."""

@@ -121,8 +121,9 @@ def single_process(rounds: int, steps: int, bundle: tuple[str, ...]) -> list[str
     result = interleave(runners, rounds=rounds, steps=steps)
     idle = trainers["tmetrics not due"]
     idle_run = runners["tmetrics not due"]
+    due_run = runners["tmetrics every 1"]
     idle_ops = _ops_of_step(idle, idle_run.count[0] + 1)  # type: ignore[attr-defined]
-    due_ops = _ops_of_step(trainers["tmetrics every 1"], runners["tmetrics every 1"].count[0] + 1)  # type: ignore[attr-defined]
+    due_ops = _ops_of_step(trainers["tmetrics every 1"], due_run.count[0] + 1)  # type: ignore[attr-defined]
     idle_us = _idle_code_us(idle, idle_run.count[0] + 2)  # type: ignore[attr-defined]
     return _single_table(result, rounds, steps, idle_us, idle_ops, due_ops)
 
@@ -139,12 +140,13 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         interval = int(name.rsplit(" ", 1)[1]) if name.startswith("tmetrics every") else None
         expected = f"{1 + (due + (interval - 1) * idle) / interval:>10.4f}" if interval else f"{'':>10}"
         lines.append(f"{name:<22} {r.median_ms(name):>8.1f} {r.paired(name, base):>7.3f} "
-                     f"{r.paired(name, base, cpu=True):>7.3f} {r.total(name, base):>7.3f} {expected}")
+                     f"{r.paired(name, base, cpu=True):>7.3f} {r.mean(name, base):>7.3f} {expected}")
     watch = r.paired("wandb.watch all/1", base) - 1
     lines += [
-        "wall x / cpu x: median over rounds of the paired ratio to bare (wall time / process CPU time); mean x: all",
-        "steps' wall time over bare's (the average over steps); expected x: 1 + (due + (N-1) idle) / N with due the",
-        "'every 1' overhead and idle the directly timed not-due cost below. Noise: about 1.5% (MACHINE-NOTES).",
+        "wall x / cpu x: median over rounds of the paired ratio to bare (wall time / process CPU time); mean x:",
+        "mean of the per-round ratios, 10% trimmed each side (the average over steps); expected x: 1 + (due +",
+        "(N-1) idle) / N with due the 'every 1' overhead and idle the directly timed not-due cost below.",
+        "Noise: about 1.5% (MACHINE-NOTES).",
         f"not-due step, timed directly: {idle_us:.1f} us of tmetrics code per step "
         f"({idle_us / (r.median_ms(base) * 1e3):.4%} of a bare step); torch ops issued by tmetrics: "
         f"{idle_ops[0]}, host reads: {idle_ops[1]}",

@@ -54,5 +54,6 @@ def test_rounds_rotate_the_order_and_pair_ratios_per_round():
     assert all(len(v) == 3 for v in result.wall.values())
     r = Rounds({"base": [1.0, 2.0, 4.0], "x": [1.1, 2.4, 4.0]}, {"base": [1.0] * 3, "x": [1.0] * 3})
     assert r.paired("x", "base") == pytest.approx(1.1)  # median of 1.1, 1.2, 1.0
-    assert r.total("x", "base") == pytest.approx(7.5 / 7.0)
+    assert r.mean("x", "base", trim=0.0) == pytest.approx(3.3 / 3)
+    assert r.mean("x", "base", trim=0.34) == pytest.approx(1.1)  # one ratio cut at each end
     assert r.paired("x", "base", cpu=True) == 1.0

@@ -211,7 +211,8 @@ class StatMetric:
                                       b.parts) for b in batches if b.index < len(b.stages)]
         if requests:
             return Round(requests=requests, continuation=(batches, topology))
-        return Round(continuation=(batches, topology), done=True, outputs=merged_outputs(batches, self._group, id(self)))
+        outputs = merged_outputs(batches, self._group, id(self))
+        return Round(continuation=(batches, topology), done=True, outputs=outputs)
 
     def grouped(self, continuation: Any, host: Mapping[Hashable, list[float]]
                 ) -> tuple[dict[tuple, dict[str, list[float]]], dict[tuple, Site]]:
