@@ -112,9 +112,10 @@ def _ops_of_step(trainer: Trainer, step: int) -> tuple[int, int]:
     return counter.ops, counter.host_reads
 
 
-def single_process(rounds: int, steps: int, bundle: tuple[str, ...]) -> list[str]:
+def single_process(rounds: int, steps: int, bundle: tuple[str, ...], *, alternatives: bool = True) -> list[str]:
     corpus = ByteCorpus.from_stdlib()
-    trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in _variants(bundle).items()}
+    variants = {n: f for n, f in _variants(bundle).items() if alternatives or n == "bare" or n.startswith("tmetrics")}
+    trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in variants.items()}
     runners = {name: _stepper(t) for name, t in trainers.items()}
     for run in runners.values():
         run(2)  # warm-up; spends the always-due first step of "not due"
@@ -141,7 +142,6 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         expected = f"{1 + (due + (interval - 1) * idle) / interval:>10.4f}" if interval else f"{'':>10}"
         lines.append(f"{name:<22} {r.median_ms(name):>8.1f} {r.paired(name, base):>7.3f} "
                      f"{r.paired(name, base, cpu=True):>7.3f} {r.mean(name, base):>7.3f} {expected}")
-    watch = r.paired("wandb.watch all/1", base) - 1
     lines += [
         "wall x / cpu x: median over rounds of the paired ratio to bare (wall time / process CPU time); mean x:",
         "mean of the per-round ratios, 10% trimmed each side (the average over steps); expected x: 1 + (due +",
@@ -151,8 +151,11 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         f"({idle_us / (r.median_ms(base) * 1e3):.4%} of a bare step); torch ops issued by tmetrics: "
         f"{idle_ops[0]}, host reads: {idle_ops[1]}",
         f"due step: torch ops issued by tmetrics: {due_ops[0]}, item()-style host reads: {due_ops[1]}",
-        f"wandb.watch overhead / tmetrics-every-1 overhead: {watch / due if due > 0 else float('inf'):.1f}x",
     ]
+    if "wandb.watch all/1" in r.wall:
+        watch = r.paired("wandb.watch all/1", base) - 1
+        ratio = watch / due if due > 0 else float("inf")
+        lines.append(f"wandb.watch overhead / tmetrics-every-1 overhead: {ratio:.1f}x")
     return lines
 
 
@@ -231,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, one process (default 2)")
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-rank DDP table")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak memory table")
+    parser.add_argument("--no-alternatives", action="store_true",
+                        help="table 1 without wandb.watch and the norm loop (to compare metric choices)")
     parser.add_argument("--bundle", default=",".join(BUNDLE),
                         help="comma-separated metric names to measure instead of the standard bundle")
     parser.add_argument("--memory-variant", choices=MEMORY, help=argparse.SUPPRESS)
@@ -242,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; "
           f"bundle: {', '.join(bundle)}")
-    for line in single_process(args.rounds, args.steps, bundle):
+    for line in single_process(args.rounds, args.steps, bundle, alternatives=not args.no_alternatives):
         print(line)
     if not args.no_ddp:
         print()
