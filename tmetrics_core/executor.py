@@ -14,11 +14,11 @@ Per step the executor:
    a difference raises :class:`PlanMismatchError` on every rank, naming the metric, the axis and
    the ranks that differ, before any mismatched collective can hang;
 3. runs rounds: the requests of all due metrics are deduplicated by key and bucketed by (axes,
-   op, dtype); each bucket is flattened into one buffer and reduced with one ``all_reduce`` over
-   the joint group of its axes, except that the buckets of one axis set (sums and maxima) go out
-   together as ONE small ``all_gather`` and are reduced locally (NOTE [gathered rounds]).
-   Collective calls per round are therefore about ``#axis sets``, whatever the number of
-   tensors, shapes or metrics;
+   op, dtype); a small round goes out as ONE ``all_gather`` over the joint group of all its axes
+   and is reduced locally when every value has one length on all ranks, else the buckets of
+   each axis set share one ``all_gather`` (NOTE [gathered rounds]); large buckets are reduced
+   with one ``all_reduce`` each. Collective calls per round are therefore one (or about
+   ``#axis sets``), whatever the number of tensors, shapes or metrics;
 4. copies every metric's final vectors to the host in one transfer.
 """
 
@@ -217,6 +217,12 @@ class Executor:
             if axes:
                 op = "max" if r.op == "min" else r.op
                 buckets.setdefault((axes, op, current[r.key].dtype), []).append(r)
+        # One collective for the whole round when every value has one length on all ranks;
+        # else one per axis set that has several buckets (NOTE [gathered rounds]).
+        if len(buckets) > 1 and all(r.uniform for r in requests):
+            union = tuple(a for a in self.topology.names if any(a in axes for axes, _, _ in buckets))
+            if self._gathered(union, buckets, current):
+                return current
         by_axes: dict[tuple[str, ...], dict] = {}
         for key, bucket in buckets.items():
             by_axes.setdefault(key[0], {})[key] = bucket
@@ -237,35 +243,44 @@ class Executor:
                 current[r.key] = -piece if r.op == "min" else piece
         return current
 
-    def _gathered(self, axes: tuple[str, ...],
+    def _gathered(self, union: tuple[str, ...],
                   buckets: Mapping[tuple[tuple[str, ...], str, torch.dtype], list[CollectiveRequest]],
                   current: dict[Hashable, torch.Tensor]) -> bool:
-        """Reduce the buckets of one axis set (several ops or dtypes) with ONE collective: their
-        values are packed in one buffer (float64), all-gathered over the joint group of ``axes``
-        and reduced locally per bucket, in member order (so every member gets identical
-        results). Returns False, doing nothing, when the joint group cannot be built or the
-        gathered table would exceed ``_GATHER_LIMIT`` elements (then one ``all_reduce`` per
-        bucket moves less data).
+        """Reduce ``buckets`` (each over axes within ``union``) with ONE collective: their values
+        are packed in one float64 buffer, all-gathered over the joint group of ``union``, and
+        each bucket is reduced locally over the rows of its peers, the members that differ from
+        this rank only along the bucket's own axes, in member order (so every peer computes
+        identical results). The caller guarantees one layout on every member: the buckets are
+        all over ``union``, or every request is ``uniform``. Returns False, doing nothing, when
+        the joint group cannot be built or the gathered table would exceed ``_GATHER_LIMIT``
+        elements (then one ``all_reduce`` per bucket moves less data).
 
         NOTE [gathered rounds]: metric rounds are latency-bound (a few thousand values), so one
-        all_gather beats an all_reduce per op. Only buckets over the same axes are gathered
-        together: a bucket over fewer axes may have other sizes on ranks outside its group."""
-        members = math.prod(self.topology.axes[a].size for a in axes)
+        all_gather beats an all_reduce per (axes, op). Buckets over fewer axes than the union
+        may only join when every request is ``uniform``: otherwise a value may have another
+        length on a member outside the bucket's own group, and the gathered rows would not line
+        up."""
+        sizes = [self.topology.axes[a].size for a in union]
+        members = math.prod(sizes)
         values = [[(-current[r.key] if r.op == "min" else current[r.key]).to(torch.float64) for r in bucket]
                   for bucket in buckets.values()]
         total = sum(v.numel() for vs in values for v in vs)
-        group = self.topology.joint_group(axes) if total * members <= _GATHER_LIMIT else None
+        group = self.topology.joint_group(union) if total * members <= _GATHER_LIMIT else None
         if group is None:
             return False
         packed = torch.cat([v for vs in values for v in vs])
-        self.stats.add("+".join(axes), total)
+        self.stats.add("+".join(union), total)
         start = time.perf_counter()
-        table = torch.stack(self.comm.all_gather(packed, group))  # [members, total]
+        table = torch.stack(self.comm.all_gather(packed, group))  # [members, total], row-major over union
         self.stats.seconds += time.perf_counter() - start
+        coords = [self.topology.axes[a].rank for a in union]
+        strides = [math.prod(sizes[i + 1:]) for i in range(len(union))]
         offset = 0
-        for ((_, op, dtype), bucket), vs in zip(buckets.items(), values):
+        for ((axes, op, dtype), bucket), vs in zip(buckets.items(), values):
+            fixed = [i for i, a in enumerate(union) if a not in axes]
+            peers = [j for j in range(members) if all((j // strides[i]) % sizes[i] == coords[i] for i in fixed)]
             width = sum(v.numel() for v in vs)
-            block = table[:, offset:offset + width]
+            block = table[peers, offset:offset + width]
             reduced = (block.sum(0) if op == "sum" else block.amax(0)).to(dtype)
             for r, piece in zip(bucket, reduced.split([v.numel() for v in vs])):
                 current[r.key] = -piece if r.op == "min" else piece

@@ -51,6 +51,9 @@ class CollectiveRequest:
     parts: tuple[Hashable, ...] = ()
     """Keys of the equal-sized pieces ``value`` concatenates (one per site of a batch), for plan
     checks and their messages; empty when ``value`` is one piece."""
+    uniform: bool = False
+    """``value`` has this length on every rank of the topology, not only on the ranks of
+    ``axes`` (see :meth:`Statistic.uniform`); lets requests over other axes share a collective."""
 
 
 @dataclass(slots=True)
@@ -208,7 +211,8 @@ class StatMetric:
     def _round(self, batches: list[Batch], topology: Topology) -> Round:
         batches = canonical(batches)
         requests = [CollectiveRequest(b.key, b.stages[b.index].axes, b.stages[b.index].op, b.rows.reshape(-1),
-                                      b.parts) for b in batches if b.index < len(b.stages)]
+                                      b.parts, b.stat.uniform(b.sites[0], topology, b.index))
+                    for b in batches if b.index < len(b.stages)]
         if requests:
             return Round(requests=requests, continuation=(batches, topology))
         outputs = merged_outputs(batches, self._group, id(self))

@@ -58,6 +58,9 @@ class _Drift(Statistic):
     def size(self, site: Site) -> int:
         return 2 * self.width
 
+    def uniform(self, site: Site, topology: Topology, index: int) -> bool:
+        return True  # 2 * width values, then one
+
     def compute(self, tensors, sites, topology):
         out = []
         for tensor, site in zip(tensors, sites):

@@ -96,6 +96,11 @@ class RowSoftmax(Statistic):
         # agree on a table without rows.
         return (Stage(cut, "sum", 1), Stage(population, "sum", 1 + len(ROW_FIELDS)))
 
+    def uniform(self, site: Site, topology: Topology, index: int) -> bool:
+        """The finished sums have one length everywhere; a slot table (class split) has the
+        local rows in it."""
+        return index > 0 or not self._split(site, topology)[0]
+
     def compute(self, tensors, sites, topology):
         out = []
         for tensor, site in zip(tensors, sites):

@@ -110,6 +110,13 @@ class Statistic:
         """Turn the reduced vector of stage ``index`` into the local vector of stage ``index+1``."""
         raise NotImplementedError(f"{type(self).__name__} has one stage")
 
+    def uniform(self, site: Site, topology: Topology, index: int) -> bool:
+        """Whether stage ``index``'s vector has the same length on EVERY rank of the topology,
+        not only on the ranks that reduce it together (then requests over different axes can
+        share one collective). True for single-stage statistics, whose length ``size(site)``
+        sees no rank; statistics with their own stages say so themselves (default False)."""
+        return type(self).stages is Statistic.stages
+
     def check(self, site: Site, topology: Topology) -> None:
         """Raise :class:`PlacementError` at configuration time if ``site`` cannot be handled."""
 
@@ -318,9 +325,12 @@ class RowL2(Statistic):
     The tensor is viewed as ``[rows, cols]`` with ``rows = shape[0]`` (``dim=0``) and the rest
     flattened; with ``dim=1`` the roles swap (columns of a ``[rows, cols]`` matrix).
     Stage 1: per-line sums of squares, summed over the axes that cut lines (``Shard`` on the
-    other dim, ``FlatShard``). Between: ``sqrt`` per line, then ``[sum of line norms, line
-    count]``. Stage 2: summed over the axes that split the line population (``Shard`` on the
-    line dim, ``Owned``). Result: ``[sum of L2 norms of lines, number of lines]``.
+    other dim, ``FlatShard``); when every rank's line count follows from the site (no
+    ``Shard(None)`` population split, no FlatShard), zero-padded to the lines of the largest
+    shard (the first, as in ``torch.chunk``), so the vector has one length on every rank.
+    Between: ``sqrt`` per local line, then ``[sum of line norms, line count]``. Stage 2: summed
+    over the axes that split the line population (``Shard`` on the line dim, ``Owned``).
+    Result: ``[sum of L2 norms of lines, number of lines]``.
     With a FlatShard the stage-1 vector spans all lines of its ``logical_shape``, so ranges
     that cut lines are summed exactly.
     """
@@ -339,11 +349,13 @@ class RowL2(Statistic):
         if len(flats) > 1:
             raise PlacementError(f"{self.name}: at most one FlatShard axis per tensor; got {site.describe()}")
 
-    def _line_shape(self, site: Site, topology: Topology) -> tuple[int, int]:
-        """(lines, line length) of the stage-1 vector space on this rank."""
+    def _line_shape(self, site: Site, topology: Topology, *, largest: bool = False) -> tuple[int, int]:
+        """(lines, line length) of the stage-1 vector space on this rank (``largest``: on the
+        rank holding the largest shard, coordinate 0 everywhere)."""
         flat = self._flat(site, topology)
+        coords = {} if largest else topology.coords()
         shape = flat.logical_shape if flat is not None else site.local_shape(
-            topology.coords(), {n: a.size for n, a in topology.axes.items()})
+            coords, {n: a.size for n, a in topology.axes.items()})
         rows = shape[0]
         cols = 1
         for s in shape[1:]:
@@ -367,8 +379,20 @@ class RowL2(Statistic):
                 cut.append(name)
             else:
                 population.append(name)
-        lines, _ = self._line_shape(site, topology)
+        lines, _ = self._line_shape(site, topology, largest=self._known_lines(site))
         return (Stage(tuple(cut), "sum", lines), Stage(tuple(population), "sum", 2))
+
+    def uniform(self, site: Site, topology: Topology, index: int) -> bool:
+        return index > 0 or self._known_lines(site)
+
+    @staticmethod
+    def _known_lines(site: Site) -> bool:
+        """Whether every rank's line count follows from the site: no population split
+        (``Shard(None)``), no open dim and no FlatShard (whose logical shape is this rank's
+        shard on the other axes), so stage-1 vectors can be padded to one length."""
+        open_split = any(p.is_flat_shard() or (p.is_shard() and p.dim is None)  # type: ignore[attr-defined]
+                         for _, p in site.placements)
+        return all(d >= 0 for d in site.logical_shape) and not open_split
 
     def compute(self, tensors, sites, topology):
         out = []
@@ -379,7 +403,10 @@ class RowL2(Statistic):
                 m = t.reshape(t.shape[0], math.prod(t.shape[1:]))
                 if self.dim == 1:
                     m = m.t()
-                out.append(m.float().pow(2).sum(dim=1).double())
+                sums = m.float().pow(2).sum(dim=1).double()
+                if self._known_lines(site):
+                    sums = torch.nn.functional.pad(sums, (0, self._line_shape(site, topology, largest=True)[0] - lines))
+                out.append(sums)
                 continue
             cols = 1
             for s in flat.logical_shape[1:]:
@@ -392,7 +419,8 @@ class RowL2(Statistic):
         return out
 
     def between(self, index, vector, site, topology):
-        if site.holds(topology.coords()) and vector.numel():
-            return torch.stack([vector.sqrt().sum(), torch.full((), float(vector.numel()), dtype=torch.float64,
-                                                                  device=vector.device)])
+        lines = self._line_shape(site, topology)[0] if self._known_lines(site) else vector.numel()
+        if site.holds(topology.coords()) and lines:
+            return torch.stack([vector[:lines].sqrt().sum(), torch.full((), float(lines), dtype=torch.float64,
+                                                                         device=vector.device)])
         return torch.zeros(2, dtype=torch.float64, device=vector.device)
