@@ -56,7 +56,7 @@ from tmetrics_core.axes import Topology
 from tmetrics_core.errors import PlacementError
 from tmetrics_core.metrics.base import MetricResult, StatMetric
 from tmetrics_core.metrics.softmax import RowSoftmax, RowSoftmaxMetric
-from tmetrics_core.metrics.statistics import Statistic, neutral
+from tmetrics_core.metrics.statistics import Statistic, flagged_value, neutral
 from tmetrics_core.site import Site
 
 __all__ = [
@@ -90,6 +90,7 @@ SEQUENCE_FIELDS = (
 """Per-sequence statistics, summed over sequences in the first entries of the sums vector."""
 
 _EXTREMES = ("seq_aux_loss", "actual_load_imbalance", "-aux_actual_overlap")
+_EXTREMES_SIZE = 2 * len(_EXTREMES)
 _COUNTS = ("sequences", "bias_sequences", "tokens")
 _BIAS_FIELDS = SEQUENCE_FIELDS[12:]
 _MARGIN_EPS = float(torch.finfo(torch.float32).eps)
@@ -285,12 +286,16 @@ class _RouterSums(Statistic):
 
 class _RouterExtremes(Statistic):
     """Per layer: max over sequences of the loss and the dispatched imbalance, and ``-min`` of
-    the top-k overlap."""
+    the top-k overlap, then one NaN flag per extreme: ``[x_1, x_2, x_3, f_1, f_2, f_3]``.
+
+    An extreme that is NaN (a NaN score reaches the loss) is carried as ``x = -inf, f = 1``,
+    reduced with MAX like the values, so every rank reports NaN however the reduction orders
+    the ranks (NOTE [NaN under MAX] in :mod:`~tmetrics_core.metrics.statistics`)."""
 
     name, op = "router_extremes", "max"
 
     def size(self, site):
-        return len(_EXTREMES)
+        return _EXTREMES_SIZE
 
 
 ROUTER_SUMS = _RouterSums()
@@ -299,7 +304,8 @@ ROUTER_EXTREMES = _RouterExtremes()
 
 def layer_summary(probs: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None,
                   seq_len: int | None, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sums and extremes vectors of one layer's local observation (float64).
+    """The sums and extremes vectors of one layer's local observation (float64; the
+    layouts of :class:`_RouterSums` and :class:`_RouterExtremes`, extremes NaN-flagged).
 
     Args:
         probs: ``[T, E]`` routing probabilities (rows sum to 1).
@@ -314,7 +320,7 @@ def layer_summary(probs: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | N
     tokens = probs.shape[0]
     device = probs.device
     sums = torch.zeros(len(SEQUENCE_FIELDS) + len(_COUNTS) + 3 * experts, dtype=torch.float64, device=device)
-    extremes = neutral("max", len(_EXTREMES), device)
+    extremes = neutral("max", _EXTREMES_SIZE, device)
     if ids.shape[0] != tokens:
         raise ValueError(f"router_topk has {ids.shape[0]} tokens but the scores have {tokens}")
     if not tokens:
@@ -373,8 +379,9 @@ def layer_summary(probs: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | N
                                        dtype=torch.float64, device=device)
     body = sums[head + 3:].view(3, experts)
     body[0], body[1], body[2] = p.sum(0), aux_counts.sum(0), actual_counts.sum(0)
-    extremes = torch.stack([fields[0].max(), fields[5].max(), (-overlap).max()])
-    return sums, extremes
+    peaks = torch.stack([fields[0].max(), fields[5].max(), (-overlap).max()])
+    nan = torch.isnan(peaks)
+    return sums, torch.cat([peaks.masked_fill(nan, -math.inf), nan.to(torch.float64)])
 
 
 def _correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -501,7 +508,8 @@ class _LayerSummary:
         self.score, self.aux, self.actual = body[:experts], body[experts:2 * experts], body[2 * experts:]
         self.experts = experts
         top = vectors[ROUTER_EXTREMES.name]
-        self.extremes = {"seq_aux_loss": top[0], "actual_load_imbalance": top[1], "aux_actual_overlap": -top[2]}
+        peak = [flagged_value((top[i], top[i + len(_EXTREMES)])) for i in range(len(_EXTREMES))]
+        self.extremes = {"seq_aux_loss": peak[0], "actual_load_imbalance": peak[1], "aux_actual_overlap": -peak[2]}
 
     def mean(self, field: str) -> float:
         count = self.bias_sequences if field in _BIAS_FIELDS else self.sequences
