@@ -5,10 +5,17 @@ replica; a missed all-reduce, a non-deterministic kernel or a rank that skipped 
 copies drift apart silently. These statistics reduce over the ``dp`` axis *although* the tensor
 is ``Replica`` there (on purpose: they compare the copies), so they override ``stages``:
 
-1. over the drift axes, ``MAX`` of ``[v, -v]`` gives every replica ``max v`` and ``-min v``;
-2. locally, ``max - min`` becomes a per-tensor difference;
+1. over the drift axes, ``MAX`` of ``[v, -v, nan]`` gives every replica ``max v``, ``-min v``
+   and whether any replica's ``v`` held a NaN;
+2. locally, ``max - min`` becomes a per-tensor difference ``[d, nan]``;
 3. over the axes that split the tensor (``tp`` shards, ``Owned`` on ``pp``/``ep``), ``MAX``, so a
    tensor differs when any of its shards does.
+
+A NaN travels as that flag (``v`` holds ``-inf`` in its place), never as a value: gloo's and
+NCCL's MAX keep a NaN only when it comes first (NOTE [NaN under MAX] in
+:mod:`~tmetrics_core.metrics.statistics`), so a NaN on one replica would otherwise vanish.
+The magnitude and sampled views report NaN when any replica has a NaN among the values they
+compare; the hash compares bit patterns, so a NaN on some replicas only is a difference.
 
 Three views: an exact one (a position-weighted hash of the element bit patterns: any changed
 bit changes it, except with probability about 2**-52), a magnitude (the float64 sum of the
@@ -20,13 +27,14 @@ bound of the true largest difference).
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Sequence
 
 import torch
 
 from tmetrics_core.axes import Topology
 from tmetrics_core.metrics.base import StatMetric
-from tmetrics_core.metrics.statistics import Stage, Statistic
+from tmetrics_core.metrics.statistics import Stage, Statistic, flagged_value
 from tmetrics_core.site import Site
 
 __all__ = ["DRIFT_AXES", "ReplicaDrift", "ReplicaHash", "SampledDrift", "SumDrift"]
@@ -43,7 +51,8 @@ _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16:
 
 
 class _Drift(Statistic):
-    """Base: stage 1 MAX of ``[v, -v]`` over the drift axes, stage 2 MAX over splitting axes."""
+    """Base: stage 1 MAX of ``[v, -v, NaN flag]`` (``2 width + 1`` values) over the drift axes,
+    stage 2 MAX of ``[difference, NaN flag]`` over the splitting axes."""
 
     def __init__(self, axes: Sequence[str], width: int) -> None:
         self.axes = tuple(axes)
@@ -53,19 +62,21 @@ class _Drift(Statistic):
         compared = tuple(a for a in topology.names if a in self.axes and topology.axes[a].size > 1)
         split = tuple(a for a in topology.names
                       if a not in self.axes and topology.axes[a].size > 1 and site.placement(a).splits())
-        return (Stage(compared, "max", 2 * self.width), Stage(split, "max", 1))
+        return (Stage(compared, "max", self.size(site)), Stage(split, "max", 2))
 
     def size(self, site: Site) -> int:
-        return 2 * self.width
+        return 2 * self.width + 1
 
     def uniform(self, site: Site, topology: Topology, index: int) -> bool:
-        return True  # 2 * width values, then one
+        return True  # 2 * width + 1 values, then two
 
     def compute(self, tensors, sites, topology):
         out = []
         for tensor, site in zip(tensors, sites):
             v = self.values(tensor.detach(), site).to(torch.float64)
-            out.append(torch.cat([v, -v]))
+            nan = torch.isnan(v)
+            out.append(torch.cat([v.masked_fill(nan, -math.inf), (-v).masked_fill(nan, -math.inf),
+                                  nan.any().to(torch.float64).reshape(1)]))
         return out
 
     def values(self, tensor: torch.Tensor, site: Site) -> torch.Tensor:
@@ -74,9 +85,13 @@ class _Drift(Statistic):
 
     def between(self, index, vector, site, topology):
         if not site.holds(topology.coords()):
-            return torch.zeros(1, dtype=torch.float64, device=vector.device)
-        high, neg_low = vector[:self.width], vector[self.width:]
-        return self.difference(high + neg_low).reshape(1)
+            return torch.zeros(2, dtype=torch.float64, device=vector.device)
+        high, neg_low, nan = vector[:self.width], vector[self.width:2 * self.width], vector[2 * self.width] > 0
+        # Equal extremes (infinities included: inf - inf would be NaN) do not differ.
+        spread = torch.where(high == -neg_low, torch.zeros_like(high), high + neg_low)
+        difference = torch.where(nan, torch.zeros((), dtype=torch.float64, device=vector.device),
+                                 self.difference(spread))
+        return torch.stack([difference, nan.to(torch.float64)])
 
     def difference(self, spread: torch.Tensor) -> torch.Tensor:
         """One number from the per-value ``max - min`` across replicas."""
@@ -162,6 +177,9 @@ class ReplicaDrift(StatMetric):
     ``sampled-max-diff`` (largest elementwise spread among ``sample`` positions per tensor).
     Only sites replicated on every drift axis are compared (sharded ones have no copies).
     All three are 0 in a healthy run; with a single replica they are 0 by definition.
+    ``max-sum-diff`` and ``sampled-max-diff`` are NaN on every rank when any replica holds a
+    NaN among the values they compare; ``tensors-differing`` counts a tensor whose NaN bits
+    are not on every replica. Infinities equal on every replica do not differ.
 
     Args:
         sample: element positions compared per tensor (default 1024).
@@ -181,5 +199,5 @@ class ReplicaDrift(StatMetric):
         return super().accepts(site) and all(site.placement(a).is_replica() for a in self.axes)
 
     def finalize(self, stats):
-        hashed, summed, sampled = (stats[s.name][0] for s in self.statistics)
+        hashed, summed, sampled = (flagged_value(stats[s.name]) for s in self.statistics)
         return {"tensors-differing": hashed, "max-sum-diff": summed, "sampled-max-diff": sampled}
