@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from tmetrics_core.axes import Topology
 from tmetrics_core.collectives import Collectives
-from tmetrics_core.errors import ConfigError, PlacementError
+from tmetrics_core.errors import ConfigError, PlacementError, TMetricsError
 from tmetrics_core.evaluation import prepare_states, resolve_partials
 from tmetrics_core.executor import Executor, MetricFailure
 from tmetrics_core.hub import NullHub
@@ -126,6 +126,7 @@ class TensorMetrics:
         self._kind_sites: dict[str, list[Site]] = {}
         self._num_experts = self.manifest.num_experts
         self._closed = False
+        self._closed_by_signal = False
         self._check_config(key_rules or {})
         self._hooks = []
         if optimizer is not None:
@@ -240,8 +241,15 @@ class TensorMetrics:
     # -- the step scope -----------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator["TensorMetrics"]:
-        """Scope of training step ``step`` (an int, increasing). Raises nothing of its own:
-        metric errors are reported and skipped; the training loop's exceptions pass through."""
+        """Scope of training step ``step`` (an int, increasing). Metric errors are reported and
+        skipped; the training loop's exceptions pass through.
+
+        Raises:
+            TMetricsError: on entering the scope after :meth:`close`. After SIGTERM closed
+                this object, steps still run (their records go nowhere), so a job that shuts
+                down gracefully keeps the same collectives on every rank.
+        """
+        self._check_open(f"step({step})")
         if self._first_step is None:
             self._first_step = step
         self._step = step
@@ -280,8 +288,24 @@ class TensorMetrics:
 
     def observe_gradients(self) -> None:
         """Read parameters and gradients now (e.g. before clipping) instead of in the optimizer's
-        pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``."""
+        pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``.
+
+        Raises:
+            TMetricsError: after :meth:`close`.
+        """
+        self._check_open("observe_gradients()")
         self._prepare_phase("pre")
+
+    def _check_open(self, call: str) -> None:
+        """Raise after :meth:`close`, unless SIGTERM closed this object: a job shutting down
+        gracefully may finish its step, and its ranks must keep running the same collectives
+        (the records then go nowhere; the hub warns once)."""
+        if self._closed and not self._closed_by_signal:
+            raise TMetricsError(
+                f"TensorMetrics.{call} called after close(): its optimizer hooks are removed and its "
+                "sinks have ended their runs. Call close() once, after the last step; to measure "
+                "another run, create a new TensorMetrics (e.g. TensorMetrics.from_config(...))"
+            )
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._step is None or not self._due:
@@ -415,6 +439,7 @@ class TensorMetrics:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum: int, frame: Any) -> None:
+            self._closed_by_signal = not self._closed
             self.close("killed")
             signal.signal(signal.SIGTERM, previous if previous not in (None, signal.SIG_IGN) else signal.SIG_DFL)
             if callable(previous):
