@@ -20,6 +20,7 @@ import torch
 
 from tmetrics_core.axes import Topology
 from tmetrics_core.metrics.batches import Batch, BatchPlan, advance, canonical, merged_outputs, next_stage
+from tmetrics_core.metrics.moments import statistic_vectors
 from tmetrics_core.metrics.statistics import Statistic, neutral
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Value
@@ -165,8 +166,8 @@ class StatMetric:
         for stat in self.statistics:
             todo = [(s, t) for s, t in held if (stat.name, s.key) not in memo]
             if todo:
-                computed = stat.compute([t.detach() if t.requires_grad else t for _, t in todo], [s for s, _ in todo],
-                                        topology)
+                computed = statistic_vectors(stat, [t.detach() if t.requires_grad else t for _, t in todo],
+                                             [s for s, _ in todo], topology, memo)
                 for (s, _), vec in zip(todo, computed):
                     memo[(stat.name, s.key)] = vec
         for site, tensor in zip(sites, tensors):

@@ -92,6 +92,9 @@ class Statistic:
     """True when the local value is the statistic's own op applied to the elements (a sum of
     elements, a maximum, a minimum), so a ``Partial`` of that same op needs no materialization.
     A count, a sum of squares or an absolute maximum is not: of a partial tensor they are wrong."""
+    moments: bool = False
+    """True when :meth:`from_moments` derives the vectors from the fused one-pass moments
+    (``tmetrics_core.metrics.moments``), so statistics of one tensor share a single read."""
 
     def stages(self, site: Site, topology: Topology) -> tuple[Stage, ...]:
         """The reductions of this statistic for ``site``: a single stage by default."""
@@ -105,6 +108,11 @@ class Statistic:
                 topology: Topology) -> list[torch.Tensor]:
         """Float64 vectors of the first stage's size, one per local tensor."""
         raise NotImplementedError(f"{type(self).__name__}.compute")
+
+    def from_moments(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Float64 vectors (as :meth:`compute`) from ``[len(tensors), 5]`` moments rows
+        (sum of squares, sum, NaN-skipping max and min, zero count) of the same tensors."""
+        raise NotImplementedError(f"{type(self).__name__} does not derive from moments")
 
     def between(self, index: int, vector: torch.Tensor, site: Site, topology: Topology) -> torch.Tensor:
         """Turn the reduced vector of stage ``index`` into the local vector of stage ``index+1``."""
@@ -129,9 +137,14 @@ def _f64(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class _SumSq(Statistic):
-    """Sum of squares of the elements, accumulated in fp32 per tensor, carried in float64."""
+    """Sum of squares of the elements, carried in float64: through the fused moments kernel
+    (float64 accumulation) where it applies, else accumulated in fp32 per chunk of a tensor
+    (float64 for float64 tensors)."""
 
-    name, op = "sumsq", "sum"
+    name, op, moments = "sumsq", "sum", True
+
+    def from_moments(self, rows, tensors):
+        return list(rows[:, 0:1].unbind(0))
 
     def compute(self, tensors, sites, topology):
         if not tensors:
@@ -152,7 +165,9 @@ class _SumSq(Statistic):
             else:
                 pieces.append(t)
                 owners.append(i)
-        sums = torch.stack(torch._foreach_powsum(pieces, 2, dtype=torch.float32)).double()
+        # float64 inputs keep float64 (squares of 1e20 overflow fp32); others accumulate in fp32.
+        acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        sums = torch.stack(torch._foreach_powsum(pieces, 2, dtype=acc)).double()
         if len(tensors) == 1:
             sums = sums.sum(0, keepdim=True)
         elif len(pieces) > len(tensors):
@@ -170,10 +185,14 @@ class _AbsMax(Statistic):
     the value without it; metrics report NaN when the flag is set (:func:`flagged_value`).
     """
 
-    name, op = "absmax", "max"
+    name, op, moments = "absmax", "max", True
 
     def size(self, site):
         return 2
+
+    def from_moments(self, rows, tensors):
+        peaks = torch.maximum(rows[:, 2], -rows[:, 3]).clamp_min(0.0)
+        return list(_with_flag(_nan_where(rows, peaks), 0.0, 1.0).t().unbind(0))
 
     def compute(self, tensors, sites, topology):
         if not tensors:
@@ -207,6 +226,11 @@ def _with_flag(value: torch.Tensor, neutral_value: float, flag: float) -> torch.
                         torch.where(nan, torch.full_like(value, flag), torch.zeros_like(value))])
 
 
+def _nan_where(rows: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` with NaN on the moments rows whose tensor holds a NaN (NaN sum of squares)."""
+    return torch.where(torch.isnan(rows[:, 0]), rows[:, 0], value)
+
+
 def flagged_value(vector: Sequence[float]) -> float:
     """The value of an extreme statistic ``[value, flag]``: NaN when the flag is set."""
     return math.nan if vector[1] not in (0.0, -math.inf, math.inf) else vector[0]
@@ -218,6 +242,8 @@ class _Count(Statistic):
     name, op = "count", "sum"
 
     def compute(self, tensors, sites, topology):
+        if all(t.device.type == "cpu" for t in tensors):
+            return list(torch.tensor([[float(t.numel())] for t in tensors], dtype=torch.float64).unbind(0))
         # torch.full is a device kernel; torch.tensor(..., device=) would copy from the host.
         return [torch.full((1,), float(t.numel()), dtype=torch.float64, device=t.device) for t in tensors]
 
@@ -225,37 +251,51 @@ class _Count(Statistic):
 class _Sum(Statistic):
     """Sum of the elements (fp32 accumulation), for means."""
 
-    name, op, linear = "sum", "sum", True
+    name, op, linear, moments = "sum", "sum", True, True
+
+    def from_moments(self, rows, tensors):
+        return list(rows[:, 1:2].unbind(0))
 
     def compute(self, tensors, sites, topology):
         return [t.sum(dtype=torch.float32).reshape(1).double() for t in tensors]
 
 
 class _Max(Statistic):
-    """``[largest element, NaN flag]`` (-inf for an empty tensor; flag as in ``_AbsMax``)."""
+    """``[largest element, NaN flag]`` (``[-inf, 0]`` for an empty tensor; flag as in ``_AbsMax``)."""
 
-    name, op, linear = "max", "max", True
+    name, op, linear, moments = "max", "max", True, True
 
     def size(self, site):
         return 2
 
+    def from_moments(self, rows, tensors):
+        return list(_with_flag(_nan_where(rows, rows[:, 2]), -math.inf, 1.0).t().unbind(0))
+
     def compute(self, tensors, sites, topology):
-        return [_with_flag(t.max().double(), -math.inf, 1.0) if t.numel() else neutral("max", 2, t.device)
+        return [_with_flag(t.max().double() if t.numel() else _infinite(-1.0, t.device), -math.inf, 1.0)
                 for t in tensors]
 
 
 class _Min(Statistic):
-    """``[smallest element, -NaN flag]`` (+inf for an empty tensor; the flag is -1.0 when NaN
+    """``[smallest element, -NaN flag]`` (``[inf, 0]`` for an empty tensor; the flag is -1.0 when NaN
     is present, so the MIN reduction keeps it)."""
 
-    name, op, linear = "min", "min", True
+    name, op, linear, moments = "min", "min", True, True
 
     def size(self, site):
         return 2
 
+    def from_moments(self, rows, tensors):
+        return list(_with_flag(_nan_where(rows, rows[:, 3]), math.inf, -1.0).t().unbind(0))
+
     def compute(self, tensors, sites, topology):
-        return [_with_flag(t.min().double(), math.inf, -1.0) if t.numel() else neutral("min", 2, t.device)
+        return [_with_flag(t.min().double() if t.numel() else _infinite(1.0, t.device), math.inf, -1.0)
                 for t in tensors]
+
+
+def _infinite(sign: float, device: torch.device) -> torch.Tensor:
+    """A float64 scalar ``sign * inf``: the extreme of an empty tensor (its flag stays 0)."""
+    return torch.full((), sign * math.inf, dtype=torch.float64, device=device)
 
 
 class _NonFinite(Statistic):
@@ -267,16 +307,25 @@ class _NonFinite(Statistic):
     All tensors are checked with one host transfer.
     """
 
-    name, op = "nonfinite", "sum"
+    name, op, moments = "nonfinite", "sum", True
 
     def size(self, site):
         return 3
+
+    def from_moments(self, rows, tensors):
+        return self._counts(tensors, torch.isfinite(rows[:, 0]).tolist())
 
     def compute(self, tensors, sites, topology):
         if not tensors:
             return []
         sums = torch.stack([_finite_probe(t) for t in tensors])
-        finite = torch.isfinite(sums).tolist()
+        return self._counts(tensors, torch.isfinite(sums).tolist())
+
+    @staticmethod
+    def _counts(tensors: Sequence[torch.Tensor], finite: Sequence[bool]) -> list[torch.Tensor]:
+        """Zeros for tensors known finite; exact NaN/+inf/-inf counts for the others."""
+        if all(finite) and len({t.device for t in tensors}) == 1:
+            return list(torch.zeros((len(tensors), 3), dtype=torch.float64, device=tensors[0].device).unbind(0))
         out = []
         for t, ok in zip(tensors, finite):
             if ok:
@@ -301,7 +350,10 @@ def _finite_probe(t: torch.Tensor) -> torch.Tensor:
 class _Zeros(Statistic):
     """Number of elements exactly equal to zero (``-0.0`` included)."""
 
-    name, op = "zeros", "sum"
+    name, op, moments = "zeros", "sum", True
+
+    def from_moments(self, rows, tensors):
+        return list(rows[:, 4:5].unbind(0))
 
     def compute(self, tensors, sites, topology):
         # count_nonzero is one vectorized pass; (t == 0).sum() materializes a bool tensor

@@ -1,0 +1,136 @@
+"""The fused moments kernel against float64 references, and the statistics it feeds against
+their torch kernels on the same tensors (NaN, infinities, signed zeros, empty, piece edges)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tmetrics_core.axes import Topology
+from tmetrics_core.metrics import moments
+from tmetrics_core.metrics.statistics import ABSMAX, MAX, MIN, NONFINITE, SUM, SUMSQ, ZEROS
+from tmetrics_core.site import Site
+
+PIECE = 1 << 20
+SIZES = (0, 1, 15, 16, 17, 1000, PIECE - 1, PIECE + 3)
+
+
+def _reference(t: torch.Tensor) -> list[float]:
+    x = t.double().reshape(-1)
+    kept = x[~torch.isnan(x)]
+    return [float(x.pow(2).sum()), float(x.sum()), float(kept.max()) if kept.numel() else -math.inf,
+            float(kept.min()) if kept.numel() else math.inf, float((x == 0).sum())]
+
+
+def _tensor(n: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n, generator=g) * 3
+    if n > 4:
+        t[:: max(1, n // 7)] = 0.0
+        t[1] = -0.0
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_moments_match_float64_reference(dtype: torch.dtype, threads: int) -> None:
+    tensors = [_tensor(n, i, dtype) for i, n in enumerate(SIZES)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = moments.moments(tensors)
+    finally:
+        torch.set_num_threads(before)
+    assert rows.shape == (len(SIZES), 5) and rows.dtype == torch.float64
+    for t, row in zip(tensors, rows.tolist()):
+        ref = _reference(t)
+        assert row[0] == pytest.approx(ref[0], rel=1e-12, abs=1e-12)
+        assert row[1] == pytest.approx(ref[1], rel=1e-9, abs=1e-9)
+        assert row[2:] == ref[2:]
+
+
+def test_moments_of_a_difference_without_materializing_it() -> None:
+    a, b = _tensor(PIECE + 5, 1, torch.float32), _tensor(PIECE + 5, 2, torch.float32)
+    rows = moments.moments([a, b], [b, None])
+    assert rows[0].tolist()[0] == pytest.approx(_reference(a - b)[0], rel=1e-12)
+    assert rows[0].tolist()[2:] == _reference(a - b)[2:]
+    assert rows[1].tolist()[0] == pytest.approx(_reference(b)[0], rel=1e-12)
+
+
+def test_nan_and_infinity_show_in_the_sum_of_squares() -> None:
+    nan = torch.tensor([1.0, float("nan"), -3.0])
+    inf = torch.tensor([1.0, float("-inf"), 2.0])
+    rows = moments.moments([nan, inf]).tolist()
+    assert math.isnan(rows[0][0]) and rows[0][2:4] == [1.0, -3.0]
+    assert rows[1][0] == math.inf and rows[1][3] == -math.inf
+
+
+def test_squares_of_large_values_do_not_overflow() -> None:
+    big = torch.full((5,), 1e30)  # the fp32 square overflows; the kernel squares in float64
+    assert moments.moments([big])[0, 0].item() == pytest.approx(5 * float(big[0]) ** 2, rel=1e-12)
+
+
+def test_tensors_the_kernel_does_not_take_are_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="contiguous CPU float32/bfloat16"):
+        moments.moments([torch.zeros(4, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        moments.moments([torch.zeros(4, 4).t()])
+    with pytest.raises(ValueError, match="minus must match"):
+        moments.moments([torch.zeros(4)], [torch.zeros(5)])
+
+
+def _sites(tensors: list[torch.Tensor]) -> list[Site]:
+    return [Site(f"t{i}", "param", tuple(t.shape)) for i, t in enumerate(tensors)]
+
+
+def _awkward() -> list[torch.Tensor]:
+    """Tensors the statistics meet: finite, NaN, +-inf, empty, all zeros, bf16, and ones the
+    kernel does not take (float64, float16, non-contiguous) mixed in the same call."""
+    base = _tensor(70_000, 3, torch.float32)
+    with_nan = base.clone()
+    with_nan[5] = float("nan")
+    with_inf = base.clone()
+    with_inf[7], with_inf[9] = float("inf"), float("-inf")
+    return [base, with_nan, with_inf, torch.empty(0), torch.zeros(33), _tensor(999, 4, torch.bfloat16),
+            _tensor(100, 5, torch.float64), _tensor(100, 6, torch.float16),
+            _tensor(64, 7, torch.float32).reshape(8, 8).t()]
+
+
+@pytest.mark.parametrize("stat", [SUMSQ, SUM, ABSMAX, MAX, MIN, NONFINITE, ZEROS], ids=lambda s: s.name)
+def test_statistics_through_the_kernel_equal_their_torch_kernels(stat) -> None:
+    tensors = _awkward()
+    sites, topology = _sites(tensors), Topology.single_process()
+    memo: dict = {}
+    fused = moments.statistic_vectors(stat, tensors, sites, topology, memo)
+    assert sum(1 for key in memo if key[0] == "moments") == 6  # every tensor the kernel takes, read once
+    with moments.disabled():
+        plain = moments.statistic_vectors(stat, tensors, sites, topology, {})
+    for site, a, b in zip(sites, fused, plain):
+        assert a.dtype == torch.float64 and a.shape == b.shape, site.name
+        # The torch kernels accumulate fp32 per chunk; the fused kernel in float64.
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=0.0, equal_nan=True, msg=site.name)
+
+
+def test_without_a_compiler_statistics_fall_back_and_say_so(tmp_path) -> None:
+    script = textwrap.dedent("""
+        import logging, torch
+        logging.basicConfig(level=logging.WARNING)
+        from tmetrics_core.axes import Topology
+        from tmetrics_core.metrics import moments
+        from tmetrics_core.metrics.statistics import SUMSQ
+        from tmetrics_core.site import Site
+        t = torch.arange(10.0)
+        out = moments.statistic_vectors(SUMSQ, [t], [Site("t", "param", (10,))], Topology.single_process(), {})
+        print("available", moments.available(), "sumsq", float(out[0]))
+    """)
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), TMETRICS_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "available False sumsq 285.0" in done.stdout
+    assert "fused moments kernel unavailable" in done.stderr and "results are the same" in done.stderr

@@ -1,0 +1,176 @@
+/* One read of each tensor for every elementwise statistic of tmetrics (see moments.py).
+ *
+ * For each contiguous tensor x (float32 or bfloat16), optionally minus a second tensor y of the
+ * same dtype and length, the pass writes five doubles:
+ *   [0] sum of squares   (each square and the sum in float64: no overflow below 1e154,
+ *                          no lost digits on long tensors)
+ *   [1] sum              (float64)
+ *   [2] largest element  (NaN skipped: the comparison is false for NaN; -inf when empty)
+ *   [3] smallest element (NaN skipped; +inf when empty)
+ *   [4] elements equal to zero (-0.0 included)
+ * A NaN anywhere makes [0] NaN, an infinity makes [0] +inf: the caller derives non-finite
+ * facts from [0] and counts exactly only then.
+ *
+ * Work is cut into pieces of at most PIECE elements; `threads` > 1 runs the pieces on that many
+ * POSIX threads (the caller's thread included) and merges them per tensor. Accumulators are
+ * kept in LANES independent lanes so the compiler vectorizes the loop without reassociating
+ * floating point (no -ffast-math: NaN must still propagate).
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define PIECE (1 << 20)
+#define FIELDS 5
+
+enum { TM_FLOAT32 = 0, TM_BFLOAT16 = 1 };
+
+static inline float load_f32(const void *p, int64_t i) { return ((const float *)p)[i]; }
+
+static inline float load_bf16(const void *p, int64_t i) {
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#define DEFINE_PASS(NAME, LOAD, VALUE)                                                        \
+    static void NAME(const void *x, const void *y, int64_t begin, int64_t end, double *out) { \
+        double sq[LANES] = {0}, sum[LANES] = {0};                                             \
+        float hi[LANES], lo[LANES];                                                           \
+        int32_t zeros[LANES] = {0};                                                           \
+        for (int j = 0; j < LANES; j++) {                                                     \
+            hi[j] = -__builtin_inff();                                                        \
+            lo[j] = __builtin_inff();                                                         \
+        }                                                                                     \
+        int64_t i = begin;                                                                    \
+        for (; i + LANES <= end; i += LANES) {                                                \
+            for (int j = 0; j < LANES; j++) {                                                 \
+                float v = VALUE(LOAD, x, y, i + j);                                           \
+                double d = (double)v;                                                         \
+                sq[j] += d * d;                                                               \
+                sum[j] += d;                                                                  \
+                hi[j] = v > hi[j] ? v : hi[j];                                                \
+                lo[j] = v < lo[j] ? v : lo[j];                                                \
+                zeros[j] += v == 0.0f;                                                        \
+            }                                                                                 \
+        }                                                                                     \
+        for (int j = 0; i < end; i++, j++) {                                                  \
+            float v = VALUE(LOAD, x, y, i);                                                   \
+            double d = (double)v;                                                             \
+            sq[j] += d * d;                                                                   \
+            sum[j] += d;                                                                      \
+            hi[j] = v > hi[j] ? v : hi[j];                                                    \
+            lo[j] = v < lo[j] ? v : lo[j];                                                    \
+            zeros[j] += v == 0.0f;                                                            \
+        }                                                                                     \
+        double total_sq = 0, total = 0, top = -__builtin_inf(), bottom = __builtin_inf();     \
+        int64_t total_zeros = 0;                                                              \
+        for (int j = 0; j < LANES; j++) {                                                     \
+            total_sq += sq[j];                                                                \
+            total += sum[j];                                                                  \
+            top = hi[j] > top ? hi[j] : top;                                                  \
+            bottom = lo[j] < bottom ? lo[j] : bottom;                                         \
+            total_zeros += zeros[j];                                                          \
+        }                                                                                     \
+        out[0] = total_sq;                                                                    \
+        out[1] = total;                                                                       \
+        out[2] = top;                                                                         \
+        out[3] = bottom;                                                                      \
+        out[4] = (double)total_zeros;                                                         \
+    }
+
+#define PLAIN(LOAD, x, y, i) LOAD(x, i)
+#define DIFFERENCE(LOAD, x, y, i) (LOAD(x, i) - LOAD(y, i))
+
+DEFINE_PASS(pass_f32, load_f32, PLAIN)
+DEFINE_PASS(pass_f32_diff, load_f32, DIFFERENCE)
+DEFINE_PASS(pass_bf16, load_bf16, PLAIN)
+DEFINE_PASS(pass_bf16_diff, load_bf16, DIFFERENCE)
+
+typedef struct {
+    int64_t tensor, begin, end;
+} piece_t;
+
+typedef struct {
+    const uint64_t *xs, *ys;
+    const int32_t *dtypes;
+    const piece_t *pieces;
+    int64_t count;
+    double *partial;
+    int64_t next; /* shared work counter */
+} job_t;
+
+static void run_piece(const job_t *job, int64_t k) {
+    const piece_t *p = &job->pieces[k];
+    const void *x = (const void *)(uintptr_t)job->xs[p->tensor];
+    const void *y = (const void *)(uintptr_t)job->ys[p->tensor];
+    double *out = job->partial + FIELDS * k;
+    if (job->dtypes[p->tensor] == TM_BFLOAT16)
+        (y ? pass_bf16_diff : pass_bf16)(x, y, p->begin, p->end, out);
+    else
+        (y ? pass_f32_diff : pass_f32)(x, y, p->begin, p->end, out);
+}
+
+static void *worker(void *arg) {
+    job_t *job = arg;
+    for (;;) {
+        int64_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (k >= job->count) return NULL;
+        run_piece(job, k);
+    }
+}
+
+/* Moments of `count` tensors: xs[i] (and ys[i] when non-zero) point at ns[i] elements of
+ * dtypes[i]; out receives count x FIELDS doubles. Returns 0, or -1 when memory ran out. */
+int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int64_t *ns,
+               const int32_t *dtypes, int32_t threads, double *out) {
+    int64_t npieces = 0;
+    for (int64_t i = 0; i < count; i++) npieces += ns[i] > 0 ? (ns[i] + PIECE - 1) / PIECE : 1;
+    piece_t *pieces = malloc(sizeof(piece_t) * (size_t)npieces);
+    double *partial = malloc(sizeof(double) * FIELDS * (size_t)npieces);
+    if (!pieces || !partial) {
+        free(pieces);
+        free(partial);
+        return -1;
+    }
+    int64_t k = 0;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t begin = 0;
+        do {
+            int64_t end = ns[i] - begin > PIECE ? begin + PIECE : ns[i];
+            pieces[k++] = (piece_t){i, begin, end};
+            begin = end;
+        } while (begin < ns[i]);
+    }
+    job_t job = {xs, ys, dtypes, pieces, npieces, partial, 0};
+    int64_t helpers = threads - 1 < npieces - 1 ? threads - 1 : npieces - 1;
+    pthread_t ids[64];
+    if (helpers > 64) helpers = 64;
+    int64_t started = 0;
+    for (; started < helpers; started++)
+        if (pthread_create(&ids[started], NULL, worker, &job) != 0) break;
+    worker(&job);
+    for (int64_t t = 0; t < started; t++) pthread_join(ids[t], NULL);
+    for (int64_t i = 0; i < count; i++) {
+        double *o = out + FIELDS * i;
+        o[0] = 0;
+        o[1] = 0;
+        o[2] = -__builtin_inf();
+        o[3] = __builtin_inf();
+        o[4] = 0;
+    }
+    for (k = 0; k < npieces; k++) {
+        double *o = out + FIELDS * pieces[k].tensor, *p = partial + FIELDS * k;
+        o[0] += p[0];
+        o[1] += p[1];
+        o[2] = p[2] > o[2] ? p[2] : o[2];
+        o[3] = p[3] < o[3] ? p[3] : o[3];
+        o[4] += p[4];
+    }
+    free(pieces);
+    free(partial);
+    return 0;
+}
