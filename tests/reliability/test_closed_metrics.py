@@ -46,9 +46,9 @@ def test_step_and_observe_gradients_after_close_raise_and_compute_nothing(tmp_pa
     assert report is not None
 
     entered = False
-    with pytest.raises(TMetricsError, match=r"step\(2\) called after close\(\).*create a new TensorMetrics"):
-        with metrics.step(2):
-            entered = True
+    with pytest.raises(TMetricsError, match=r"step\(2\) called after close\(\).*create a new TensorMetrics"), \
+            metrics.step(2):
+        entered = True
     assert not entered
     with pytest.raises(TMetricsError, match=r"observe_gradients\(\) called after close\(\)"):
         metrics.observe_gradients()

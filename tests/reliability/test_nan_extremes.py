@@ -20,10 +20,17 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_distributed
-from tests.metrics.cases import Case, MetricSpec, SiteCase, assert_results, drift_replicas, run_case
+from tests.metrics.cases import (
+    Case,
+    MetricSpec,
+    SiteCase,
+    assert_results,
+    drift_replicas,
+    run_case,
+)
 from tests.metrics.test_router import router_sites
 from tests.simulation import SimCollectives, SimWorld, mesh_coords, sim_topology
-import tmetrics_core.executor as executor
+from tmetrics_core import executor
 from tmetrics_core.axes import Topology
 from tmetrics_core.collectives import TorchCollectives
 
