@@ -107,7 +107,10 @@ class RowSoftmax(Statistic):
             cut, _ = self._split(site, topology)
             classes = site.logical_shape[-1]
             if not cut:
-                out.append(_finished(*_row_parts(tensor, site.kind in self.probability_kinds), classes))
+                if site.kind in self.probability_kinds:
+                    out.append(_summed(*_probability_rows(tensor), classes))
+                else:
+                    out.append(_finished(*_row_parts(tensor, False), classes))
                 continue
             slots = math.prod(topology.axes[a].size for a in cut)
             slot = 0
@@ -167,17 +170,35 @@ def _row_parts(tensor: torch.Tensor, probabilities: bool) -> tuple[torch.Tensor,
     return torch.cat(ms), torch.cat(ss), torch.cat(ts)
 
 
+def _probability_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row ``(H, lse)`` of a whole ``[rows, c]`` table of probabilities in float64, without
+    logarithms of the table: with ``S = sum_j p_j``, ``H = log S + sum_j entr(p_j) / S`` (the
+    entropy of ``p / S``; ``entr(x) = -x log x``, 0 at 0) and ``lse = log S``."""
+    p = tensor.detach()
+    if p.dim() != 2 or not p.shape[0] or not p.shape[1]:
+        empty = torch.zeros(p.shape[0] if p.dim() else 0, dtype=torch.float64, device=p.device)
+        return empty, empty
+    p = p.to(torch.float64)
+    total = p.sum(dim=1)
+    lse = torch.log(total)
+    return lse + torch.special.entr(p).sum(dim=1) / total, lse
+
+
 def _finished(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, classes: int) -> torch.Tensor:
     """``[0 (header), sum H, sum H / log C, sum lse, sum lse**2, rows]`` from per-row parts."""
-    rows = m.numel()
+    return _summed(torch.log(s) - t / s, m + torch.log(s), classes)
+
+
+def _summed(entropy: torch.Tensor, lse: torch.Tensor, classes: int) -> torch.Tensor:
+    """``[0 (header), sum H, sum H / log C, sum lse, sum lse**2, rows]`` from per-row ``H``, ``lse``."""
+    rows = entropy.numel()
     if not rows:
-        return torch.zeros(1 + len(ROW_FIELDS), dtype=torch.float64, device=m.device)
-    entropy = torch.log(s) - t / s
-    lse = m + torch.log(s)
+        return torch.zeros(1 + len(ROW_FIELDS), dtype=torch.float64, device=entropy.device)
     norm = math.log(classes) if classes > 1 else math.nan
-    zero = torch.zeros((), dtype=torch.float64, device=m.device)
-    return torch.stack([zero, entropy.sum(), entropy.sum() / norm, lse.sum(), lse.pow(2).sum(),
-                        torch.full((), float(rows), dtype=torch.float64, device=m.device)])
+    total = entropy.sum()
+    zero = torch.zeros((), dtype=torch.float64, device=entropy.device)
+    return torch.stack([zero, total, total / norm, lse.sum(), lse.square().sum(),
+                        torch.full((), float(rows), dtype=torch.float64, device=entropy.device)])
 
 
 class RowSoftmaxMetric(StatMetric):
