@@ -166,7 +166,8 @@ class StatMetric:
         for stat in self.statistics:
             todo = [(s, t) for s, t in held if (stat.name, s.key) not in memo]
             if todo:
-                computed = statistic_vectors(stat, [t.detach() if t.requires_grad else t for _, t in todo],
+                grad = torch.is_grad_enabled()  # under no_grad a parameter is read as it is
+                computed = statistic_vectors(stat, [t.detach() if grad and t.requires_grad else t for _, t in todo],
                                              [s for s, _ in todo], topology, memo)
                 for (s, _), vec in zip(todo, computed):
                     memo[(stat.name, s.key)] = vec

@@ -13,7 +13,7 @@ import torch
 
 from tmetrics_core.manifest import Manifest
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "local_view", "read_kind", "snapshot"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "local_view", "read_kind", "snapshot", "update_pairs"]
 
 PARAM_KINDS = frozenset({"param", "grad"})
 """Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
@@ -23,12 +23,13 @@ OPTIMIZER_KINDS = frozenset({"exp_avg", "exp_avg_sq", "update"})
 
 
 def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """The local data of a DTensor (unpadded, possibly empty shard) or the tensor itself,
-    detached."""
+    """The local data of a DTensor (unpadded, possibly empty shard, detached) or the tensor
+    itself. A plain parameter is not detached (one op per tensor and read): metrics read it
+    under ``torch.no_grad()``, so no graph is built."""
     if tensor is None:
         return None
     to_local = getattr(tensor, "to_local", None)
-    return (to_local() if to_local is not None else tensor).detach()
+    return to_local().detach() if to_local is not None else tensor
 
 
 def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | None,
@@ -41,6 +42,15 @@ def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | 
     into the snapshot tensor itself (no second model-size buffer; the snapshot is consumed, so
     read ``update`` once per snapshot). None for tensors without a snapshot.
     """
+    if kind == "update":
+        pairs = update_pairs(manifest, before)
+        stepped = [pair for pair in pairs if pair is not None]
+        if stepped:
+            # prev <- -(prev - p) = p - prev, in place, as two batched kernels for all tensors.
+            prevs = [prev for _, prev in stepped]
+            torch._foreach_sub_(prevs, [now for now, _ in stepped])
+            torch._foreach_neg_(prevs)
+        return [pair[1] if pair is not None else None for pair in pairs]
     out: list[torch.Tensor | None] = []
     for entry in manifest.entries:
         p = manifest.local.get(entry.name)
@@ -52,15 +62,29 @@ def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | 
         elif kind == "grad":
             g = local_view(p.grad)
             out.append(g if g is not None else torch.zeros_like(local_view(p)))
-        elif kind == "update":
-            prev = (before or {}).pop(entry.name, None)
-            out.append(None if prev is None else torch.sub(local_view(p), prev, out=prev))
         else:
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             out.append(local_view(state.get(kind)))
     return out
 
 
+def update_pairs(manifest: Manifest, before: dict[str, torch.Tensor] | None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(local parameter now, its snapshot from before the step)`` for every manifest entry,
+    in manifest order; None for tensors held elsewhere or without a snapshot. Consumes the
+    snapshots (``read_kind("update")`` turns each into the update in place)."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for entry in manifest.entries:
+        p = manifest.local.get(entry.name)
+        prev = (before or {}).pop(entry.name, None) if p is not None else None
+        out.append((local_view(p), prev) if prev is not None else None)
+    return out
+
+
+@torch.no_grad()
 def snapshot(manifest: Manifest, names: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Copies of the local parameters (for updates), only of ``names`` when given."""
-    return {n: local_view(p).clone() for n, p in manifest.local.items() if names is None or n in names}
+    chosen = [(n, local_view(p)) for n, p in manifest.local.items() if names is None or n in names]
+    # One batched kernel for every copy: x * 1.0 is exact for every value (-0.0, NaN, inf).
+    copies = torch._foreach_mul([t for _, t in chosen], 1.0) if chosen else []
+    return {n: c for (n, _), c in zip(chosen, copies)}
