@@ -45,15 +45,16 @@ from tmetrics_core.executor import Executor, MetricFailure
 from tmetrics_core.hub import NullHub
 from tmetrics_core.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.manifest import Manifest, dtensor_placements
-from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.metrics import moments
+from tmetrics_core.metrics.base import StatMetric, TensorMetric
 from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.modules import ModuleIndex
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, snapshot
-from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, snapshot, update_pairs
+from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.token_plan import TokenPlan
 
 __all__ = ["TensorMetrics"]
@@ -124,6 +125,7 @@ class TensorMetrics:
         self._before: dict[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
         self._kind_sites: dict[str, list[Site]] = {}
+        self._token_sites = TokenSites()  # token sites and their placement checks, kept across steps
         self._num_experts = self.manifest.num_experts
         self._closed = False
         self._closed_by_signal = False
@@ -261,7 +263,7 @@ class TensorMetrics:
         observer = handles = reset = None
         if token_metrics:
             observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self._num_experts,
-                                     modules=self.modules)
+                                     modules=self.modules, known=self._token_sites)
             kinds = observer.kinds
             patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
             handles = self.index.install(observer.record, residual="residual_accumulator" in kinds,
@@ -321,6 +323,7 @@ class TensorMetrics:
             return
         self._prepare_phase("post")
 
+    @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def _prepare_phase(self, phase: str) -> None:
         """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
         state or updates (their parameters are the values after the step; updates are computed
@@ -340,7 +343,15 @@ class TensorMetrics:
             return
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
+        memo: dict = {}
+        pairs = self._fused_updates(metrics) if phase == "post" else None
         for kind in sorted({k for m in metrics for k in m.source_kinds}):
+            if kind == "update" and pairs is not None:
+                # The snapshots stand in for the updates: every statistic of them comes from
+                # the moments rows remembered below (kernel of p - prev, nothing written).
+                sites.extend(self._sites_of(kind))
+                tensors.extend(pair[1] if pair is not None else None for pair in pairs)
+                continue
             if kind in self.flat:
                 flat_sites, flat_tensors = self.flat[kind].read(self.manifest, self.topology.names)
                 plain = read_kind(kind, self.manifest, self.optimizer, self._before)
@@ -350,10 +361,50 @@ class TensorMetrics:
                 continue
             sites.extend(self._sites_of(kind) if kind != "grad" else self._grad_sites())
             tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
+        if pairs is not None:
+            self._remember_updates(pairs, memo)
         sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
-        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology):
+        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo):
             self._prepared[metric.name] = (state, error)
         self._sites.update((s.key, s) for s in sites)
+
+    def _fused_updates(self, metrics: list[TensorMetric]) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """``(parameter now, snapshot)`` per manifest entry when every metric reading updates
+        derives all its statistics from fused moments and the kernel takes every pair, so the
+        update need not be written (``p - prev`` is read by the kernel); else None (and
+        ``read_kind`` computes the updates in place)."""
+        readers = [m for m in metrics if "update" in m.source_kinds]
+        if not readers or "update" in self.flat or self._before is None:
+            return None
+        # Metrics whose prepare is tmetrics' own read elements only through their statistics.
+        if not all(isinstance(m, StatMetric) and type(m).prepare.__module__.startswith("tmetrics_core.metrics.")
+                   and moments.derivable(m.statistics) for m in readers):
+            return None
+        if not all(moments.takes(t) for t in self._before.values()):
+            return None
+        pairs = update_pairs(self.manifest, self._before)
+        if not all(pair is None or (moments.takes(pair[0]) and pair[0].dtype == pair[1].dtype) for pair in pairs):
+            # Put the snapshots back for read_kind; nothing was consumed.
+            self._before = {e.name: pair[1] for e, pair in zip(self.manifest.entries, pairs) if pair is not None}
+            return None
+        return pairs
+
+    def _remember_updates(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None], memo: dict) -> None:
+        """Moments of every update and of its parameter after the step, one kernel call with
+        each parameter next to its update (its second read comes from cache)."""
+        keys, tensors, minus = [], [], []
+        params = {s.name: s for s in self._sites_of("param")} if "param" not in self.flat else {}
+        for site, pair in zip(self._sites_of("update"), pairs):
+            if pair is None:
+                continue
+            keys.append(site.key)
+            tensors.append(pair[0])
+            minus.append(pair[1])
+            if site.name in params:
+                keys.append(params[site.name].key)
+                tensors.append(pair[0])
+                minus.append(None)
+        moments.remember(memo, keys, tensors, minus)
 
     def _grad_sites(self) -> list[Site]:
         """Gradient sites with the gradient's own DTensor placements where they differ from the
@@ -377,6 +428,7 @@ class TensorMetrics:
         return self._kind_sites[kind]
 
     # -- the step's end -----------------------------------------------------------------------
+    @torch.no_grad()
     def _finish_step(self, step: int, observer: TokenObserver | None) -> None:
         self._prepare_phase("pre")
         self._prepare_phase("post")

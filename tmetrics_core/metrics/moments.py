@@ -39,12 +39,16 @@ if TYPE_CHECKING:
     from tmetrics_core.axes import Topology
     from tmetrics_core.metrics.statistics import Statistic
 
-__all__ = ["FIELDS", "available", "disabled", "moments", "statistic_vectors"]
+__all__ = ["FIELDS", "available", "derivable", "disabled", "moments", "remember", "statistic_vectors", "takes"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_THREADED = 1 << 22
+"""Elements above which the kernel uses ``torch.get_num_threads()`` threads. Below it one thread
+wins: a thread start costs tens of microseconds, and right after a torch kernel its OpenMP
+workers still spin on the other cores."""
 _SOURCE = Path(__file__).with_name("moments.c")
 _log = logging.getLogger("tmetrics.kernel")
 _switch = {"on": os.environ.get("TMETRICS_FUSED_KERNEL", "1") != "0"}
@@ -125,8 +129,29 @@ def disabled() -> Iterator[None]:
         _switch["on"] = before
 
 
-def _takes(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in _DTYPES and t.is_contiguous()
+def takes(t: torch.Tensor) -> bool:
+    """Whether the kernel reads ``t``: a contiguous CPU float32 or bfloat16 tensor."""
+    return t.layout == torch.strided and t.device.type == "cpu" and t.dtype in _DTYPES and t.is_contiguous()
+
+
+def derivable(statistics: Sequence[Statistic]) -> bool:
+    """Whether every statistic derives from moments rows and the kernel is on: then rows put
+    in the memo by :func:`remember` stand for the tensors themselves."""
+    return (bool(statistics) and all(s.moments or s.shape_only for s in statistics) and _switch["on"]
+            and _library() is not None)
+
+
+def remember(memo: dict[Hashable, torch.Tensor | None], keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
+             minus: Sequence[torch.Tensor | None] | None = None) -> None:
+    """Put the moments rows of ``tensors`` (minus ``minus``, see :func:`moments`) in ``memo``
+    under ``("moments", key)``, one kernel call, in the given order (list a tensor next to the
+    difference it is part of and the second read comes from cache).
+
+    Raises:
+        RuntimeError, ValueError: as :func:`moments`.
+    """
+    for key, row in zip(keys, moments(tensors, minus).unbind(0)):
+        memo[("moments", key)] = row
 
 
 def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -140,7 +165,7 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
 
     The sum of squares and sum accumulate in float64; the maximum and minimum skip NaN (a NaN
     shows as a NaN sum of squares); an empty tensor gives ``[0, 0, -inf, inf, 0]``. Uses
-    ``torch.get_num_threads()`` threads for large inputs.
+    ``torch.get_num_threads()`` threads for inputs over 4M elements.
 
     Raises:
         ValueError: a tensor the kernel does not take, or a ``minus`` that does not match.
@@ -151,18 +176,28 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
         raise RuntimeError("the fused moments kernel is unavailable; see tmetrics_core.metrics.moments")
     minus = list(minus) if minus is not None else [None] * len(tensors)
     for t, m in zip(tensors, minus):
-        if not _takes(t):
+        if not takes(t):
             raise ValueError(f"moments takes contiguous CPU float32/bfloat16 tensors; got {t.dtype} on "
                              f"{t.device}, contiguous={t.is_contiguous()}")
-        if m is not None and (m.dtype != t.dtype or m.numel() != t.numel() or not _takes(m)):
+        if m is not None and (m.dtype != t.dtype or m.numel() != t.numel() or not takes(m)):
             raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {t.numel()} elements, contiguous CPU)")
+    return _run(lib, tensors, minus)
+
+
+def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """:func:`moments` of tensors already checked."""
     n = len(tensors)
-    table = torch.tensor([[t.data_ptr(), m.data_ptr() if m is not None else 0, t.numel(), _DTYPES[t.dtype]]
-                          for t, m in zip(tensors, minus)], dtype=torch.int64).reshape(n, 4).t().contiguous()
-    dtypes = table[3].to(torch.int32)
     out = torch.empty((n, len(FIELDS)), dtype=torch.float64)
-    if n and lib.tm_moments(n, table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), dtypes.data_ptr(),
-                            torch.get_num_threads(), out.data_ptr()):
+    if not n:
+        return out
+    # ctypes arrays, not torch tensors: no torch op per call (this runs once per observation).
+    xs = (ctypes.c_uint64 * n)(*(t.data_ptr() for t in tensors))
+    ys = (ctypes.c_uint64 * n)(*(m.data_ptr() if m is not None else 0 for m in minus))
+    ns = (ctypes.c_int64 * n)(*(t.numel() for t in tensors))
+    dtypes = (ctypes.c_int32 * n)(*(_DTYPES[t.dtype] for t in tensors))
+    # The caller's thread always works; more only for inputs large enough to repay a thread start.
+    threads = torch.get_num_threads() if sum(ns) > _THREADED else 1
+    if lib.tm_moments(n, xs, ys, ns, dtypes, threads, out.data_ptr()):
         raise RuntimeError("the fused moments kernel ran out of memory")
     return out
 
@@ -172,21 +207,26 @@ def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: S
     """``stat``'s local vectors of ``tensors`` (as :meth:`Statistic.compute`), through the fused
     kernel where it applies: one moments row per site, kept in ``memo`` under
     ``("moments", site key)`` so every statistic of the step reuses the same read."""
-    if not stat.moments or not _switch["on"] or not available():
+    lib = _library() if stat.moments and _switch["on"] else None
+    if lib is None:
         return stat.compute(tensors, sites, topology)
-    fused = [i for i, t in enumerate(tensors) if _takes(t)]
-    if not fused:
-        return stat.compute(tensors, sites, topology)
-    missing = [i for i in fused if ("moments", sites[i].key) not in memo]
+    keys = [("moments", site.key) for site in sites]
+    missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
-        for i, row in zip(missing, moments([tensors[i] for i in missing]).unbind(0)):
-            memo[("moments", sites[i].key)] = row
-    rows = torch.stack([memo[("moments", sites[i].key)] for i in fused])
+        # A tensor the kernel does not take is remembered as None: checked once per step.
+        taken = [i for i in missing if takes(tensors[i])]
+        rows = _run(lib, [tensors[i] for i in taken], [None] * len(taken)).unbind(0) if taken else ()
+        memo.update((keys[i], None) for i in missing)
+        memo.update((keys[i], row) for i, row in zip(taken, rows))
+    fused = [i for i, key in enumerate(keys) if memo[key] is not None]
+    if len(fused) == len(tensors):
+        return stat.from_moments(torch.stack([memo[key] for key in keys]), tensors)
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    for i, vec in zip(fused, stat.from_moments(rows, [tensors[i] for i in fused])):
-        out[i] = vec
-    rest = [i for i in range(len(tensors)) if out[i] is None]
-    if rest:
-        for i, vec in zip(rest, stat.compute([tensors[i] for i in rest], [sites[i] for i in rest], topology)):
+    if fused:
+        rows = torch.stack([memo[keys[i]] for i in fused])
+        for i, vec in zip(fused, stat.from_moments(rows, [tensors[i] for i in fused])):
             out[i] = vec
+    rest = [i for i in range(len(tensors)) if out[i] is None]
+    for i, vec in zip(rest, stat.compute([tensors[i] for i in rest], [sites[i] for i in rest], topology)):
+        out[i] = vec
     return out  # type: ignore[return-value]

@@ -14,6 +14,7 @@ import math
 import torch
 
 from tmetrics_core.metrics.base import StatMetric
+from tmetrics_core.metrics.moments import statistic_vectors
 from tmetrics_core.metrics.statistics import (
     ABSMAX,
     COUNT,
@@ -135,7 +136,7 @@ class NonFinite(StatMetric):
                 if t is not None and t.is_floating_point() and (NONFINITE.name, s.key) not in memo]
         missing = [(s, t) for s, t in todo if (SUMSQ.name, s.key) not in memo]
         if missing:
-            sums = SUMSQ.compute([t.detach() for _, t in missing], [s for s, _ in missing], topology)
+            sums = statistic_vectors(SUMSQ, [t.detach() for _, t in missing], [s for s, _ in missing], topology, memo)
             for (s, _), vec in zip(missing, sums):
                 memo[(SUMSQ.name, s.key)] = vec
         if todo:

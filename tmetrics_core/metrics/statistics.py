@@ -95,6 +95,8 @@ class Statistic:
     moments: bool = False
     """True when :meth:`from_moments` derives the vectors from the fused one-pass moments
     (``tmetrics_core.metrics.moments``), so statistics of one tensor share a single read."""
+    shape_only: bool = False
+    """True when the vectors depend on the tensor's shape alone (no element is read)."""
 
     def stages(self, site: Site, topology: Topology) -> tuple[Stage, ...]:
         """The reductions of this statistic for ``site``: a single stage by default."""
@@ -239,7 +241,7 @@ def flagged_value(vector: Sequence[float]) -> float:
 class _Count(Statistic):
     """Number of elements (float64: exact below 2**53)."""
 
-    name, op = "count", "sum"
+    name, op, shape_only = "count", "sum", True
 
     def compute(self, tensors, sites, topology):
         if all(t.device.type == "cpu" for t in tensors):

@@ -10,6 +10,7 @@ the model; the executor then skips it on every rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Mapping, Sequence
 
@@ -21,13 +22,24 @@ from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.modules import ModuleIndex
 
-__all__ = ["TOKEN_KINDS", "TokenObserver"]
+__all__ = ["TOKEN_KINDS", "TokenObserver", "TokenSites"]
 
 TOKEN_KINDS = frozenset({
     "residual_accumulator", "residual_contribution", "logits", "activation",
     "router_logits", "router_topk", "router_scores",
 })
 """Site kinds whose rows are tokens."""
+
+
+@dataclass
+class TokenSites:
+    """What token observation learns once per run, kept across steps by ``TensorMetrics``:
+    the site of each observation (keyed by everything the site is built from, so a change of
+    width, dtype or split makes a new one) and the ``(metric name, site)`` pairs already
+    checked. A due step then neither rebuilds sites nor re-checks placements."""
+
+    sites: dict[tuple, Site] = field(default_factory=dict)
+    checked: set[tuple[str, Site]] = field(default_factory=set)
 
 
 class TokenObserver:
@@ -38,8 +50,10 @@ class TokenObserver:
     """
 
     def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
-                 *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None) -> None:
+                 *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None,
+                 known: TokenSites | None = None) -> None:
         self.metrics = list(metrics)
+        self.known = known if known is not None else TokenSites()
         self.modules = dict(modules or {})
         self.topology = topology
         self.index = index
@@ -51,12 +65,16 @@ class TokenObserver:
         self._mask: torch.Tensor | None = None
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
 
+    @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # recomputation inside backward (activation checkpointing)
         if kind == "token_mask":
-            self._mask = tensor.detach().reshape(-1).bool()
+            mask = tensor.detach().reshape(-1).bool()
+            # No padding: nothing to strip, and no boolean-index copy (or, on an accelerator, a
+            # host sync) per observation; one check per micro-batch instead.
+            self._mask = None if bool(mask.all()) else mask
             return
         x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
         x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
@@ -75,13 +93,14 @@ class TokenObserver:
                 self._deferred.setdefault(metric.name, []).append((site, x))
                 continue
             try:
-                metric.check(site, self.topology)  # token sites exist only now: their placements too
+                self._check(metric, site)
                 state = metric.prepare([site], [x], self.topology, memo)
                 previous = self.states.get(metric.name)
                 self.states[metric.name] = state if previous is None else metric.merge(previous, state)
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
 
+    @torch.no_grad()
     def finish(self) -> None:
         """Prepare the metrics that need a layer's top-k choices together with its logits or
         scores (the router diagnostic families). Their observations were kept, not prepared:
@@ -101,12 +120,19 @@ class TokenObserver:
             try:
                 for batch in batches:
                     for site, _ in batch:
-                        metric.check(site, self.topology)
+                        self._check(metric, site)
                     state = metric.prepare([s for s, _ in batch], [x for _, x in batch], self.topology, {})
                     previous = self.states.get(metric.name)
                     self.states[metric.name] = state if previous is None else metric.merge(previous, state)
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
+
+    def _check(self, metric: TensorMetric, site: Site) -> None:
+        """``metric.check`` once per run and site: token sites exist only once observed, so
+        their placements are checked then (raises what the metric's check raises)."""
+        if (metric.name, site) not in self.known.checked:
+            metric.check(site, self.topology)
+            self.known.checked.add((metric.name, site))
 
     def _site(self, name: str, kind: str, x: torch.Tensor, shard_dim: int | None, path: str,
               split_axes: frozenset[str] = frozenset()) -> Site:
@@ -114,6 +140,15 @@ class TokenObserver:
         site = self.sites.get(key)
         if site is not None:
             return site
+        known = (name, kind, int(x.shape[1]), x.dtype, shard_dim, path, split_axes)
+        site = self.known.sites.get(known)
+        if site is None:
+            site = self.known.sites[known] = self._new_site(name, kind, x, shard_dim, path, split_axes)
+        self.sites[key] = site
+        return site
+
+    def _new_site(self, name: str, kind: str, x: torch.Tensor, shard_dim: int | None, path: str,
+                  split_axes: frozenset[str]) -> Site:
         placements: list[tuple[str, Placement]] = []
         for axis in self.topology.names:
             if self.topology.axes[axis].size == 1:
@@ -133,7 +168,6 @@ class TokenObserver:
                     placements=tuple(placements), layer=self.index.layer_of(path),
                     family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}" if name != path else ""),
                     num_experts=experts)
-        self.sites[key] = site
         return site
 
 

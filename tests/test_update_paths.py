@@ -1,0 +1,83 @@
+"""The update ratio through each of its paths equals the float64 reference of a real AdamW step:
+the fused one (the kernel reads ``p - prev``, nothing is written), the torch kernels only, and
+the in-place update that a metric with a statistic outside the moments forces."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from tmetrics_core.demo.model import ModelConfig, Transformer
+from tmetrics_core.metrics import moments
+from tmetrics_core.metrics.base import StatMetric
+from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.metrics.statistics import RowL2
+from tmetrics_core.tensor_metrics import TensorMetrics
+
+SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, seq_len=16)
+
+
+class UpdateMeanRowL2(StatMetric):
+    """Mean row L2 of the update over the 2-D tensors of the model (a statistic the fused
+    moments cannot give, so the update must be written)."""
+
+    name = "update-mean-row-l2"
+    source_kinds = frozenset({"update"})
+    statistics = (RowL2(0),)
+
+    def accepts(self, site):
+        return super().accepts(site) and len(site.logical_shape) == 2
+
+    def finalize(self, stats):
+        total, rows = stats["update:row_l2"]
+        return total / rows
+
+
+def _run(path: str, monkeypatch) -> tuple[dict[tuple[str, int | None], float], list[torch.Tensor],
+                                         list[torch.Tensor], list[str]]:
+    import tmetrics_core.tensor_metrics as tm
+
+    kinds: list[str] = []
+    original = tm.read_kind
+    monkeypatch.setattr(tm, "read_kind", lambda kind, *a, **k: kinds.append(kind) or original(kind, *a, **k))
+    model = Transformer(SMALL, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    chosen = [(build_metric("layer-update-ratio"), 1)]
+    if path == "written update":
+        chosen.append((UpdateMeanRowL2(), 1))
+    metrics = TensorMetrics(model, metrics=chosen, optimizer=optimizer)
+    tokens = torch.randint(0, 256, (2, SMALL.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    with moments.disabled() if path == "torch kernels" else contextlib.nullcontext():
+        with metrics.step(1):
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+            before = [p.detach().clone() for p in params]
+            optimizer.step()
+            optimizer.zero_grad()
+    values = {(r.metric, r.layer): r.value for r in metrics.last_records}
+    metrics.close()
+    return values, before, [p.detach() for p in params], kinds
+
+
+@pytest.mark.parametrize("path", ["fused", "torch kernels", "written update"])
+def test_update_ratio_equals_reference_on_every_path(path: str, monkeypatch) -> None:
+    values, before, after, kinds = _run(path, monkeypatch)
+    # Only the fused path leaves the update unwritten (read_kind("update") writes it in place).
+    assert ("update" in kinds) == (path != "fused")
+    model = Transformer(SMALL, seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    for layer in range(SMALL.n_layers):
+        chosen = [i for i, n in enumerate(names) if n.startswith(f"layers.{layer}.")]
+        delta = torch.cat([(after[i] - before[i]).reshape(-1) for i in chosen]).double()
+        theta = torch.cat([after[i].reshape(-1) for i in chosen]).double()
+        want = (delta.norm() / theta.norm()).item()
+        assert values[("layer-update-ratio", layer)] == pytest.approx(want, rel=1e-6)
+    if path == "written update":
+        rows = [(after[i] - before[i]).double() for i in range(len(names)) if after[i].dim() == 2]
+        norms = torch.cat([d.norm(dim=1) for d in rows])
+        assert values[("update-mean-row-l2", None)] == pytest.approx(norms.mean().item(), rel=1e-6)
+        assert not math.isnan(values[("update-mean-row-l2", None)])
