@@ -9,6 +9,7 @@ from tests.simulation import run_threaded, sim_topology
 from tmetrics_core.errors import PlanMismatchError
 from tmetrics_core.evaluation import prepare_states
 from tmetrics_core.executor import Executor
+from tmetrics_core.metrics.base import CollectiveRequest, MetricResult, Round
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, Mean, MeanLineL2, Min, Rms, ZeroFraction
 from tmetrics_core.placements import Owned, Shard
 from tmetrics_core.site import Site
@@ -104,3 +105,61 @@ def test_metric_raising_on_one_rank_is_skipped_on_all():
         assert list(results) == ["good"]
         assert results["good"] == [pytest.approx((2 * 1 + 2 * 4) ** 0.5)]
         assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]
+
+
+class _TwoRounds:
+    """A sum over ``dp`` reduced twice (two collective rounds); ``resume`` of the first round
+    raises on rank 1 when ``raising``."""
+
+    source_kinds = frozenset({"grad"})
+
+    def __init__(self, name: str, raising: bool) -> None:
+        self.name, self.raising = name, raising
+
+    def accepts(self, site):
+        return site.kind == "grad"
+
+    def check(self, site, topology):
+        pass
+
+    def prepare(self, sites, tensors, topology, memo):
+        return {"sum": torch.stack([t.double().sum() for t in tensors]).sum().reshape(1)}
+
+    def merge(self, a, b):
+        return {"sum": a["sum"] + b["sum"]}
+
+    def start(self, state, sites, topology):
+        return Round([CollectiveRequest((self.name, 0), ("dp",), "sum", state["sum"])], continuation=(0, topology))
+
+    def resume(self, continuation, results):
+        index, topology = continuation
+        value = results[(self.name, index)]
+        if index == 0:
+            if self.raising and topology.global_rank == 1:
+                raise RuntimeError("resume failed on rank 1")
+            return Round([CollectiveRequest((self.name, 1), ("dp",), "sum", value)], continuation=(1, topology),
+                         agreed=True)
+        return Round(continuation=continuation, done=True, outputs={(self.name, "out"): value})
+
+    def finish(self, continuation, host):
+        return [MetricResult(host[(self.name, "out")][0])]
+
+
+def _resume_failing_rank(rank, world, comm):
+    topology = sim_topology(rank, (2,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(4,), placements=(("dp", Shard(0)),), layer=0)]
+    tensors = [torch.full((2,), float(rank + 1))]
+    metrics = [_TwoRounds("bad", raising=True), L2Norm(name="good", source_kinds=["grad"]),
+               _TwoRounds("twice", raising=False)]
+    executor = Executor(topology, collectives=comm)
+    results, failures = executor.run(prepare_states(metrics, sites, tensors, topology), {s.key: s for s in sites})
+    return {k: [r.value for r in v] for k, v in results.items()}, failures, executor.stats.calls
+
+
+def test_metric_raising_in_resume_on_one_rank_is_dropped_on_all_before_the_next_round():
+    for results, failures, calls in run_threaded(_resume_failing_rank, 2, timeout=30):
+        assert sorted(results) == ["good", "twice"]
+        assert results["good"] == [pytest.approx((2 * 1 + 2 * 4) ** 0.5)]
+        assert results["twice"] == [pytest.approx(2 * (2 + 4))]  # the dp sum, summed over dp again
+        assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]
+        assert "resume failed on rank 1" in failures[0].error

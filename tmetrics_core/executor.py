@@ -112,7 +112,9 @@ class Executor:
 
         Args:
             due: ``(metric, prepared state, local error or None)`` in the same order on every
-                rank (config order). A metric with a local error on any rank is skipped on all.
+                rank (config order). A metric with a local error on any rank is skipped on all;
+                so is one whose ``start`` raises, or whose ``resume`` raises before a round that
+                is not ``Round.agreed`` (one small agreement collective after such a round).
             sites: every site of the plan by key (rank-symmetric).
             check: compare plan fingerprints across ranks before the first data collective.
 
@@ -143,8 +145,23 @@ class Executor:
                 self._check_plan(requests, pending)
             first = False
             results = self._reduce(requests)
+            # Decided before resume, from rank-symmetric rounds: could a failure desync ranks?
+            more = not all(item.round.agreed for item in pending)
             for item in pending:
-                item.round = item.metric.resume(item.round.continuation, results)
+                try:
+                    item.round = item.metric.resume(item.round.continuation, results)
+                except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
+                    item.error, item.round = f"{type(exc).__name__}: {exc}", Round(done=True)
+            if more:
+                # A metric that raised here on one rank would skip requests the others issue:
+                # agree now, and drop it everywhere before the next round.
+                dropped = self._agree_failures(pending)
+            else:
+                dropped = [MetricFailure(i.metric.name, (self.topology.global_rank,), i.error or "")
+                           for i in pending if i.error]
+            failures.extend(dropped)
+            gone = {f.metric for f in dropped}
+            live = [i for i in live if i.metric.name not in gone]
         host = self._to_host(live)
         out: dict[str, list[MetricResult]] = {}
         for item in live:

@@ -43,6 +43,10 @@ def _failing(rank, world):
     return _with_real(cases._failing_rank)(rank, world)
 
 
+def _resume_failing(rank, world):
+    return _with_real(cases._resume_failing_rank)(rank, world)
+
+
 def test_asymmetric_plan_raises_clear_error_fast():
     start = time.monotonic()
     for metric, axis, ranks, message in run_distributed(_asymmetric, 2, timeout=60):
@@ -56,3 +60,11 @@ def test_exception_on_one_rank_all_ranks_continue():
         assert list(results) == ["good"]
         assert results["good"] == [pytest.approx(10 ** 0.5)]
         assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]
+
+
+def test_exception_in_resume_on_one_rank_is_agreed_before_the_next_round():
+    start = time.monotonic()
+    for results, failures, _ in run_distributed(_resume_failing, 2, timeout=60):
+        assert sorted(results) == ["good", "twice"] and results["twice"] == [pytest.approx(12.0)]
+        assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]
+    assert time.monotonic() - start < 20  # no collective timeout (20 s) was waited for

@@ -60,12 +60,19 @@ class CollectiveRequest:
 @dataclass(slots=True)
 class Round:
     """What a metric asks for next: ``requests`` for this round, or ``done`` with the reduced
-    vectors it needs on the host (``outputs``: key -> 1-D tensor; copied in one transfer)."""
+    vectors it needs on the host (``outputs``: key -> 1-D tensor; copied in one transfer).
+
+    ``agreed`` promises that ``resume`` after this round needs no agreement across ranks: it
+    returns a done round (no further request), or it cannot raise on some ranks only. It must
+    be the same on every rank. False is always safe: the executor then agrees on ``resume``
+    failures with one small collective after the round, so a metric that raised on one rank
+    is dropped on all before the next round instead of leaving the others waiting."""
 
     requests: list[CollectiveRequest] = field(default_factory=list)
     continuation: Any = None
     done: bool = False
     outputs: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    agreed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +223,12 @@ class StatMetric:
                                       b.parts, b.stat.uniform(b.sites[0], topology, b.index))
                     for b in batches if b.index < len(b.stages)]
         if requests:
-            return Round(requests=requests, continuation=(batches, topology))
+            # The next resume finishes every batch (each requesting one is at its last stage),
+            # or only tmetrics' own stage arithmetic runs, on shapes every rank shares.
+            last = all(b.index == len(b.stages) - 1 for b in batches if b.index < len(b.stages))
+            own = type(self).resume is StatMetric.resume and all(
+                type(st).__module__.startswith("tmetrics_core.") for st in self.statistics)
+            return Round(requests=requests, continuation=(batches, topology), agreed=last or own)
         outputs = merged_outputs(batches, self._group, id(self))
         return Round(continuation=(batches, topology), done=True, outputs=outputs)
 
