@@ -36,8 +36,21 @@ static inline float load_bf16(const void *p, int64_t i) {
     return f;
 }
 
+/* Lane j takes element value V: float max/min (NaN never wins a comparison), float64 sums. */
+#define ACCUMULATE(j, V)                \
+    do {                                \
+        float v = (V);                  \
+        double d = (double)v;           \
+        sq[j] += d * d;                 \
+        sum[j] += d;                    \
+        hi[j] = v > hi[j] ? v : hi[j];  \
+        lo[j] = v < lo[j] ? v : lo[j];  \
+        zeros[j] += v == 0.0f;          \
+    } while (0)
+
 #define DEFINE_PASS(NAME, LOAD, VALUE)                                                        \
     static void NAME(const void *x, const void *y, int64_t begin, int64_t end, double *out) { \
+        (void)y; /* read only by DIFFERENCE */                                                \
         double sq[LANES] = {0}, sum[LANES] = {0};                                             \
         float hi[LANES], lo[LANES];                                                           \
         int32_t zeros[LANES] = {0};                                                           \
@@ -46,26 +59,9 @@ static inline float load_bf16(const void *p, int64_t i) {
             lo[j] = __builtin_inff();                                                         \
         }                                                                                     \
         int64_t i = begin;                                                                    \
-        for (; i + LANES <= end; i += LANES) {                                                \
-            for (int j = 0; j < LANES; j++) {                                                 \
-                float v = VALUE(LOAD, x, y, i + j);                                           \
-                double d = (double)v;                                                         \
-                sq[j] += d * d;                                                               \
-                sum[j] += d;                                                                  \
-                hi[j] = v > hi[j] ? v : hi[j];                                                \
-                lo[j] = v < lo[j] ? v : lo[j];                                                \
-                zeros[j] += v == 0.0f;                                                        \
-            }                                                                                 \
-        }                                                                                     \
-        for (int j = 0; i < end; i++, j++) {                                                  \
-            float v = VALUE(LOAD, x, y, i);                                                   \
-            double d = (double)v;                                                             \
-            sq[j] += d * d;                                                                   \
-            sum[j] += d;                                                                      \
-            hi[j] = v > hi[j] ? v : hi[j];                                                    \
-            lo[j] = v < lo[j] ? v : lo[j];                                                    \
-            zeros[j] += v == 0.0f;                                                            \
-        }                                                                                     \
+        for (; i + LANES <= end; i += LANES)                                                  \
+            for (int j = 0; j < LANES; j++) ACCUMULATE(j, VALUE(LOAD, x, y, i + j));          \
+        for (int j = 0; i < end; i++, j++) ACCUMULATE(j, VALUE(LOAD, x, y, i));               \
         double total_sq = 0, total = 0, top = -__builtin_inf(), bottom = __builtin_inf();     \
         int64_t total_zeros = 0;                                                              \
         for (int j = 0; j < LANES; j++) {                                                     \
