@@ -174,6 +174,8 @@ def _merge(everything: Iterable[Any], topology: Topology,
         row = holders[0][2]
         from_dtensor = {a: parse_placement(p) for a, p in row[8]}
         override = _override(name, tuple(row[6]), overrides, topology)
+        if not from_dtensor and not override:
+            _same_everywhere(name, holders, topology)
         placements = []
         for axis in topology.names:
             size = topology.axes[axis].size
@@ -189,6 +191,27 @@ def _merge(everything: Iterable[Any], topology: Topology,
             owners=tuple(sorted(r for r, _, _ in holders)),
         ))
     return entries
+
+
+def _same_everywhere(name: str, holders: list, topology: Topology) -> None:
+    """A plain tensor without declared placements is a replica or owned: the same shape and
+    dtype wherever it is held. Different ones mean a tensor split by hand (tensor parallel
+    without DTensor), which inferring Replica would measure from one shard per rank.
+
+    Raises:
+        ConfigError: naming the tensor, two ranks that disagree and the placements to declare.
+    """
+    first_rank, _, first = holders[0]
+    for rank, _, row in holders[1:]:
+        if (row[6], row[7]) != (first[6], first[7]):
+            split = [a for a in topology.names if topology.axes[a].size > 1] or ["tp"]
+            raise ConfigError(
+                f"tensor {name!r} is {first[7]} {list(first[6])} on rank {first_rank} but {row[7]} "
+                f"{list(row[6])} on rank {rank}: a plain tensor (not a DTensor) split by hand across ranks. "
+                "tmetrics cannot tell how it is split; declare its placement in the config, e.g. "
+                f"placements: {{'{name}': {{'{split[-1]}': 'S0'}}}} (Shard along dim 0 of the full tensor)",
+                path="placements",
+            )
 
 
 def _infer(name: str, axis: str, size: int, holders: list) -> Placement:
