@@ -40,6 +40,9 @@ class TokenSites:
 
     sites: dict[tuple, Site] = field(default_factory=dict)
     checked: set[tuple[str, Site]] = field(default_factory=set)
+    readers: dict[tuple, list[tuple[TensorMetric, bool]]] = field(default_factory=dict)
+    """``(site, module path, due metric names)`` -> the due metrics that read the observation,
+    each with whether it is prepared at the step's end (:func:`_joint`)."""
 
 
 class TokenObserver:
@@ -54,6 +57,7 @@ class TokenObserver:
                  known: TokenSites | None = None) -> None:
         self.metrics = list(metrics)
         self.known = known if known is not None else TokenSites()
+        self._names = tuple(m.name for m in self.metrics)
         self.modules = dict(modules or {})
         self.topology = topology
         self.index = index
@@ -83,13 +87,10 @@ class TokenObserver:
         path = self.index.path(module)
         site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path, split_axes)
         memo: dict = {}  # metrics of this observation share statistics (expert counts, sums of squares)
-        for metric in self.metrics:
-            if metric.name in self.errors or not metric.accepts(site):
+        for metric, joint in self._readers(site, path):
+            if metric.name in self.errors:
                 continue
-            patterns = self.modules.get(metric.name)
-            if kind == "activation" and patterns and not any(fnmatchcase(path, p) for p in patterns):
-                continue
-            if _joint(metric):
+            if joint:
                 self._deferred.setdefault(metric.name, []).append((site, x))
                 continue
             try:
@@ -126,6 +127,22 @@ class TokenObserver:
                     self.states[metric.name] = state if previous is None else metric.merge(previous, state)
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
+
+    def _readers(self, site: Site, path: str) -> list[tuple[TensorMetric, bool]]:
+        """The due metrics that read ``site`` observed at module ``path`` (``modules:`` patterns
+        narrow activations), found once per run and due set."""
+        key = (site, path, self._names)
+        readers = self.known.readers.get(key)
+        if readers is None:
+            readers = []
+            for metric in self.metrics:
+                patterns = self.modules.get(metric.name)
+                if not metric.accepts(site) or (site.kind == "activation" and patterns
+                                                and not any(fnmatchcase(path, p) for p in patterns)):
+                    continue
+                readers.append((metric, _joint(metric)))
+            self.known.readers[key] = readers
+        return readers
 
     def _check(self, metric: TensorMetric, site: Site) -> None:
         """``metric.check`` once per run and site: token sites exist only once observed, so
