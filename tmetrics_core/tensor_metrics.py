@@ -376,11 +376,11 @@ class TensorMetrics:
         readers = [m for m in metrics if "update" in m.source_kinds]
         if not readers or "update" in self.flat or self._before is None:
             return None
+        if not all(moments.takes(t) for t in self._before.values()):
+            return None
         # Metrics whose prepare is tmetrics' own read elements only through their statistics.
         if not all(isinstance(m, StatMetric) and type(m).prepare.__module__.startswith("tmetrics_core.metrics.")
                    and moments.derivable(m.statistics) for m in readers):
-            return None
-        if not all(moments.takes(t) for t in self._before.values()):
             return None
         pairs = update_pairs(self.manifest, self._before)
         if not all(pair is None or (moments.takes(pair[0]) and pair[0].dtype == pair[1].dtype) for pair in pairs):

@@ -207,15 +207,17 @@ def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: S
     """``stat``'s local vectors of ``tensors`` (as :meth:`Statistic.compute`), through the fused
     kernel where it applies: one moments row per site, kept in ``memo`` under
     ``("moments", site key)`` so every statistic of the step reuses the same read."""
-    lib = _library() if stat.moments and _switch["on"] else None
-    if lib is None:
+    if not stat.moments or not _switch["on"]:
         return stat.compute(tensors, sites, topology)
     keys = [("moments", site.key) for site in sites]
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
-        # A tensor the kernel does not take is remembered as None: checked once per step.
+        # A tensor the kernel does not take is remembered as None: checked once per step. The
+        # library is only looked for when some tensor needs it (not on accelerator-only runs).
         taken = [i for i in missing if takes(tensors[i])]
-        rows = _run(lib, [tensors[i] for i in taken], [None] * len(taken)).unbind(0) if taken else ()
+        lib = _library() if taken else None
+        rows = _run(lib, [tensors[i] for i in taken], [None] * len(taken)).unbind(0) if lib is not None else ()
+        taken = taken if lib is not None else []
         memo.update((keys[i], None) for i in missing)
         memo.update((keys[i], row) for i, row in zip(taken, rows))
     fused = [i for i, key in enumerate(keys) if memo[key] is not None]
