@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
 from tmetrics_core.axes import Topology
 from tmetrics_core.metrics import moments
@@ -135,3 +136,41 @@ def test_without_a_compiler_statistics_fall_back_and_say_so(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "available False sumsq 285.0" in done.stdout
     assert "fused moments kernel unavailable" in done.stderr and "results are the same" in done.stderr
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper tensor subclass (as float8 or NF4 weights are): no data pointer of its own."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(x):
+            return x.inner if isinstance(x, _Wrapped) else x
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_wrapper_subclasses_and_lazy_negations_go_to_the_torch_kernels() -> None:
+    inner = _tensor(1000, 8, torch.float32)
+    wrapped, negated = _Wrapped(inner), torch._neg_view(inner)
+    assert not moments.takes(wrapped) and not moments.takes(negated) and moments.takes(inner)
+    sites, memo = _sites([wrapped, negated]), {}
+    got = moments.statistic_vectors(SUMSQ, [wrapped, negated], sites, Topology.single_process(), memo)
+    assert all(row is None for key, row in memo.items() if key[0] == "moments")
+    for vec in got:
+        assert vec.item() == pytest.approx(_reference(inner)[0], rel=1e-12)
+
+
+def test_torch_kernels_on_cpu_accumulate_in_float64_like_the_kernel() -> None:
+    big = torch.full((5,), 1e30)
+    sites, topology = _sites([big]), Topology.single_process()
+    with moments.disabled():
+        (sumsq,) = moments.statistic_vectors(SUMSQ, [big], sites, topology, {})
+        (total,) = moments.statistic_vectors(SUM, [torch.full((4,), 3e38)], sites, topology, {})
+    assert sumsq.item() == pytest.approx(5 * float(big[0]) ** 2, rel=1e-12)
+    assert total.item() == pytest.approx(4 * float(torch.tensor(3e38)), rel=1e-12)

@@ -120,9 +120,12 @@ static void *worker(void *arg) {
 }
 
 /* Moments of `count` tensors: xs[i] (and ys[i] when non-zero) point at ns[i] elements of
- * dtypes[i]; out receives count x FIELDS doubles. Returns 0, or -1 when memory ran out. */
+ * dtypes[i]; out receives count x FIELDS doubles. Returns 0, -1 when memory ran out, or -2
+ * (reading nothing) when a non-empty tensor has a null pointer. */
 int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int64_t *ns,
                const int32_t *dtypes, int32_t threads, double *out) {
+    for (int64_t i = 0; i < count; i++)
+        if (ns[i] > 0 && !xs[i]) return -2;
     int64_t npieces = 0;
     for (int64_t i = 0; i < count; i++) npieces += ns[i] > 0 ? (ns[i] + PIECE - 1) / PIECE : 1;
     piece_t *pieces = malloc(sizeof(piece_t) * (size_t)npieces);

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -45,6 +46,9 @@ FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-trapping-math")
+_ARCH = (("-march=native",), ())
 _THREADED = 1 << 22
 """Elements above which the kernel uses ``torch.get_num_threads()`` threads. Below it one thread
 wins: a thread start costs tens of microseconds, and right after a torch kernel its OpenMP
@@ -70,21 +74,21 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compile(cc: str, target: Path) -> None:
+def _compile(cc: list[str], target: Path) -> None:
     """Build the shared library at ``target`` (atomically: ranks of one node may race)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    base = [cc, "-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-trapping-math", str(_SOURCE)]
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         # -march=native vectorizes the lanes for this CPU (2.7x faster than the baseline ISA);
         # compilers or architectures without it get the portable build.
-        for flags in (["-march=native"], []):
-            done = subprocess.run(base + flags + ["-o", tmp], capture_output=True, text=True, timeout=120)
-            if done.returncode == 0:
+        for arch in _ARCH:
+            done = subprocess.run([*cc, *_FLAGS, *arch, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
+                                  timeout=120)
+            if done.returncode == 0 and os.path.getsize(tmp) > 0:
                 os.replace(tmp, target)
                 return
-        raise OSError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        raise OSError(f"{' '.join(cc)} failed: {done.stderr.strip()[-500:] or 'no library written'}")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -92,14 +96,15 @@ def _compile(cc: str, target: Path) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not found:
         _log.warning("no C compiler found (set CC): tmetrics reads each tensor once per statistic instead of once")
         return None
+    cc = shlex.split(found)  # CC may carry flags ("gcc -O2"), as make allows
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join((_SOURCE.read_text(), version, platform.machine(), _cpu_flags()))
-                             .encode()).hexdigest()[:20]
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(cc), version, repr((_FLAGS, _ARCH)),
+                                        platform.machine(), _cpu_flags())).encode()).hexdigest()[:20]
         path = _cache_dir() / f"moments-{key}.so"
         if not path.exists():
             _compile(cc, path)
@@ -130,8 +135,11 @@ def disabled() -> Iterator[None]:
 
 
 def takes(t: torch.Tensor) -> bool:
-    """Whether the kernel reads ``t``: a contiguous CPU float32 or bfloat16 tensor."""
-    return t.layout == torch.strided and t.device.type == "cpu" and t.dtype in _DTYPES and t.is_contiguous()
+    """Whether the kernel reads ``t``: a plain (not a subclass: wrapper tensors such as float8
+    or NF4 weights have no data pointer of their own), contiguous, strided CPU float32 or
+    bfloat16 tensor without a lazy negation, whose memory the pointer addresses."""
+    return (type(t) in _PLAIN and t.layout == torch.strided and t.device.type == "cpu" and t.dtype in _DTYPES
+            and t.is_contiguous() and not t.is_neg() and (t.data_ptr() != 0 or t.numel() == 0))
 
 
 def derivable(statistics: Sequence[Statistic]) -> bool:
@@ -160,8 +168,8 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
     Args:
         tensors: contiguous CPU float32 or bfloat16 tensors, any shape (empty included).
         minus: optional tensors of the same dtype and element count subtracted elementwise
-            (in the tensor's dtype) before the moments are taken, without materializing the
-            difference.
+            before the moments are taken, without materializing the difference (in float32:
+            bfloat16 inputs are widened first, so their difference is not rounded to bfloat16).
 
     The sum of squares and sum accumulate in float64; the maximum and minimum skip NaN (a NaN
     shows as a NaN sum of squares); an empty tensor gives ``[0, 0, -inf, inf, 0]``. Uses
@@ -169,7 +177,8 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
 
     Raises:
         ValueError: a tensor the kernel does not take, or a ``minus`` that does not match.
-        RuntimeError: the kernel is unavailable (see :func:`available`) or ran out of memory.
+        RuntimeError: the kernel is unavailable (see :func:`available`), ran out of memory,
+            or was given a non-empty tensor without a data pointer.
     """
     lib = _library()
     if lib is None:
@@ -197,8 +206,10 @@ def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torc
     dtypes = (ctypes.c_int32 * n)(*(_DTYPES[t.dtype] for t in tensors))
     # The caller's thread always works; more only for inputs large enough to repay a thread start.
     threads = torch.get_num_threads() if sum(ns) > _THREADED else 1
-    if lib.tm_moments(n, xs, ys, ns, dtypes, threads, out.data_ptr()):
-        raise RuntimeError("the fused moments kernel ran out of memory")
+    status = lib.tm_moments(n, xs, ys, ns, dtypes, threads, out.data_ptr())
+    if status:
+        raise RuntimeError("the fused moments kernel " + ("ran out of memory" if status == -1 else
+                                                          "was given a tensor without data (null pointer)"))
     return out
 
 
