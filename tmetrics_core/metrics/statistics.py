@@ -140,8 +140,9 @@ def _f64(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 class _SumSq(Statistic):
     """Sum of squares of the elements, carried in float64: through the fused moments kernel
-    (float64 accumulation) where it applies, else accumulated in fp32 per chunk of a tensor
-    (float64 for float64 tensors)."""
+    (float64 accumulation) where it applies; else per chunk of a tensor with torch kernels,
+    accumulated in float64 on CPU and for float64 tensors, in fp32 on accelerators (where a
+    float32 square overflows above 1.8e19)."""
 
     name, op, moments = "sumsq", "sum", True
 
@@ -167,8 +168,10 @@ class _SumSq(Statistic):
             else:
                 pieces.append(t)
                 owners.append(i)
-        # float64 inputs keep float64 (squares of 1e20 overflow fp32); others accumulate in fp32.
-        acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        # float64 on CPU (this is the fallback there: fp32 squares overflow above 1.8e19 and
+        # would disagree with the fused kernel) and for float64 inputs; fp32 on accelerators.
+        on_cpu = all(t.device.type == "cpu" for t in tensors)
+        acc = torch.float64 if on_cpu or any(t.dtype == torch.float64 for t in tensors) else torch.float32
         sums = torch.stack(torch._foreach_powsum(pieces, 2, dtype=acc)).double()
         if len(tensors) == 1:
             sums = sums.sum(0, keepdim=True)
@@ -251,7 +254,8 @@ class _Count(Statistic):
 
 
 class _Sum(Statistic):
-    """Sum of the elements (fp32 accumulation), for means."""
+    """Sum of the elements, for means: float64 accumulation in the fused kernel and on CPU,
+    fp32 on accelerators."""
 
     name, op, linear, moments = "sum", "sum", True, True
 
@@ -259,7 +263,8 @@ class _Sum(Statistic):
         return list(rows[:, 1:2].unbind(0))
 
     def compute(self, tensors, sites, topology):
-        return [t.sum(dtype=torch.float32).reshape(1).double() for t in tensors]
+        return [t.sum(dtype=torch.float64 if t.device.type == "cpu" or t.dtype == torch.float64 else torch.float32)
+                .reshape(1).double() for t in tensors]
 
 
 class _Max(Statistic):
