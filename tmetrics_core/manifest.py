@@ -203,7 +203,13 @@ def _same_everywhere(name: str, holders: list, topology: Topology) -> None:
     """
     first_rank, _, first = holders[0]
     for rank, _, row in holders[1:]:
-        if (row[6], row[7]) != (first[6], first[7]):
+        if row[6] == first[6] and row[7] != first[7]:
+            raise ConfigError(
+                f"tensor {name!r} is {first[7]} on rank {first_rank} but {row[7]} on rank {rank} (same shape "
+                f"{list(row[6])}): every rank must hold the model in the same dtype. Cast the model on every "
+                "rank (or on none) before creating TensorMetrics",
+            )
+        if row[6] != first[6]:
             split = [a for a in topology.names if topology.axes[a].size > 1] or ["tp"]
             raise ConfigError(
                 f"tensor {name!r} is {first[7]} {list(first[6])} on rank {first_rank} but {row[7]} "

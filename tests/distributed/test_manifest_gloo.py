@@ -1,5 +1,6 @@
-"""A plain tensor split by hand across ranks (different local shapes, no DTensor) is refused
-at construction on every rank with the placement to declare, never measured as a replica."""
+"""Plain tensors that differ across ranks without a declared placement are refused at
+construction on every rank with the fix, never measured as replicas: a tensor split by hand
+(different shapes) and a model cast on one rank only (different dtypes)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,16 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 FULL = torch.arange(12.0).reshape(6, 2)
 
 
-def _model(rank: int) -> torch.nn.Module:
-    """Rank 0 holds rows 0-3 of FULL, rank 1 rows 4-5 (an uneven split by hand)."""
-    rows = FULL[:4] if rank == 0 else FULL[4:]
+def _model(rows: torch.Tensor) -> torch.nn.Module:
     model = torch.nn.Module()
     model.proj = torch.nn.Parameter(rows.clone())
     return model
 
 
-def _construct(rank: int, world: int, placements):
+def _construct(model: torch.nn.Module, placements) -> tuple[str, object]:
     topology = Topology.from_groups({"tp": dist.group.WORLD})
     try:
-        metrics = TensorMetrics(_model(rank), metrics=[(build_metric("global-param-l2"), 1)], topology=topology,
+        metrics = TensorMetrics(model, metrics=[(build_metric("global-param-l2"), 1)], topology=topology,
                                 placements=placements, timeout_s=30)
     except ConfigError as exc:
         return "error", str(exc)
@@ -38,22 +37,35 @@ def _construct(rank: int, world: int, placements):
     return "value", record.value
 
 
-def _undeclared(rank, world):
-    return _construct(rank, world, None)
+def _scenarios(rank: int, world: int) -> dict[str, tuple[str, object]]:
+    split = FULL[:4] if rank == 0 else FULL[4:]  # rows 0-3 on rank 0, 4-5 on rank 1 (uneven, by hand)
+    cast = FULL if rank == 0 else FULL.bfloat16()
+    return {"undeclared": _construct(_model(split), None),
+            "declared": _construct(_model(split), {"proj": {"tp": "S0"}}),
+            "cast on one rank": _construct(_model(cast), None)}
 
 
-def _declared(rank, world):
-    return _construct(rank, world, {"proj": {"tp": "S0"}})
+@pytest.fixture(scope="module")
+def outcomes() -> list[dict]:
+    return run_distributed(_scenarios, 2, timeout=90)
 
 
-def test_hand_split_tensor_without_placement_is_refused_on_every_rank():
-    for kind, message in run_distributed(_undeclared, 2, timeout=60):
+def test_hand_split_tensor_without_placement_is_refused_on_every_rank(outcomes):
+    for by_case in outcomes:
+        kind, message = by_case["undeclared"]
         assert kind == "error"
         assert "'proj' is float32 [4, 2] on rank 0 but float32 [2, 2] on rank 1" in message
         assert "placements: {'proj': {'tp': 'S0'}}" in message
 
 
-def test_hand_split_tensor_with_declared_shard_is_measured_whole():
-    for kind, value in run_distributed(_declared, 2, timeout=60):
-        assert kind == "value"
-        assert value == pytest.approx(FULL.double().norm().item(), rel=1e-9)
+def test_hand_split_tensor_with_declared_shard_is_measured_whole(outcomes):
+    for by_case in outcomes:
+        assert by_case["declared"] == ("value", pytest.approx(FULL.double().norm().item(), rel=1e-9))
+
+
+def test_model_cast_on_one_rank_is_refused_with_the_dtype_fix(outcomes):
+    for by_case in outcomes:
+        kind, message = by_case["cast on one rank"]
+        assert kind == "error"
+        assert "'proj' is float32 on rank 0 but bfloat16 on rank 1 (same shape [6, 2])" in message
+        assert "Cast the model on every rank" in message and "placements" not in message
