@@ -81,3 +81,36 @@ def test_update_ratio_equals_reference_on_every_path(path: str, monkeypatch) -> 
         norms = torch.cat([d.norm(dim=1) for d in rows])
         assert values[("update-mean-row-l2", None)] == pytest.approx(norms.mean().item(), rel=1e-6)
         assert not math.isnan(values[("update-mean-row-l2", None)])
+
+
+class _Resizing(torch.optim.SGD):
+    """An optimizer that replaces ``target``'s data with a larger tensor after its step."""
+
+    def __init__(self, params, target: torch.nn.Parameter) -> None:
+        super().__init__(params, lr=0.1)
+        self.target = target
+
+    def step(self, closure=None):
+        super().step(closure)
+        self.target.data = torch.zeros(self.target.shape[0] + 1, *self.target.shape[1:])
+
+
+@pytest.mark.parametrize("path", ["fused", "torch kernels"])
+def test_a_parameter_resized_by_the_optimizer_is_a_reported_failure_not_a_crash(path: str) -> None:
+    model = Transformer(SMALL, seed=0)
+    target = next(p for n, p in model.named_parameters() if n.startswith("layers.0.") and p.dim() == 2)
+    optimizer = _Resizing(model.parameters(), target)
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-update-ratio"), 1),
+                                            (build_metric("global-grad-l2"), 1)], optimizer=optimizer)
+    tokens = torch.randint(0, 256, (2, SMALL.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    with moments.disabled() if path == "torch kernels" else contextlib.nullcontext():
+        with metrics.step(1):
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+            grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+            optimizer.step()
+    assert [f.metric for f in metrics.failures] == ["layer-update-ratio"]
+    assert "reading the post-step tensors failed" in metrics.failures[0].error
+    (record,) = metrics.last_records  # the gradient norm, read before the step, is unaffected
+    assert record.value == pytest.approx(torch.cat([g.reshape(-1) for g in grads]).double().norm().item(), rel=1e-6)
+    metrics.close()

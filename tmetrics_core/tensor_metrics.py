@@ -341,9 +341,28 @@ class TensorMetrics:
                 metrics.remove(m)
         if not metrics:
             return
+        memo: dict = {}
+        try:
+            sites, tensors = self._read_phase(metrics, phase, memo)
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
+            # Reported and skipped on every rank by the executor's failure agreement; the
+            # placeholders keep this rank's collectives (Partial gradients) the same as the others'.
+            failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
+            sites = [s for kind in sorted({k for m in metrics for k in m.source_kinds})
+                     for s in (self._grad_sites() if kind == "grad" else self._sites_of(kind))]
+            tensors, memo = [None] * len(sites), {}
+        sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
+        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo):
+            self._prepared[metric.name] = (state, failed or error)
+        self._sites.update((s.key, s) for s in sites)
+
+    def _read_phase(self, metrics: list[TensorMetric], phase: str, memo: dict
+                    ) -> tuple[list[Site], list[torch.Tensor | None]]:
+        """Sites and local tensors of every kind the phase's metrics read (rank-symmetric sites);
+        in the post phase, the moments of fused updates go into ``memo``."""
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
-        memo: dict = {}
         pairs = self._fused_updates(metrics) if phase == "post" else None
         for kind in sorted({k for m in metrics for k in m.source_kinds}):
             if kind == "update" and pairs is not None:
@@ -363,10 +382,7 @@ class TensorMetrics:
             tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
         if pairs is not None:
             self._remember_updates(pairs, memo)
-        sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
-        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo):
-            self._prepared[metric.name] = (state, error)
-        self._sites.update((s.key, s) for s in sites)
+        return sites, tensors
 
     def _fused_updates(self, metrics: list[TensorMetric]) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
         """``(parameter now, snapshot)`` per manifest entry when every metric reading updates
@@ -377,6 +393,10 @@ class TensorMetrics:
         if not readers or "update" in self.flat or self._before is None:
             return None
         if not all(moments.takes(t) for t in self._before.values()):
+            return None
+        # Partial parameters are materialized after reading (resolve_partials): their local
+        # moments would be of one part.
+        if any(p.is_partial() for kind in ("update", "param") for s in self._sites_of(kind) for _, p in s.placements):
             return None
         # Metrics whose prepare is tmetrics' own read elements only through their statistics.
         if not all(isinstance(m, StatMetric) and type(m).prepare.__module__.startswith("tmetrics_core.metrics.")

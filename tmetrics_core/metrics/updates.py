@@ -21,8 +21,9 @@ class UpdateRatio(StatMetric):
 
     ``Δθ`` is the ``update`` site (parameter after the optimizer step minus before it, on due
     steps) and ``θ`` the ``param`` site of the same tensor at the same step (after the step).
-    Both norms run over the layer's tensors that have an update; parameters without one
-    (frozen, or not stepped) are left out of ``||θ||`` too. ``inf`` when ``||θ|| = 0`` and the
+    Both norms run over the layer's tensors that have an update site: every parameter the
+    metric selects, frozen or not stepped ones included (their update is 0, their norm counts
+    in ``||θ||``); narrow them with ``select:``. ``inf`` when ``||θ|| = 0`` and the
     update is not, NaN when both are 0.
 
     Healthy training typically shows about 1e-3 per step for Adam (learning rate scale);
