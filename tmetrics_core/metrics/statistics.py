@@ -140,9 +140,9 @@ def _f64(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 class _SumSq(Statistic):
     """Sum of squares of the elements, carried in float64: through the fused moments kernel
-    (float64 accumulation) where it applies; else per chunk of a tensor with torch kernels,
-    accumulated in float64 on CPU and for float64 tensors, in fp32 on accelerators (where a
-    float32 square overflows above 1.8e19)."""
+    (float64 accumulation) where it applies; else per chunk of a tensor with torch kernels in
+    fp32 (float64 for float64 tensors, and on CPU for chunks whose fp32 sum overflowed; on
+    accelerators a float32 square still overflows above 1.8e19)."""
 
     name, op, moments = "sumsq", "sum", True
 
@@ -168,11 +168,15 @@ class _SumSq(Statistic):
             else:
                 pieces.append(t)
                 owners.append(i)
-        # float64 on CPU (this is the fallback there: fp32 squares overflow above 1.8e19 and
-        # would disagree with the fused kernel) and for float64 inputs; fp32 on accelerators.
-        on_cpu = all(t.device.type == "cpu" for t in tensors)
-        acc = torch.float64 if on_cpu or any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
         sums = torch.stack(torch._foreach_powsum(pieces, 2, dtype=acc)).double()
+        if acc == torch.float32 and sums.device.type == "cpu":
+            # fp32 squares overflow above 1.8e19: pieces that came out infinite are summed
+            # again in float64 (an infinity in the data stays infinite). A host read is free here.
+            redo = torch.isinf(sums).nonzero().flatten().tolist()
+            if redo:
+                again = torch._foreach_powsum([pieces[i] for i in redo], 2, dtype=torch.float64)
+                sums[redo] = torch.stack(again)
         if len(tensors) == 1:
             sums = sums.sum(0, keepdim=True)
         elif len(pieces) > len(tensors):
@@ -255,7 +259,7 @@ class _Count(Statistic):
 
 class _Sum(Statistic):
     """Sum of the elements, for means: float64 accumulation in the fused kernel and on CPU,
-    fp32 on accelerators."""
+    fp32 on accelerators (float64 for float64 tensors)."""
 
     name, op, linear, moments = "sum", "sum", True, True
 
