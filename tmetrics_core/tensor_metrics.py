@@ -326,8 +326,9 @@ class TensorMetrics:
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def _prepare_phase(self, phase: str) -> None:
         """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
-        state or updates (their parameters are the values after the step; updates are computed
-        in place in the snapshot, which they consume)."""
+        state or updates (their parameters are the values after the step; updates are read as
+        ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
+        consume). A failure to read the tensors becomes every phase metric's error."""
         def in_phase(m: TensorMetric) -> bool:
             kinds = set(m.source_kinds)
             if phase == "pre":
