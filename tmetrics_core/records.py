@@ -127,6 +127,19 @@ class MetricRecord:
             return [_float_json(v) for v in self.value]
         return _float_json(self.value)
 
+    def elements(self) -> list[tuple[tuple[str, int | None, int | None, str | None, str | None], float]]:
+        """A vector value as one labelled scalar per element, ``((metric, layer, expert, tensor,
+        stat), value)``: element ``i`` is expert ``i`` when the record names no expert (tokens
+        per expert of a layer), else the stat ``element_i`` (``<stat>-element_i`` with a stat).
+        Sinks use it so every tracker shows the same per-expert series. Empty for non-vectors."""
+        if not isinstance(self.value, tuple):
+            return []
+        if self.expert is None:
+            return [((self.metric, self.layer, i, self.tensor, self.stat), float(v)) for i, v in enumerate(self.value)]
+        return [((self.metric, self.layer, self.expert, self.tensor,
+                  f"element_{i}" if self.stat is None else f"{self.stat}-element_{i}"), float(v))
+                for i, v in enumerate(self.value)]
+
     @staticmethod
     def value_from_json(data: Any) -> Value:
         """Inverse of :meth:`value_json`."""

@@ -239,12 +239,7 @@ class MlflowSink:
                     label = stat if r.stat is None else f"{r.stat}-{stat}"
                     out.append((add(r.metric, r.layer, r.expert, r.tensor, label), float(count)))
             elif isinstance(value, tuple):
-                for index, element in enumerate(value):
-                    if r.expert is None:
-                        out.append((add(r.metric, r.layer, index, r.tensor, r.stat), float(element)))
-                    else:
-                        label = f"element_{index}" if r.stat is None else f"{r.stat}-element_{index}"
-                        out.append((add(r.metric, r.layer, r.expert, r.tensor, label), float(element)))
+                out.extend((add(*labels), element) for labels, element in r.elements())
             else:
                 out.append((add(r.metric, r.layer, r.expert, r.tensor, r.stat), float(value)))
         return out

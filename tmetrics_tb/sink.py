@@ -12,8 +12,10 @@ Tags are the keys of :mod:`tmetrics_core.keys` under :data:`~tmetrics_core.keys.
 - histogram: a TensorBoard histogram built from the bin edges and counts (exact zeros become a
   zero-width bucket at 0); the count of NaN and infinite values, which have no bin, is written
   as the scalar ``<key>/nonfinite`` (``<key>/<stat>-nonfinite`` with a stat) when it is not 0;
-- vector (e.g. tokens per expert): a histogram of its finite elements, plus the same
-  ``nonfinite`` scalar.
+- vector (e.g. tokens per expert): one scalar per element, labelled as
+  :meth:`~tmetrics_core.records.MetricRecord.elements` says (``layer-expert-tokens/layer_02/expert_003``,
+  one line per expert in the layer's custom-scalars chart), and a histogram of its finite
+  elements, plus the same ``nonfinite`` scalar.
 
 An empty histogram (or one whose values are all non-finite) is written with zero counts, so the
 series has every step.
@@ -99,6 +101,16 @@ class TensorBoardSink:
         """Write ``config`` as YAML text under the tag ``tmetrics/config`` (Text tab)."""
         self._write_text("tmetrics/config", config, step=0)
 
+    def _prefix(self, labels: tuple) -> bytes:
+        """The encoded scalar-value prefix of the tag for ``labels`` (cached; a new tag joins
+        the custom-scalars layout)."""
+        prefix = self._scalar_prefixes.get(labels)
+        if prefix is None:
+            prefix = _scalar_prefix(self._book.add(*labels))
+            self._layout_dirty |= self._layout.add(labels)
+            self._scalar_prefixes[labels] = prefix
+        return prefix
+
     def write(self, records: Sequence[MetricRecord], step: int) -> None:
         """Write every record of one step as a single event.
 
@@ -111,7 +123,6 @@ class TensorBoardSink:
         self._require_open()
         scalars: list[bytes] = []
         histograms: list[Any] = []
-        prefixes = self._scalar_prefixes
         for record in records:
             labels = (record.metric, record.layer, record.expert, record.tensor, record.stat)
             value = record.value
@@ -122,18 +133,16 @@ class TensorBoardSink:
                 else:
                     histo = _vector_proto(value)
                     nonfinite = sum(1 for v in value if not math.isfinite(v))
+                    for element_labels, element in record.elements():
+                        scalars.append(self._prefix(element_labels))
+                        scalars.append(_float32(element))
                 histograms.append(summary_pb2.Summary.Value(tag=self._book.add(*labels), histo=histo))
                 if not nonfinite:
                     continue
                 stat = "nonfinite" if record.stat is None else f"{record.stat}-nonfinite"
                 labels = (record.metric, record.layer, record.expert, record.tensor, stat)
                 value = float(nonfinite)
-            prefix = prefixes.get(labels)
-            if prefix is None:
-                prefix = _scalar_prefix(self._book.add(*labels))
-                self._layout_dirty |= self._layout.add(labels)
-                prefixes[labels] = prefix
-            scalars.append(prefix)
+            scalars.append(self._prefix(labels))
             scalars.append(_float32(value))  # type: ignore[arg-type]
         summary = summary_pb2.Summary.FromString(b"".join(scalars))
         summary.value.extend(histograms)

@@ -15,7 +15,9 @@ Values:
   bin holding 0, or to an extra bin ``[0, first edge)``; NaN and infinities, which
   ``wandb.Histogram`` refuses, are counted in the scalar ``<key>/nonfinite``
   (``<key>/<stat>-nonfinite`` with a stat) whenever there are any;
-- vector: a ``wandb.Histogram`` of its finite elements, plus the same ``nonfinite`` scalar.
+- vector: one scalar per element, labelled as :meth:`~tmetrics_core.records.MetricRecord.elements`
+  says (``layer-expert-tokens/layer_02/expert_003``: a line per expert), and a
+  ``wandb.Histogram`` of its finite elements, plus the same ``nonfinite`` scalar.
 
 Every ``heatmap_every`` steps, each per-layer scalar series (layer label, no expert or tensor)
 is also logged as an image ``<metric>/heatmap`` (``<metric>/<stat>-heatmap``): layers x steps.
@@ -205,6 +207,7 @@ class WandbSink:
                 nonfinite = value.nan + value.posinf + value.neginf
             elif isinstance(value, tuple):
                 data[key] = _vector_histogram(wandb, value)
+                data.update((self._book.add(*labels), element) for labels, element in record.elements())
                 nonfinite = sum(1 for v in value if not math.isfinite(v))
             else:
                 data[key] = float(value)

@@ -39,6 +39,10 @@ def test_roundtrip_scalars_every_step_and_value(run_info: RunInfo) -> None:
         for r in make_records(step):
             if r.kind == "scalar":
                 expected.setdefault(render_key(r, TENSORBOARD_RULES), {})[step] = r.value  # type: ignore[assignment]
+            for labels, element in r.elements():  # a vector: one scalar per expert as well
+                element_record = MetricRecord(labels[0], step, element, *labels[1:])
+                expected.setdefault(render_key(element_record, TENSORBOARD_RULES), {})[step] = element
+    assert "layer-expert-tokens/layer_02/expert_003" in expected
     # The histogram of layer 0 has one NaN: its non-finite count is a scalar.
     expected["layer-grad-histogram/layer_00/nonfinite"] = {s: 1.0 for s in STEPS}
     assert log.scalar_tags == set(expected)
@@ -114,7 +118,7 @@ def test_custom_scalars_layout_one_chart_per_metric_with_all_layers(run_info: Ru
 
     assert set(charts) == {
         "global", "layer-grad-l2", "layer-expert-load-imbalance", "layer-grad-histogram",
-        "tensor-grad-l2", "layer-router-expert-bias", "family-grad-l2",
+        "tensor-grad-l2", "layer-router-expert-bias", "family-grad-l2", "layer-expert-tokens",
     }
     assert lines(charts["layer-grad-l2"]["layer-grad-l2 (all layers)"]) == [
         f"layer-grad-l2/layer_{i:02d}" for i in range(LAYERS)
@@ -129,6 +133,10 @@ def test_custom_scalars_layout_one_chart_per_metric_with_all_layers(run_info: Ru
     assert len(bias) == LAYERS  # one chart per layer, every expert on it
     assert lines(bias["layer-router-expert-bias layer_01"]) == [
         f"layer-router-expert-bias/layer_01/expert_{e:03d}" for e in range(EXPERTS)
+    ]
+    tokens = charts["layer-expert-tokens"]  # a vector per layer: one chart per layer, a line per expert
+    assert lines(tokens["layer-expert-tokens layer_02"]) == [
+        f"layer-expert-tokens/layer_02/expert_{e:03d}" for e in range(EXPERTS)
     ]
     tensor = charts["tensor-grad-l2"]
     assert lines(tensor["tensor-grad-l2 layers.*.attn.q.weight"]) == [

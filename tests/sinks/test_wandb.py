@@ -59,6 +59,8 @@ def test_roundtrip_every_step_value_histogram_and_definition(run_info: RunInfo, 
                 value = row[key]
                 assert (math.isnan(value) and math.isnan(record.value)) or value == record.value, key  # type: ignore[arg-type]
             elif record.kind == "vector":
+                for labels, element in record.elements():  # one scalar per expert as well
+                    assert row[render_key(MetricRecord(labels[0], step, element, *labels[1:]), WANDB_RULES)] == element
                 assert row[key]["_type"] == "histogram"
                 assert sum(row[key]["values"]) == len(record.value)  # type: ignore[arg-type]
                 assert min(row[key]["bins"]) == min(record.value) and max(row[key]["bins"]) == max(record.value)  # type: ignore[type-var]
