@@ -24,6 +24,7 @@ from transformers import (
 
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.layouts import LAYOUTS, Rule, component_of
+from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.names import (
     COMPONENTS,
     KNOWN_LAYOUTS,
@@ -33,6 +34,7 @@ from tmetrics_core.names import (
     detect_layout,
     strip_wrappers,
 )
+from tmetrics_core.tensor_metrics import TensorMetrics
 
 transformers.logging.set_verbosity_error()
 
@@ -447,3 +449,19 @@ def test_table_rows_are_checked() -> None:
         Rule("layers.{L}.w.weight", "layers.{L}.moe.experts.{E}.up.weight")
     with pytest.raises(ValueError, match="`each` is needed"):
         Rule("layers.{L}.experts.w1", "layers.{L}.moe.experts.gate.weight", expert_dim=0)
+
+
+def test_plain_blocks_get_their_layers_without_any_known_tensor_name():
+    """A model of bare blocks (no embed, head or known component) is still laid out per layer."""
+    names = ["emb.weight", "layers.0.fc.weight", "layers.0.fc.bias", "layers.1.fc.weight", "out.weight"]
+    assert detect_layout(names) == "canonical"
+    got = {c.original: (c.name, c.layer, c.family)
+           for c in canonicalize([(n, torch.zeros(2)) for n in names])}
+    assert got["layers.1.fc.weight"] == ("layers.1.fc.weight", 1, "layers.*.fc.weight")
+    assert got["emb.weight"][1] is None and got["out.weight"][1] is None
+
+
+def test_layer_metric_on_a_model_without_layers_says_so():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match="is per layer, but no tensor got a layer index.*tmetrics names"):
+        TensorMetrics(model, metrics=[(build_metric("layer-grad-l2"), 1)])

@@ -141,7 +141,9 @@ def strip_wrappers(original: str) -> str:
 def detect_layout(names: Iterable[str]) -> str | None:
     """The layout whose rules match the most of ``names`` (wrappers stripped first).
 
-    Ties go to the layout listed first in `KNOWN_LAYOUTS`; None when no rule matches any name.
+    Ties go to the layout listed first in `KNOWN_LAYOUTS`. When no rule matches any name, the
+    first layout (canonical first) that recognises a block path (``layers.{i}.``...) in some
+    name; else None.
     """
     cleaned = [strip_wrappers(name) for name in names]
     best, best_count = None, 0
@@ -149,6 +151,12 @@ def detect_layout(names: Iterable[str]) -> str | None:
         count = sum(1 for clean in cleaned if layout.match(clean) is not None)
         if count > best_count:
             best, best_count = layout.name, count
+    if best is None:
+        # No known tensor name (a model of plain blocks, e.g. layers.3.fc.weight): the first
+        # layout that recognises the block path still gives every tensor its layer.
+        plain_first = sorted(LAYOUTS.values(), key=lambda layout: layout.name != "canonical")
+        best = next((layout.name for layout in plain_first
+                     if any(layout.match_block(clean) is not None for clean in cleaned)), None)
     return best
 
 

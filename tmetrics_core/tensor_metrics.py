@@ -531,6 +531,12 @@ def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manif
     if not matched:
         return (f"metric {metric.name!r}: select {list(select)} matches no tensor; canonical names look like "
                 f"{[e.name for e in manifest.entries[:3]]} (see `tmetrics names`)")
+    scope = getattr(metric, "scope", None)
+    if scope in ("layer", "expert") and not any(s.layer is not None for s in matched):
+        return (f"metric {metric.name!r} is per {scope}, but no tensor got a layer index: tmetrics finds "
+                "layers in block paths such as layers.3. or model.layers.3. (see `tmetrics names --factory "
+                f"module:function` for how yours are named, e.g. {[e.name for e in manifest.entries[:3]]}); "
+                "use a global- or tensor- metric, or keep the blocks in a ModuleList named layers")
     supported = {e.name: e.placements for e in catalogue_entries()}.get(metric.name)
     where = f"its select {list(select)} matches" if select else "the model has"
     return (f"metric {metric.name!r} can use none of the {len(matched)} tensors {where}, e.g. "
