@@ -9,6 +9,7 @@ no rank proceeds into a collective that a failing rank never joins), the topolog
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,6 +25,8 @@ from tmetrics_core.metrics.catalogue import build_metric, metric_names, resolve_
 from tmetrics_core.records import RunInfo
 from tmetrics_core.redact import redact
 from tmetrics_core.sinks import available_sinks, build_sinks
+
+_log = logging.getLogger("tmetrics")
 
 __all__ = ["build_from_config", "topology_for"]
 
@@ -70,6 +73,11 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     built = build_sinks(config.sinks)
     logging_rank = topology.global_rank == config.distributed.log_rank
     run_path = Path(config.run.dir)
+    if logging_rank and (run_path / "manifest.json").exists():
+        _log.warning("run directory %s already holds a run (its manifest.json): file sinks add to it (jsonl lines "
+                     "after the earlier ones, a second TensorBoard event file: overlapping curves) and trackers "
+                     "open another run named %r; pass run_dir= (--run-dir) for a fresh directory",
+                     run_path, config.run.name)
     hub = SinkHub(built, spool_dir=run_path / "spool") if logging_rank else NullHub()
     run = RunInfo(name=config.run.name, dir=str(run_path), config=redact(config.to_dict()),
                   tags={"model": type(model).__name__, **topology.tags()},
