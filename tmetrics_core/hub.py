@@ -234,7 +234,8 @@ class SinkHub:
 
     def _close_at_exit(self) -> None:
         if self._report is None:
-            _log.warning("SinkHub was not closed; closing it at interpreter exit with status 'failed'")
+            _log.warning("tmetrics was not closed (call TensorMetrics.close() after the last step, or use it as a "
+                         "context manager); closing its sinks at interpreter exit with status 'failed'")
             self.close("failed")
 
 

@@ -98,7 +98,9 @@ def _compile(cc: list[str], target: Path) -> None:
 def _library() -> ctypes.CDLL | None:
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not found:
-        _log.warning("no C compiler found (set CC): tmetrics reads each tensor once per statistic instead of once")
+        _log.warning("no C compiler found: tmetrics reads each CPU tensor once per statistic instead of once for "
+                     "all (same numbers, slower). Install one (e.g. gcc) or set CC; TMETRICS_FUSED_KERNEL=0 "
+                     "silences this")
         return None
     cc = shlex.split(found)  # CC may carry flags ("gcc -O2"), as make allows
     try:
@@ -110,8 +112,10 @@ def _library() -> ctypes.CDLL | None:
             _compile(cc, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
-        _log.warning("fused moments kernel unavailable (%s): tmetrics reads each tensor once per statistic "
-                     "instead of once; results are the same", exc)
+        _log.warning("fused moments kernel unavailable (%s; compiler %s, cache %s): tmetrics reads each CPU tensor "
+                     "once per statistic instead of once for all; results are the same. Fix the compiler (CC) or "
+                     "the cache directory (TMETRICS_CACHE); TMETRICS_FUSED_KERNEL=0 silences this",
+                     exc, " ".join(cc), _cache_dir())
         return None
     lib.tm_moments.restype = ctypes.c_int
     lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32, ctypes.c_void_p]
