@@ -191,6 +191,7 @@ def test_override_sinks_keeps_options_of_configured_sinks() -> None:
     assert chosen.sinks == {"tensorboard": {}, "mlflow": {"experiment": "demo"}}
     assert list(chosen.sinks) == ["tensorboard", "mlflow"]
     assert override_sinks(config, "jsonl").sinks == {"jsonl": {}}
+    assert override_sinks(config, ["tensorboard", "mlflow"]).sinks == chosen.sinks  # a list from Python
     assert config.sinks == {"mlflow": {"experiment": "demo"}, "wandb": {"project": "p"}}  # unchanged
     assert chosen.metrics == config.metrics and chosen.run == config.run
 
@@ -198,7 +199,8 @@ def test_override_sinks_keeps_options_of_configured_sinks() -> None:
 @pytest.mark.parametrize(
     ("names", "fragment"),
     [
-        ("", "need sink names separated by commas"),
+        ("", "need sink names, e.g. 'tensorboard,mlflow' or ['tensorboard', 'mlflow']"),
+        ([1, 2], "need sink names"),
         ("tensorboard,,mlflow", "need a sink name such as 'tensorboard' (no empty entries)"),
         ("mlflow,mlflow", "sink 'mlflow' is given twice in 'mlflow,mlflow'; list each sink once"),
         ("ml flow", "got 'ml flow' (a string); need a sink name"),

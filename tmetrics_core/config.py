@@ -30,7 +30,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal
@@ -248,8 +248,9 @@ def parse_metric_spec(spec: str | Mapping[str, Any], *, path: str) -> MetricConf
         return MetricConfig(**values)
 
 
-def override_sinks(config: Config, names: str) -> Config:
-    """Replace the configured sinks by a comma-separated list, as ``--sink tensorboard,mlflow``.
+def override_sinks(config: Config, names: str | Sequence[str]) -> Config:
+    """Replace the configured sinks by a comma-separated list, as ``--sink tensorboard,mlflow``
+    (from Python, a list of names works too: ``sinks=["tensorboard", "mlflow"]``).
 
     A sink already in the config keeps its options; a new one starts with ``{}``. The order is
     the order given. Names are checked against the installed sinks by :func:`check_names`.
@@ -257,10 +258,16 @@ def override_sinks(config: Config, names: str) -> Config:
     Raises:
         ConfigError (path ``--sink``): an empty list, an empty or malformed name, a name twice.
     """
-    listed = [part.strip() for part in names.split(",")] if isinstance(names, str) else None
+    if isinstance(names, str):
+        listed = [part.strip() for part in names.split(",")]
+    elif isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
+        listed = [n.strip() for n in names]
+    else:
+        listed = None
     if not listed or listed == [""]:
         raise ConfigError(
-            f"got {_describe(names)}; need sink names separated by commas, e.g. 'tensorboard,mlflow'", path="--sink"
+            f"got {_describe(names)}; need sink names, e.g. 'tensorboard,mlflow' or ['tensorboard', 'mlflow']",
+            path="--sink"
         )
     chosen: dict[str, dict[str, Any]] = {}
     for name in listed:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None) -> Top
 
 
 def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimizer: Any = None, mesh: Any = None,
-                      axes: Mapping[str, Any] | None = None, sinks: str | None = None,
+                      axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
                       run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
     """See :meth:`TensorMetrics.from_config`."""
     config = source if isinstance(source, Config) else load_config(source)

@@ -148,12 +148,12 @@ class TensorMetrics:
     # -- construction -----------------------------------------------------------------------
     @classmethod
     def from_config(cls, source: Any, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    mesh: Any = None, axes: Mapping[str, Any] | None = None, sinks: str | None = None,
+                    mesh: Any = None, axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
                     run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> "TensorMetrics":
         """Build from a config file path, a dict, or a loaded ``Config`` (see DESIGN.md §6).
 
         ``mesh`` (a DeviceMesh with dim names) or ``axes`` (``{name: process_group}``) give
-        the topology; ``sinks`` (``"tensorboard,mlflow"``) overrides the config's sinks;
+        the topology; ``sinks`` (``"tensorboard,mlflow"`` or a list) overrides the config's sinks;
         ``run_dir`` overrides ``run.dir``. Raises ``ConfigError`` for every invalid input,
         before any step runs.
         """
