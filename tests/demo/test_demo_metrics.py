@@ -7,11 +7,13 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from tmetrics_core.demo.instrument import make_metrics
+from tmetrics_core.demo.instrument import make_metrics, where
 from tmetrics_core.demo.launch import DemoArgs, run_demo
 
 CONFIG = Path(__file__).parents[1] / "data" / "demo_metrics.yaml"
@@ -99,3 +101,18 @@ def test_nan_grad_is_counted_in_that_layer_only(injected):
     assert all(v == 0 for (step, layer), v in nan.items() if (step, layer) != (2, 2))
     finite = [r["value"] for r in records if r["metric"] == "layer-grad-l2" and r["step"] != 2]
     assert finite and all(math.isfinite(v) for v in finite)
+
+
+def test_closing_note_names_commands_that_run_without_an_activated_environment(tmp_path, monkeypatch):
+    """Where the trackers' commands are not on PATH (a venv not activated), the note gives the
+    copies next to this Python, so they can be pasted as printed."""
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    note = where(tmp_path, mlflow_uri="sqlite:///x.db")
+    beside = Path(sys.executable).parent
+    for tool in ("tensorboard", "mlflow"):
+        line = next(line for line in note.splitlines() if f"{tool} " in line)
+        command = line.split(":", 1)[1].split()[0]
+        assert Path(command).resolve() == (beside / tool).resolve(), line
+    assert f"JSONL:        {tmp_path / 'metrics.jsonl'}" in note

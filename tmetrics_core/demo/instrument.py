@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,16 +58,27 @@ def where(run_dir: Path, *, mlflow_uri: str | None = None) -> str:
     (``mlflow_uri``: the MLflow store when the config names one)."""
     lines = [f"run directory: {run_dir}"]
     if (run_dir / "tb").exists():
-        lines.append(f"  TensorBoard:  tensorboard --logdir {run_dir / 'tb'}")
+        lines.append(f"  TensorBoard:  {_tool('tensorboard')} --logdir {run_dir / 'tb'}")
     if mlflow_uri:
-        lines.append(f"  MLflow:       mlflow ui --backend-store-uri {mlflow_uri}   (run {run_dir.name!r})")
+        lines.append(f"  MLflow:       {_tool('mlflow')} ui --backend-store-uri {mlflow_uri}   (run {run_dir.name!r})")
     elif (run_dir / "mlflow.db").exists():
-        lines.append(f"  MLflow:       mlflow ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}")
+        lines.append(f"  MLflow:       {_tool('mlflow')} ui --backend-store-uri sqlite:///{run_dir / 'mlflow.db'}")
     offline = sorted((run_dir / "wandb").glob("offline-run-*")) if (run_dir / "wandb").exists() else []
     if offline:
-        lines.append(f"  W&B:          wandb sync {offline[-1]}")
+        lines.append(f"  W&B:          {_tool('wandb')} sync {offline[-1]}")
     if (run_dir / "metrics.jsonl").exists():
         lines.append(f"  JSONL:        {run_dir / 'metrics.jsonl'}")
     if (run_dir / "spool").exists() and any((run_dir / "spool").iterdir()):
-        lines.append(f"  spooled (tracker was down): tmetrics replay {run_dir / 'spool'}/<sink>.jsonl --sink <sink>")
+        lines.append(f"  spooled (tracker was down): {_tool('tmetrics')} replay {run_dir / 'spool'}/<sink>.jsonl "
+                     "--sink <sink>")
     return "\n".join(lines)
+
+
+def _tool(name: str) -> str:
+    """``name`` as a command that runs from here: the copy next to this Python (a virtual
+    environment that is not activated) when the shell would not find one on PATH."""
+    beside = Path(sys.executable).parent / name
+    if shutil.which(name) is None and beside.exists():
+        relative = os.path.relpath(beside)
+        return str(beside) if relative.startswith("..") else relative
+    return name
