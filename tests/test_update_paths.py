@@ -83,15 +83,21 @@ def test_update_ratio_equals_reference_on_every_path(path: str, monkeypatch) -> 
         assert not math.isnan(values[("update-mean-row-l2", None)])
 
 
-class _Resizing(torch.optim.SGD):
-    """An optimizer that replaces ``target``'s data with a larger tensor after its step."""
+class _Resizing(torch.optim.Optimizer):
+    """Plain SGD that then replaces ``target``'s data with a larger tensor, inside ``step`` (its
+    own, so torch's step hooks run around all of it: a subclass calling ``super().step()`` would
+    run them inside the parent's step, before the resize, once the parent class is patched)."""
 
     def __init__(self, params, target: torch.nn.Parameter) -> None:
-        super().__init__(params, lr=0.1)
+        super().__init__(params, {"lr": 0.1})
         self.target = target
 
+    @torch.no_grad()
     def step(self, closure=None):
-        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
         self.target.data = torch.zeros(self.target.shape[0] + 1, *self.target.shape[1:])
 
 
