@@ -19,6 +19,7 @@ from tmetrics_core.axes import Topology
 from tmetrics_core.collectives import TorchCollectives
 from tmetrics_core.errors import PlacementError
 from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.metrics.router import ExpertCounts
 from tmetrics_core.site import Site
 
 FAMILIES = ("layer-router-health", "layer-router-routing-balance", "layer-router-seq-aux-decomposition",
@@ -253,3 +254,15 @@ def test_out_of_range_expert_ids_raise():
     site = _site("router_topk", ())
     with pytest.raises(ValueError, match="expert ids"):
         metric.prepare([site], [torch.tensor([[0], [4]])], Topology.single_process(), {})
+
+
+@pytest.mark.parametrize(("ids", "shown"), [([[0, 4]], "0..4"), ([[-1, 2]], "-1..2")])
+def test_expert_ids_out_of_range_are_a_clear_error_and_in_range_ones_read_no_value(ids, shown, monkeypatch):
+    site = Site("layers.0.router", "router_topk", (-1, 2), layer=0, num_experts=4)
+    stat, topology = ExpertCounts(), Topology.single_process()
+    with pytest.raises(ValueError, match=rf"expert ids must be in \[0, 4\); got {shown}"):
+        stat.compute([torch.tensor(ids)], [site], topology)
+    # The common case never reads an id on the host (no .item()/int() of a tensor value).
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: pytest.fail("host read of an expert id"))
+    (counts,) = stat.compute([torch.tensor([[0, 1], [1, 3]])], [site], topology)
+    assert counts.tolist() == [1.0, 2.0, 0.0, 1.0]

@@ -155,11 +155,17 @@ class ExpertCounts(Statistic):
             if flat.device.type != "cpu":
                 out.append(_device_counts(flat, experts))
                 continue
-            if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= experts):
+            # bincount checks the ids itself (a negative one raises, a large one widens the
+            # output), so the common case reads no value on the host.
+            try:
+                counts = torch.bincount(flat, minlength=experts)
+            except RuntimeError:
+                counts = None
+            if counts is None or counts.numel() > experts:
                 raise ValueError(
                     f"{site.name}: expert ids must be in [0, {experts}); got {int(flat.min())}..{int(flat.max())}"
                 )
-            out.append(torch.bincount(flat, minlength=experts).to(torch.float64))
+            out.append(counts.to(torch.float64))
         return out
 
 
