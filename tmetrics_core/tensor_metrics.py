@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from tmetrics_core.axes import Topology
 from tmetrics_core.collectives import Collectives
 from tmetrics_core.errors import ConfigError, PlacementError, TMetricsError
-from tmetrics_core.evaluation import prepare_states, resolve_partials
+from tmetrics_core.evaluation import SiteChoices, prepare_states, resolve_partials
 from tmetrics_core.executor import Executor, MetricFailure
 from tmetrics_core.hub import NullHub
 from tmetrics_core.keys import KeyRules, check_collisions, index_widths
@@ -125,6 +125,8 @@ class TensorMetrics:
         self._before: dict[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
         self._kind_sites: dict[str, list[Site]] = {}
+        self._choices = SiteChoices()
+        self._static: dict[str, bool] = {}
         self._token_sites = TokenSites()  # token sites and their placement checks, kept across steps
         self._num_experts = self.manifest.num_experts
         self._closed = False
@@ -354,7 +356,7 @@ class TensorMetrics:
                      for s in (self._grad_sites() if kind == "grad" else self._sites_of(kind))]
             tensors, memo = [None] * len(sites), {}
         sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
-        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo):
+        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo, self._choices):
             self._prepared[metric.name] = (state, failed or error)
         self._sites.update((s.key, s) for s in sites)
 
@@ -397,7 +399,8 @@ class TensorMetrics:
             return None
         # Partial parameters are materialized after reading (resolve_partials): their local
         # moments would be of one part.
-        if any(p.is_partial() for kind in ("update", "param") for s in self._sites_of(kind) for _, p in s.placements):
+        if self._known("partial params", lambda: any(p.is_partial() for kind in ("update", "param")
+                                                     for s in self._sites_of(kind) for _, p in s.placements)):
             return None
         # Metrics whose prepare is tmetrics' own read elements only through their statistics.
         if not all(isinstance(m, StatMetric) and type(m).prepare.__module__.startswith("tmetrics_core.metrics.")
@@ -430,7 +433,11 @@ class TensorMetrics:
     def _grad_sites(self) -> list[Site]:
         """Gradient sites with the gradient's own DTensor placements where they differ from the
         parameter's: a replicated weight fed by sequence-parallel activations has a
-        ``Partial(sum)`` gradient, which is reduced before any norm is taken."""
+        ``Partial(sum)`` gradient, which is reduced before any norm is taken. Without DTensor
+        parameters (plain gradients) these are the manifest's sites."""
+        if not self._known("dtensor params", lambda: any(dtensor_placements(p) is not None
+                                                         for p in self.manifest.local.values())):
+            return self._sites_of("grad")
         sites = []
         for site, entry in zip(self._sites_of("grad"), self.manifest.entries):
             param = self.manifest.local.get(entry.name)
@@ -441,6 +448,12 @@ class TensorMetrics:
                     site = dataclasses.replace(site, placements=grad)
             sites.append(site)
         return sites
+
+    def _known(self, fact: str, find: Callable[[], bool]) -> bool:
+        """A fact about the manifest's tensors and sites, found once (neither changes)."""
+        if fact not in self._static:
+            self._static[fact] = find()
+        return self._static[fact]
 
     def _sites_of(self, kind: str) -> list[Site]:
         """The manifest's sites of ``kind``, built once (the manifest does not change)."""
