@@ -1,8 +1,12 @@
 """Token sources: the step's observer for activations, logits and router outputs.
 
-Every observation is flattened to ``[tokens, features]``, stripped of padding tokens (the last
-``token_mask`` observed in the step, when its length matches), prepared at once by every due
-metric that accepts the site, and released: only the small prepared states outlive the call.
+Every observation is flattened to ``[tokens, features]`` and stripped of padding tokens (the
+last ``token_mask`` observed in the step, when its length matches). Activations, residuals and
+logits are prepared at once by every due metric that accepts the site, and released: only the
+small prepared states outlive the call. Router outputs (``[tokens, experts]`` logits, scores
+and top-k choices, a small fraction of a layer's activations) are kept, not copied, until the
+step's end and prepared there for every layer at once: one batch instead of a few small
+calls in each layer's forward. A model must not change them in place after observing them.
 Recomputation under activation checkpointing runs inside backward and is skipped, so each
 forward is observed exactly once. A metric that raises here is recorded, never raised into
 the model; the executor then skips it on every rank.
@@ -103,9 +107,11 @@ class TokenObserver:
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Prepare the metrics that need a layer's top-k choices together with its logits or
-        scores (the router diagnostic families). Their observations were kept, not prepared:
-        the k-th observation of every site forms micro-batch k, prepared in one call."""
+        """Prepare the kept router observations (and every observation of a metric that needs
+        a layer's top-k choices together with its logits or scores, the router diagnostic
+        families): the k-th observation of every site forms micro-batch k, prepared in one
+        call per metric; metrics share statistics (expert counts) within a micro-batch."""
+        memos: list[dict] = []
         for metric in self.metrics:
             observed = self._deferred.pop(metric.name, [])
             if not observed or metric.name in self.errors:
@@ -119,10 +125,12 @@ class TokenObserver:
                     batches.append([])
                 batches[k].append((site, x))
             try:
-                for batch in batches:
+                for k, batch in enumerate(batches):
                     for site, _ in batch:
                         self._check(metric, site)
-                    state = metric.prepare([s for s, _ in batch], [x for _, x in batch], self.topology, {})
+                    while len(memos) <= k:
+                        memos.append({})
+                    state = metric.prepare([s for s, _ in batch], [x for _, x in batch], self.topology, memos[k])
                     previous = self.states.get(metric.name)
                     self.states[metric.name] = state if previous is None else metric.merge(previous, state)
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
@@ -130,7 +138,8 @@ class TokenObserver:
 
     def _readers(self, site: Site, path: str) -> list[tuple[TensorMetric, bool]]:
         """The due metrics that read ``site`` observed at module ``path`` (``modules:`` patterns
-        narrow activations), found once per run and due set."""
+        narrow activations), each with whether it is prepared at the step's end (router
+        sites, :data:`ROUTER_KINDS`, and :func:`_joint` metrics), found once per run and due set."""
         key = (site, path, self._names)
         readers = self.known.readers.get(key)
         if readers is None:
@@ -140,7 +149,7 @@ class TokenObserver:
                 if not metric.accepts(site) or (site.kind == "activation" and patterns
                                                 and not any(fnmatchcase(path, p) for p in patterns)):
                     continue
-                readers.append((metric, _joint(metric)))
+                readers.append((metric, site.kind in ROUTER_KINDS or _joint(metric)))
             self.known.readers[key] = readers
         return readers
 
@@ -186,6 +195,10 @@ class TokenObserver:
                     family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}" if name != path else ""),
                     num_experts=experts)
         return site
+
+
+ROUTER_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
+"""Token kinds kept until the step's end (``[tokens, experts]``: small next to activations)."""
 
 
 def _joint(metric: TensorMetric) -> bool:
