@@ -1,4 +1,5 @@
-/* One read of each tensor for every elementwise statistic of tmetrics (see moments.py).
+/* The CPU kernels of tmetrics (bound in moments.py): one read of each tensor for every
+ * elementwise statistic (tm_moments), and row softmax sums of small tables (tm_row_softmax).
  *
  * For each contiguous tensor x (float32 or bfloat16), optionally minus a second tensor y of the
  * same dtype and length, the pass writes five doubles:
@@ -16,6 +17,7 @@
  * kept in LANES independent lanes so the compiler vectorizes the loop without reassociating
  * floating point (no -ffast-math: NaN must still propagate).
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -171,5 +173,83 @@ int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int6
     }
     free(pieces);
     free(partial);
+    return 0;
+}
+
+/* entr(p) = -p log p as torch.special.entr: 0 at 0, -inf below 0, NaN for NaN. */
+static double entr(double p) {
+    if (p > 0) return -p * log(p);
+    if (p == 0) return 0.0;
+    return p != p ? p : -__builtin_inf();
+}
+
+static double load(const void *x, int32_t dtype, int64_t i) {
+    return dtype == TM_BFLOAT16 ? (double)load_bf16(x, i) : (double)load_f32(x, i);
+}
+
+/* Entropy H and log-partition lse of one row of logits z, as softmax.py's torch path computes
+ * them (m = max z, H = log s - t / s, lse = m + log s with s = sum e^(z-m), t = sum e^(z-m)(z-m)):
+ * a NaN, a +inf or a row of -inf gives NaN; -inf entries weigh nothing. */
+static void logit_row(const void *x, int32_t dtype, int64_t base, int64_t cols, double *h, double *lse) {
+    double m = -__builtin_inf();
+    int nan = 0;
+    for (int64_t j = 0; j < cols; j++) {
+        double z = load(x, dtype, base + j);
+        if (z != z) nan = 1;
+        else if (z > m) m = z;
+    }
+    if (nan || isinf(m)) {
+        *h = *lse = __builtin_nan("");
+        return;
+    }
+    double s = 0, t = 0;
+    for (int64_t j = 0; j < cols; j++) {
+        double shifted = load(x, dtype, base + j) - m, e = exp(shifted);
+        s += e;
+        if (e > 0) t += e * shifted;
+    }
+    *h = log(s) - t / s;
+    *lse = m + log(s);
+}
+
+/* Rows given as probabilities: with S = sum p, H = log S + sum entr(p) / S, lse = log S. */
+static void probability_row(const void *x, int32_t dtype, int64_t base, int64_t cols, double *h, double *lse) {
+    double total = 0, ent = 0;
+    for (int64_t j = 0; j < cols; j++) {
+        double p = load(x, dtype, base + j);
+        total += p;
+        ent += entr(p);
+    }
+    *lse = log(total);
+    *h = *lse + ent / total;
+}
+
+/* Row softmax sums of `count` contiguous [rows[i], cols[i]] tables xs[i] (float32 or bfloat16;
+ * probabilities[i] non-zero: the rows are probabilities, else logits), in float64: out receives
+ * count x 6 doubles [0, sum H, sum H / log classes[i], sum lse, sum lse^2, rows] (the finished
+ * vector of softmax.py; NaN normalizer for one class; zeros without rows). Returns 0, or -2
+ * (reading nothing) when a non-empty table has a null pointer. */
+int tm_row_softmax(int64_t count, const uint64_t *xs, const int64_t *rows, const int64_t *cols,
+                   const int64_t *classes, const int32_t *dtypes, const int32_t *probabilities, double *out) {
+    for (int64_t i = 0; i < count; i++)
+        if (rows[i] > 0 && cols[i] > 0 && !xs[i]) return -2;
+    for (int64_t i = 0; i < count; i++) {
+        const void *x = (const void *)(uintptr_t)xs[i];
+        double *o = out + 6 * i, sum_h = 0, sum_lse = 0, sum_lse_sq = 0;
+        for (int64_t r = 0; r < rows[i]; r++) {
+            double h, lse;
+            (probabilities[i] ? probability_row : logit_row)(x, dtypes[i], r * cols[i], cols[i], &h, &lse);
+            sum_h += h;
+            sum_lse += lse;
+            sum_lse_sq += lse * lse;
+        }
+        double norm = classes[i] > 1 ? log((double)classes[i]) : __builtin_nan("");
+        o[0] = 0;
+        o[1] = sum_h;
+        o[2] = rows[i] ? sum_h / norm : 0;
+        o[3] = sum_lse;
+        o[4] = sum_lse_sq;
+        o[5] = (double)rows[i];
+    }
     return 0;
 }

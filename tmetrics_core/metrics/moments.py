@@ -1,4 +1,5 @@
-"""Fused moments: one read of each CPU tensor for all its elementwise statistics.
+"""Fused moments: one read of each CPU tensor for all its elementwise statistics (and the
+row softmax sums of small tables, :func:`row_softmax_sums`).
 
 The parameter and gradient metrics of a step need, per tensor, a sum of squares (L2, RMS,
 update ratio), an absolute maximum, non-finite counts and a zero count. Stock torch kernels
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
     from tmetrics_core.axes import Topology
     from tmetrics_core.metrics.statistics import Statistic
 
-__all__ = ["FIELDS", "available", "derivable", "disabled", "moments", "remember", "statistic_vectors", "takes"]
+__all__ = ["FIELDS", "SMALL_TABLE", "available", "derivable", "disabled", "moments", "remember", "row_softmax_sums",
+           "statistic_vectors", "takes"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
@@ -53,6 +55,9 @@ _THREADED = 1 << 22
 """Elements above which the kernel uses ``torch.get_num_threads()`` threads. Below it one thread
 wins: a thread start costs tens of microseconds, and right after a torch kernel its OpenMP
 workers still spin on the other cores."""
+SMALL_TABLE = 1 << 16
+"""Elements up to which :func:`row_softmax_sums` takes a table (router logits of a few thousand
+tokens): there one kernel call replaces some twenty small torch ops per table."""
 _SOURCE = Path(__file__).with_name("moments.c")
 _log = logging.getLogger("tmetrics.kernel")
 _switch = {"on": os.environ.get("TMETRICS_FUSED_KERNEL", "1") != "0"}
@@ -83,8 +88,8 @@ def _compile(cc: list[str], target: Path) -> None:
         # -march=native vectorizes the lanes for this CPU (2.7x faster than the baseline ISA);
         # compilers or architectures without it get the portable build.
         for arch in _ARCH:
-            done = subprocess.run([*cc, *_FLAGS, *arch, str(_SOURCE), "-o", tmp], capture_output=True, text=True,
-                                  timeout=120)
+            done = subprocess.run([*cc, *_FLAGS, *arch, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True, timeout=120)
             if done.returncode == 0 and os.path.getsize(tmp) > 0:
                 os.replace(tmp, target)
                 return
@@ -119,6 +124,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.tm_moments.restype = ctypes.c_int
     lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32, ctypes.c_void_p]
+    lib.tm_row_softmax.restype = ctypes.c_int
+    lib.tm_row_softmax.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 7
     return lib
 
 
@@ -142,7 +149,9 @@ def takes(t: torch.Tensor) -> bool:
     """Whether the kernel reads ``t``: a plain (not a subclass: wrapper tensors such as float8
     or NF4 weights have no data pointer of their own), contiguous, strided CPU float32 or
     bfloat16 tensor without a lazy negation, whose memory the pointer addresses."""
-    return (type(t) in _PLAIN and t.layout == torch.strided and t.device.type == "cpu" and t.dtype in _DTYPES
+    # Cheapest refusals first: this runs for every tensor of every due step (``is_cpu`` and
+    # ``layout is`` build no device or layout object).
+    return (type(t) in _PLAIN and t.is_cpu and t.dtype in _DTYPES and t.layout is torch.strided
             and t.is_contiguous() and not t.is_neg() and (t.data_ptr() != 0 or t.numel() == 0))
 
 
@@ -214,6 +223,37 @@ def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torc
     if status:
         raise RuntimeError("the fused moments kernel " + ("ran out of memory" if status == -1 else
                                                           "was given a tensor without data (null pointer)"))
+    return out
+
+
+def row_softmax_sums(tables: Sequence[torch.Tensor], classes: Sequence[int], probabilities: Sequence[bool]
+                     ) -> torch.Tensor | None:
+    """Row softmax sums of small ``[rows, cols]`` tables in one kernel call: ``[len(tables), 6]``
+    float64 rows ``[0, sum H, sum H / log classes, sum lse, sum lse**2, rows]``, the finished
+    vector of :mod:`tmetrics_core.metrics.softmax` (same formulas, float64, one pass per row;
+    ``probabilities[i]``: rows are probabilities, else logits). None when the kernel is off or
+    unavailable, or a table is not a 2-D tensor it takes with at most :data:`SMALL_TABLE`
+    elements: above that torch's vectorized exp beats the kernel's scalar one.
+
+    Raises:
+        RuntimeError: a non-empty table without a data pointer.
+    """
+    if not _switch["on"] or not all(t.dim() == 2 and t.numel() <= SMALL_TABLE and takes(t) for t in tables):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    n = len(tables)
+    out = torch.empty((n, 6), dtype=torch.float64)
+    if not n:
+        return out
+    status = lib.tm_row_softmax(
+        n, (ctypes.c_uint64 * n)(*(t.data_ptr() for t in tables)), (ctypes.c_int64 * n)(*(t.shape[0] for t in tables)),
+        (ctypes.c_int64 * n)(*(t.shape[1] for t in tables)), (ctypes.c_int64 * n)(*classes),
+        (ctypes.c_int32 * n)(*(_DTYPES[t.dtype] for t in tables)), (ctypes.c_int32 * n)(*map(int, probabilities)),
+        out.data_ptr())
+    if status:
+        raise RuntimeError("the row softmax kernel was given a table without data (null pointer)")
     return out
 
 
