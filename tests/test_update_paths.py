@@ -120,3 +120,24 @@ def test_a_parameter_resized_by_the_optimizer_is_a_reported_failure_not_a_crash(
     (record,) = metrics.last_records  # the gradient norm, read before the step, is unaffected
     assert record.value == pytest.approx(torch.cat([g.reshape(-1) for g in grads]).double().norm().item(), rel=1e-6)
     metrics.close()
+
+
+def test_non_finite_counts_of_updates_read_the_updates_themselves() -> None:
+    """Exact NaN counts need the update's elements: with such a metric due, updates are written
+    (the fused path's snapshot stand-ins would count the old parameter's NaNs instead)."""
+    from tmetrics_core.metrics.norms import NonFinite
+
+    param = torch.nn.Parameter(torch.ones(4, 3))
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(3, 4, bias=False)])
+    model.layers[0].weight = param
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics = TensorMetrics(model, metrics=[(NonFinite(name="global-update-nonfinite", source_kinds=["update"]), 1),
+                                            (build_metric("layer-update-ratio"), 1)], optimizer=optimizer)
+    with metrics.step(1):
+        param.grad = torch.zeros(4, 3)
+        param.grad[1, :2] = float("nan")
+        optimizer.step()
+    got = {(r.metric, r.stat): r.value for r in metrics.last_records}
+    assert got[("global-update-nonfinite", "nan")] == 2
+    assert math.isnan(got[("layer-update-ratio", None)])

@@ -366,11 +366,11 @@ class TensorMetrics:
         in the post phase, the moments of fused updates go into ``memo``."""
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
-        pairs = self._fused_updates(metrics) if phase == "post" else None
+        pairs = self._fused_updates(metrics, memo) if phase == "post" else None
         for kind in sorted({k for m in metrics for k in m.source_kinds}):
             if kind == "update" and pairs is not None:
                 # The snapshots stand in for the updates: every statistic of them comes from
-                # the moments rows remembered below (kernel of p - prev, nothing written).
+                # the moments rows in the memo (kernel of p - prev, nothing written).
                 sites.extend(self._sites_of(kind))
                 tensors.extend(pair[1] if pair is not None else None for pair in pairs)
                 continue
@@ -383,19 +383,16 @@ class TensorMetrics:
                 continue
             sites.extend(self._sites_of(kind) if kind != "grad" else self._grad_sites())
             tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
-        if pairs is not None:
-            self._remember_updates(pairs, memo)
         return sites, tensors
 
-    def _fused_updates(self, metrics: list[TensorMetric]) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
-        """``(parameter now, snapshot)`` per manifest entry when every metric reading updates
-        derives all its statistics from fused moments and the kernel takes every pair, so the
-        update need not be written (``p - prev`` is read by the kernel); else None (and
-        ``read_kind`` computes the updates in place)."""
+    def _fused_updates(self, metrics: list[TensorMetric], memo: dict
+                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """``(parameter now, snapshot)`` per manifest entry, their moments put in ``memo``, when
+        every metric reading updates derives all its statistics from fused moments and the
+        kernel takes every pair, so the update need not be written (``p - prev`` is read by
+        the kernel); else None (and ``read_kind`` computes the updates in place)."""
         readers = [m for m in metrics if "update" in m.source_kinds]
         if not readers or "update" in self.flat or self._before is None:
-            return None
-        if not all(moments.takes(t) for t in self._before.values()):
             return None
         # Partial parameters are materialized after reading (resolve_partials): their local
         # moments would be of one part.
@@ -407,7 +404,9 @@ class TensorMetrics:
                    and moments.derivable(m.statistics) for m in readers):
             return None
         pairs = update_pairs(self.manifest, self._before)
-        if not all(pair is None or (moments.takes(pair[0]) and pair[0].dtype == pair[1].dtype) for pair in pairs):
+        try:
+            self._remember_updates(pairs, memo)
+        except ValueError:  # a tensor the kernel does not take (checked before it reads anything)
             # Put the snapshots back for read_kind; nothing was consumed.
             self._before = {e.name: pair[1] for e, pair in zip(self.manifest.entries, pairs) if pair is not None}
             return None
@@ -415,7 +414,12 @@ class TensorMetrics:
 
     def _remember_updates(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None], memo: dict) -> None:
         """Moments of every update and of its parameter after the step, one kernel call with
-        each parameter next to its update (its second read comes from cache)."""
+        each parameter next to its update (its second read comes from cache).
+
+        Raises:
+            ValueError: a tensor the kernel does not take, or a snapshot whose dtype or size
+                differs from its parameter's (before anything is read).
+        """
         keys, tensors, minus = [], [], []
         params = {s.name: s for s in self._sites_of("param")} if "param" not in self.flat else {}
         for site, pair in zip(self._sites_of("update"), pairs):

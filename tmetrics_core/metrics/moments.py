@@ -19,6 +19,7 @@ non-contiguous), statistics use their torch kernels: the same numbers, one pass 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import functools
@@ -156,10 +157,12 @@ def takes(t: torch.Tensor) -> bool:
 
 
 def derivable(statistics: Sequence[Statistic]) -> bool:
-    """Whether every statistic derives from moments rows and the kernel is on: then rows put
-    in the memo by :func:`remember` stand for the tensors themselves."""
-    return (bool(statistics) and all(s.moments or s.shape_only for s in statistics) and _switch["on"]
-            and _library() is not None)
+    """Whether every statistic derives from moments rows (or the shape) without reading an
+    element, and the kernel is on: then rows put in the memo by :func:`remember` stand for the
+    tensors themselves, and a tensor of the same shape (even one not holding those values)
+    stands in for each."""
+    return (bool(statistics) and all((s.moments and not s.reads_elements) or s.shape_only for s in statistics)
+            and _switch["on"] and _library() is not None)
 
 
 def remember(memo: dict[Hashable, torch.Tensor | None], keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
@@ -171,8 +174,8 @@ def remember(memo: dict[Hashable, torch.Tensor | None], keys: Sequence[Hashable]
     Raises:
         RuntimeError, ValueError: as :func:`moments`.
     """
-    for key, row in zip(keys, moments(tensors, minus).unbind(0)):
-        memo[("moments", key)] = row
+    block = moments(tensors, minus)
+    memo.update((("moments", key), (block, i)) for i, key in enumerate(keys))
 
 
 def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -206,20 +209,26 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
     return _run(lib, tensors, minus)
 
 
+def _address(values: array.array) -> int:
+    """Where an array's items start (the array must outlive the call that reads them)."""
+    return values.buffer_info()[0]
+
+
 def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """:func:`moments` of tensors already checked."""
     n = len(tensors)
     out = torch.empty((n, len(FIELDS)), dtype=torch.float64)
     if not n:
         return out
-    # ctypes arrays, not torch tensors: no torch op per call (this runs once per observation).
-    xs = (ctypes.c_uint64 * n)(*(t.data_ptr() for t in tensors))
-    ys = (ctypes.c_uint64 * n)(*(m.data_ptr() if m is not None else 0 for m in minus))
-    ns = (ctypes.c_int64 * n)(*(t.numel() for t in tensors))
-    dtypes = (ctypes.c_int32 * n)(*(_DTYPES[t.dtype] for t in tensors))
+    # Python arrays, not torch tensors: no torch op per call (this runs once per observation),
+    # and about half the cost of ctypes arrays built from the same lists.
+    xs = array.array("Q", [t.data_ptr() for t in tensors])
+    ys = array.array("Q", [m.data_ptr() if m is not None else 0 for m in minus])
+    ns = array.array("q", [t.numel() for t in tensors])
+    dtypes = array.array("i", [_DTYPES[t.dtype] for t in tensors])
     # The caller's thread always works; more only for inputs large enough to repay a thread start.
     threads = torch.get_num_threads() if sum(ns) > _THREADED else 1
-    status = lib.tm_moments(n, xs, ys, ns, dtypes, threads, out.data_ptr())
+    status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, out.data_ptr())
     if status:
         raise RuntimeError("the fused moments kernel " + ("ran out of memory" if status == -1 else
                                                           "was given a tensor without data (null pointer)"))
@@ -257,11 +266,26 @@ def row_softmax_sums(tables: Sequence[torch.Tensor], classes: Sequence[int], pro
     return out
 
 
+def _rows(entries: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The moments rows of memo entries ``(kernel output, row)``: a slice of the output when the
+    entries are evenly spaced rows of it, as they are when one statistic asks for the sites of
+    the kernel call that read them (every row, or every other row where updates and parameters
+    alternate), else one gather from it, so no per-site rows are made and stacked again."""
+    block, first = entries[0]
+    if not all(b is block for b, _ in entries):
+        return torch.stack([b[j] for b, j in entries])
+    step = entries[1][1] - first if len(entries) > 1 else 1
+    if step > 0 and all(j == first + k * step for k, (_, j) in enumerate(entries)):
+        return block[first:first + step * (len(entries) - 1) + 1:step]
+    return block.index_select(0, torch.tensor([j for _, j in entries]))
+
+
 def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: Sequence[Site],
                       topology: Topology, memo: dict[Hashable, torch.Tensor]) -> list[torch.Tensor]:
     """``stat``'s local vectors of ``tensors`` (as :meth:`Statistic.compute`), through the fused
     kernel where it applies: one moments row per site, kept in ``memo`` under
-    ``("moments", site key)`` so every statistic of the step reuses the same read."""
+    ``("moments", site key)`` as ``(kernel output, row)`` (None for a tensor the kernel does not
+    take) so every statistic of the step reuses the same read."""
     if not stat.moments or not _switch["on"]:
         return stat.compute(tensors, sites, topology)
     keys = [("moments", site.key) for site in sites]
@@ -271,16 +295,18 @@ def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: S
         # library is only looked for when some tensor needs it (not on accelerator-only runs).
         taken = [i for i in missing if takes(tensors[i])]
         lib = _library() if taken else None
-        rows = _run(lib, [tensors[i] for i in taken], [None] * len(taken)).unbind(0) if lib is not None else ()
         taken = taken if lib is not None else []
         memo.update((keys[i], None) for i in missing)
-        memo.update((keys[i], row) for i, row in zip(taken, rows))
-    fused = [i for i, key in enumerate(keys) if memo[key] is not None]
+        if taken:
+            block = _run(lib, [tensors[i] for i in taken], [None] * len(taken))
+            memo.update((keys[i], (block, j)) for j, i in enumerate(taken))
+    entries = [memo[key] for key in keys]
+    fused = [i for i, entry in enumerate(entries) if entry is not None]
     if len(fused) == len(tensors):
-        return stat.from_moments(torch.stack([memo[key] for key in keys]), tensors)
+        return stat.from_moments(_rows([entries[i] for i in fused]), tensors)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     if fused:
-        rows = torch.stack([memo[keys[i]] for i in fused])
+        rows = _rows([entries[i] for i in fused])
         for i, vec in zip(fused, stat.from_moments(rows, [tensors[i] for i in fused])):
             out[i] = vec
     rest = [i for i in range(len(tensors)) if out[i] is None]

@@ -97,6 +97,9 @@ class Statistic:
     (``tmetrics_core.metrics.moments``), so statistics of one tensor share a single read."""
     shape_only: bool = False
     """True when the vectors depend on the tensor's shape alone (no element is read)."""
+    reads_elements: bool = False
+    """True when :meth:`from_moments` may still read elements of the tensor (exact counts of
+    non-finite values): such a statistic needs the tensor itself, not a stand-in of its shape."""
 
     def stages(self, site: Site, topology: Topology) -> tuple[Stage, ...]:
         """The reductions of this statistic for ``site``: a single stage by default."""
@@ -318,7 +321,7 @@ class _NonFinite(Statistic):
     All tensors are checked with one host transfer.
     """
 
-    name, op, moments = "nonfinite", "sum", True
+    name, op, moments, reads_elements = "nonfinite", "sum", True, True
 
     def size(self, site):
         return 3
