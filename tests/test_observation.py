@@ -1,15 +1,19 @@
 """Observation: no raw activation outlives its observation, checkpoint recomputation is not
-observed twice, idle steps install nothing, and the token mask removes padding."""
+observed twice, idle steps install nothing, the token mask removes padding, and residual
+metrics read through moments rows equal those of the full tensors."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tmetrics_core.metrics.norms import L2Norm, Rms
+from tmetrics_core.metrics import moments
+from tmetrics_core.metrics.norms import L2Norm, NonFinite, Rms
 from tmetrics_core.observe import _ACTIVE, observe
 from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -106,3 +110,53 @@ def test_token_mask_removes_padding():
     want = out[mask].norm().item()
     got = {r.metric: r.value for r in metrics.last_records}
     assert got["probe-l2"] == __import__("pytest").approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("padded", [False, True], ids=["all-tokens", "padded"])
+def test_residual_metrics_equal_the_full_tensors_over_micro_batches(fused: bool, padded: bool) -> None:
+    """Stream and contribution (read by the kernel as h - x, never written, and prepared at
+    the step's end) against the same norms of the concatenated full tensors."""
+    model = Tiny()
+    metrics = _metrics(model)
+    torch.manual_seed(5)
+    xs = [torch.randn(3, 5, 4), torch.randn(2, 5, 4)]
+    masks = [torch.rand(3, 5) > 0.3, torch.rand(2, 5) > 0.3] if padded else [None, None]
+    with (contextlib.nullcontext() if fused else moments.disabled()), metrics.step(1):
+        for x, mask in zip(xs, masks):
+            if mask is not None:
+                observe(model, "token_mask", mask, kind="token_mask")
+            model(x).sum().backward()
+    streams: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    contributions = []
+    with torch.no_grad():
+        for x, mask in zip(xs, masks):
+            h = x
+            for i, block in enumerate(model.layers):
+                out = block(h)
+                rows = (lambda t: t[mask]) if mask is not None else (lambda t: t.reshape(-1, 4))
+                streams[i].append(rows(out))
+                contributions.append(rows(out - h))
+                h = out
+    got = {(r.metric, r.layer): r.value for r in metrics.last_records}
+    for i, parts in streams.items():
+        want = torch.cat(parts).double().pow(2).mean().sqrt().item()
+        assert got[("layer-residual-accumulator-rms", i)] == pytest.approx(want, rel=1e-6)
+    want = torch.cat(contributions).double().norm().item()
+    assert got[("global-residual-contribution-l2", None)] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_metric_that_counts_non_finite_values_reads_the_observation_itself() -> None:
+    """Exact NaN counts need the elements: such an observation is not reduced to moments rows."""
+    model = Tiny()
+    metrics = TensorMetrics(model, metrics=[
+        (NonFinite(name="global-residual-contribution-nonfinite", source_kinds=["residual_contribution"]), 1),
+        (Rms(name="layer-residual-contribution-rms", source_kinds=["residual_contribution"], scope="layer"), 1)])
+    with torch.no_grad():
+        model.layers[1].mlp["up"].weight[2, 0] = float("nan")
+    x = torch.randn(3, 5, 4)
+    with metrics.step(1):
+        model(x)
+    got = {(r.metric, r.stat): r.value for r in metrics.last_records}
+    assert got[("global-residual-contribution-nonfinite", "nan")] == 15  # output column 2 of layer 1
+    assert got[("global-residual-contribution-nonfinite", "total")] == 15

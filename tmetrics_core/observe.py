@@ -23,8 +23,9 @@ class Observer(Protocol):
     kinds: frozenset[str]
 
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
-               shard_dim: int | None) -> None:
-        """Prepare ``tensor`` at once (it is not kept) for every due metric that accepts the site."""
+               shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
+        """Observe ``tensor`` (minus ``minus``) for every due metric that accepts the site: read
+        at once, or kept until the step's end where the source says so (router outputs)."""
         ...
 
 

@@ -99,7 +99,7 @@ def _residual_hook(record: Callable[..., None], residual: bool, contribution: bo
         if residual:
             record(module, "", h, kind="residual_accumulator", shard_dim=None)
         if contribution and args and isinstance(args[0], torch.Tensor) and args[0].shape == h.shape:
-            record(module, "", h - args[0], kind="residual_contribution", shard_dim=None)
+            record(module, "", h, kind="residual_contribution", shard_dim=None, minus=args[0])
     return hook
 
 

@@ -3,7 +3,10 @@
 Every observation is flattened to ``[tokens, features]`` and stripped of padding tokens (the
 last ``token_mask`` observed in the step, when its length matches). Activations, residuals and
 logits are prepared at once by every due metric that accepts the site, and released: only the
-small prepared states outlive the call. Router outputs (``[tokens, experts]`` logits, scores
+small prepared states outlive the call. Where every metric reading an observation derives its
+statistics from the fused moments (the RMS and norm metrics on CPU), the call only reads the
+tensor with the moments kernel (a residual contribution ``h - x`` without writing it) and the
+metrics are prepared at the step's end from those rows, for every layer at once. Router outputs (``[tokens, experts]`` logits, scores
 and top-k choices, a small fraction of a layer's activations) are kept, not copied, until the
 step's end and prepared there for every layer at once: one batch instead of a few small
 calls in each layer's forward. A model must not change them in place after observing them.
@@ -21,7 +24,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tmetrics_core.axes import Topology
-from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.metrics import moments
+from tmetrics_core.metrics.base import StatMetric, TensorMetric
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.modules import ModuleIndex
@@ -47,6 +51,12 @@ class TokenSites:
     readers: dict[tuple, list[tuple[TensorMetric, bool]]] = field(default_factory=dict)
     """``(site, module path, due metric names)`` -> the due metrics that read the observation,
     each with whether it is prepared at the step's end (:func:`_joint`)."""
+    from_rows: dict[tuple, bool] = field(default_factory=dict)
+    """The same key -> whether every metric prepared at once derives all it reads from the
+    moments rows (:func:`tmetrics_core.metrics.moments.derivable`)."""
+    standins: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    """``(shape, dtype)`` -> a one-element tensor of that shape (zero strides) that stands in for
+    an observation whose moments rows are in the memo: its statistics never read elements."""
 
 
 class TokenObserver:
@@ -72,10 +82,13 @@ class TokenObserver:
         self.errors: dict[str, str] = {}
         self._mask: torch.Tensor | None = None
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
+        self._kept: dict[SiteKey, int] = {}
+        self._memos: list[dict] = []
 
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
-               shard_dim: int | None) -> None:
+               shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
+        """Observe ``tensor`` (``tensor - minus`` when ``minus`` is given: same shape, local)."""
         if torch._C._current_graph_task_id() != -1:
             return  # recomputation inside backward (activation checkpointing)
         if kind == "token_mask":
@@ -86,12 +99,19 @@ class TokenObserver:
             return
         x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
         x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
-        if self._mask is not None and self._mask.numel() == x.shape[0]:
-            x = x[self._mask.to(x.device)]
+        y = _local_tokens(minus.detach(), None)[0].reshape(x.shape) if minus is not None else None
+        masked = self._mask is not None and self._mask.numel() == x.shape[0]
         path = self.index.path(module)
         site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path, split_axes)
+        readers = self._readers(site, path)
+        if not masked and self._from_rows(site, path, readers, x, y):
+            return
+        if y is not None:
+            x = x - y
+        if masked:
+            x = x[self._mask.to(x.device)]
         memo: dict = {}  # metrics of this observation share statistics (expert counts, sums of squares)
-        for metric, joint in self._readers(site, path):
+        for metric, joint in readers:
             if metric.name in self.errors:
                 continue
             if joint:
@@ -105,13 +125,48 @@ class TokenObserver:
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
 
+    def _from_rows(self, site: Site, path: str, readers: list[tuple[TensorMetric, bool]], x: torch.Tensor,
+                   y: torch.Tensor | None) -> bool:
+        """Read ``x`` (minus ``y``) with the moments kernel and keep the row for the step's end,
+        when every metric prepared at once derives its statistics from it; False (nothing
+        done) otherwise. The metrics then see a stand-in of ``x``'s shape."""
+        key = (site, path, self._names)
+        rows_suffice = self.known.from_rows.get(key)
+        if rows_suffice is None:
+            at_once = [m for m, joint in readers if not joint]
+            rows_suffice = self.known.from_rows[key] = bool(at_once) and all(
+                isinstance(m, StatMetric) and type(m).prepare.__module__.startswith("tmetrics_core.metrics.")
+                and moments.derivable(m.statistics) for m in at_once)
+        if not (rows_suffice and moments.takes(x) and (y is None or (moments.takes(y) and y.dtype == x.dtype))):
+            return False
+        now = [m for m, joint in readers if not joint and m.name not in self.errors]
+        try:
+            block = moments.moments([x], [y])
+        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
+            for metric in now:
+                self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
+            return True
+        k = self._kept.get(site.key, 0)
+        self._kept[site.key] = k + 1
+        while len(self._memos) <= k:
+            self._memos.append({})
+        self._memos[k][("moments", site.key)] = (block, 0)
+        standin = self.known.standins.get((tuple(x.shape), x.dtype))
+        if standin is None:
+            standin = self.known.standins[(tuple(x.shape), x.dtype)] = torch.empty_strided(
+                x.shape, (0,) * x.dim(), dtype=x.dtype)
+        for metric in now:
+            self._deferred.setdefault(metric.name, []).append((site, standin))
+        return True
+
     @torch.no_grad()
     def finish(self) -> None:
         """Prepare the kept router observations (and every observation of a metric that needs
         a layer's top-k choices together with its logits or scores, the router diagnostic
         families): the k-th observation of every site forms micro-batch k, prepared in one
-        call per metric; metrics share statistics (expert counts) within a micro-batch."""
-        memos: list[dict] = []
+        call per metric; metrics share statistics (expert counts, moments rows) within a
+        micro-batch."""
+        memos = self._memos
         for metric in self.metrics:
             observed = self._deferred.pop(metric.name, [])
             if not observed or metric.name in self.errors:
