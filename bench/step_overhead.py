@@ -11,7 +11,9 @@ Interval rows also give the mean over all their steps and the mean expected from
 overhead and the idle one: ``1 + (due + (N - 1) idle) / N``, where the idle cost is the tmetrics
 code a not-due step runs (step scope, optimizer hooks, ``observe_gradients``) timed directly,
 far below what paired rounds can resolve; the torch operations and host reads of that step are
-counted too (both should be zero). ``--bundle`` measures other metrics.
+counted too (both should be zero). A due step's tmetrics code is also timed directly, with the
+part of it spent in passes over tensor elements (``bench.due_step_time``). ``--bundle``
+measures other metrics.
 
 Table 2, two gloo ranks under DDP (1 thread each): the bundle every step against the bare loop
 and the per-parameter loop with one ``all_reduce`` per norm; collective calls per step.
@@ -38,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.demo_variants import (
     BUNDLE, NEVER, make_trainer, norm_loop_factory, tmetrics_factory, wandb_factory,
 )
+from bench.due_step_time import DueStepTime, due_step_time
 from bench.peak_memory import HeapPeak, heap_in_use, max_rss_bytes
 from bench.rounds import Rounds, interleave
 from tmetrics_core.demo.data import ByteCorpus
@@ -126,11 +129,11 @@ def single_process(rounds: int, steps: int, bundle: tuple[str, ...], *, alternat
     idle_ops = _ops_of_step(idle, idle_run.count[0] + 1)  # type: ignore[attr-defined]
     due_ops = _ops_of_step(trainers["tmetrics every 1"], due_run.count[0] + 1)  # type: ignore[attr-defined]
     idle_us = _idle_code_us(idle, idle_run.count[0] + 2)  # type: ignore[attr-defined]
-    return _single_table(result, rounds, steps, idle_us, idle_ops, due_ops)
+    return _single_table(result, rounds, steps, idle_us, idle_ops, due_ops, due_step_time(bundle))
 
 
 def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: tuple[int, int],
-                  due_ops: tuple[int, int]) -> list[str]:
+                  due_ops: tuple[int, int], due_time: DueStepTime) -> list[str]:
     base = "bare"
     due = r.paired("tmetrics every 1", base) - 1
     idle = idle_us / (r.median_ms(base) * 1e3)  # timed directly: below the noise of paired rounds
@@ -151,6 +154,9 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         f"({idle_us / (r.median_ms(base) * 1e3):.4%} of a bare step); torch ops issued by tmetrics: "
         f"{idle_ops[0]}, host reads: {idle_ops[1]}",
         f"due step: torch ops issued by tmetrics: {due_ops[0]}, item()-style host reads: {due_ops[1]}",
+        f"due step, timed directly (median of 20): {due_time.total_ms:.2f} ms of tmetrics code "
+        f"({due_time.total_ms / r.median_ms(base):.1%} of a bare step), {due_time.passes_ms:.2f} ms of it in "
+        "passes over tensor elements (C kernels, update snapshot copy)",
     ]
     if "wandb.watch all/1" in r.wall:
         watch = r.paired("wandb.watch all/1", base) - 1

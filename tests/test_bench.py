@@ -57,3 +57,13 @@ def test_rounds_rotate_the_order_and_pair_ratios_per_round():
     assert r.mean("x", "base", trim=0.0) == pytest.approx(3.3 / 3)
     assert r.mean("x", "base", trim=0.34) == pytest.approx(1.1)  # one ratio cut at each end
     assert r.paired("x", "base", cpu=True) == 1.0
+
+
+def test_due_step_time_splits_the_tmetrics_code_and_restores_what_it_wraps():
+    from bench.due_step_time import _ENTRIES, _PASSES, due_step_time
+
+    before = [getattr(owner, name) for owner, name in _ENTRIES + _PASSES]
+    t = due_step_time(("layer-grad-l2", "layer-update-ratio"), steps=3)
+    # Both groups read tensors (gradients; updates and the snapshot copy), so passes are timed.
+    assert 0.0 < t.passes_ms < t.total_ms
+    assert [getattr(owner, name) for owner, name in _ENTRIES + _PASSES] == before

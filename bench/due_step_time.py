@@ -1,0 +1,86 @@
+"""Where a due step's tmetrics time goes: the tensor passes against everything else.
+
+:func:`due_step_time` builds the demo trainer with a bundle every step and times, over a few
+steps, the tmetrics code the training thread runs (step scope exit, optimizer hooks,
+``observe_gradients``, forward-hook observations) and, inside it, the passes over tensor
+elements: the C kernels (moments, row softmax sums) and the update snapshot copy. The rest is
+per-tensor and per-observation Python and small torch ops. Timed directly with
+``time.perf_counter`` around those functions, so the figures are the in-step costs (slower
+than the same code in a warm loop: the model's kernels evict the caches between calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from bench.demo_variants import make_trainer, tmetrics_factory
+from tmetrics_core import tensor_metrics
+from tmetrics_core.metrics import moments
+from tmetrics_core.sources import tokens
+
+__all__ = ["DueStepTime", "due_step_time"]
+
+_ENTRIES = ((tensor_metrics.TensorMetrics, "_pre_step"), (tensor_metrics.TensorMetrics, "_post_step"),
+            (tensor_metrics.TensorMetrics, "observe_gradients"), (tensor_metrics.TensorMetrics, "_finish_step"),
+            (tokens.TokenObserver, "record"))
+"""The tmetrics code of a step (never nested in one another)."""
+
+_PASSES = ((moments, "_run"), (moments, "row_softmax_sums"), (tensor_metrics, "snapshot"))
+"""The passes over tensor elements (called only from inside the entries)."""
+
+
+@dataclass(frozen=True)
+class DueStepTime:
+    """Milliseconds per due step: all tmetrics code, and its passes over tensor elements."""
+
+    total_ms: float
+    passes_ms: float
+
+
+@contextlib.contextmanager
+def _timed(targets: tuple[tuple[Any, str], ...], clock: list[float]) -> Iterator[None]:
+    """Add the seconds spent in each ``(owner, attribute)`` function to ``clock[0]``."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in targets]
+
+    def timed(f: Any) -> Any:
+        @functools.wraps(f)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                clock[0] += time.perf_counter() - start
+        return run
+
+    try:
+        for owner, name, f in saved:
+            setattr(owner, name, timed(f))
+        yield
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+
+
+def due_step_time(bundle: tuple[str, ...], steps: int = 20) -> DueStepTime:
+    """Median over ``steps`` due steps (after 3 warm-up steps) of the tmetrics time and of its
+    tensor passes, in ms, with the bundle every step on a fresh demo trainer."""
+    total, passes = [0.0], [0.0]
+    with _timed(_ENTRIES, total), _timed(_PASSES, passes):
+        # Built inside: the optimizer hooks bind the wrapped methods.
+        trainer = make_trainer(tmetrics_factory(1, bundle))
+        for step in range(1, 4):
+            trainer.step(step)
+        per_step = []
+        for step in range(4, 4 + steps):
+            before = (total[0], passes[0])
+            trainer.step(step)
+            per_step.append((total[0] - before[0], passes[0] - before[1]))
+    trainer.metrics.close()
+    totals = sorted(t for t, _ in per_step)
+    shares = sorted(p for _, p in per_step)
+    return DueStepTime(totals[len(totals) // 2] * 1e3, shares[len(shares) // 2] * 1e3)
+
