@@ -20,7 +20,8 @@ import torch
 
 from tmetrics_core.axes import Topology
 from tmetrics_core.metrics.batches import Batch, BatchPlan, advance, canonical, merged_outputs, next_stage
-from tmetrics_core.metrics.moments import statistic_vectors
+from tmetrics_core.metrics.block_state import BlockState
+from tmetrics_core.metrics.moments import moments_rows, statistic_vectors
 from tmetrics_core.metrics.statistics import Statistic, neutral
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Value
@@ -168,6 +169,9 @@ class StatMetric:
             stat.check(site, topology)
 
     def prepare(self, sites, tensors, topology, memo):
+        block = self._block(sites, tensors, memo)
+        if block is not None:
+            return block
         held = [(s, t) for s, t in zip(sites, tensors) if t is not None]
         state: dict[SiteKey, list[torch.Tensor]] = {s.key: [] for s in sites}
         for stat in self.statistics:
@@ -186,6 +190,21 @@ class StatMetric:
                     first = stat.stages(site, topology)[0]
                     state[site.key].append(neutral(first.op, first.size))
         return state
+
+    def _block(self, sites: Sequence[Site], tensors: Sequence[torch.Tensor | None],
+               memo: dict[Hashable, Any]) -> BlockState | None:
+        """The state as one matrix per statistic when every site is held here, every statistic
+        derives from the moments rows without reading an element, and the kernel read (or the
+        memo holds) every tensor's row; else None (nothing read but what the memo keeps)."""
+        stats = self.statistics
+        if (not sites or not any(s.moments for s in stats)
+                or not all((s.moments and not s.reads_elements) or s.shape_only for s in stats)
+                or any(t is None for t in tensors)):
+            return None
+        rows = moments_rows(tensors, sites, memo)  # type: ignore[arg-type]
+        if rows is None:
+            return None
+        return BlockState([s.key for s in sites], [stat.moments_matrix(rows, tensors) for stat in stats])
 
     def merge(self, a, b):
         out = dict(a)

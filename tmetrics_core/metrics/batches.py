@@ -24,6 +24,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 import torch
 
 from tmetrics_core.axes import Topology
+from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.metrics.statistics import Stage, Statistic
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.site import Site, SiteKey
@@ -206,6 +207,16 @@ class _Cut:
     sites: tuple[Site, ...]
     keys: tuple[SiteKey, ...]
     merge: Merge | None
+    index: torch.Tensor | None = None
+    """``members`` as an index tensor, made on first use by a :class:`BlockState`."""
+
+    def rows_of(self, matrix: torch.Tensor) -> torch.Tensor:
+        """The members' rows of a block matrix (the matrix itself when they are all its rows)."""
+        if len(self.members) == matrix.shape[0]:
+            return matrix  # members are increasing and distinct: all rows, in order
+        if self.index is None or self.index.device != matrix.device:
+            self.index = torch.tensor(self.members, device=matrix.device)
+        return matrix.index_select(0, self.index)
 
 
 class BatchPlan:
@@ -223,19 +234,25 @@ class BatchPlan:
 
     def batches(self, state: Mapping[SiteKey, Sequence[torch.Tensor]], sites: Mapping[SiteKey, Site],
                 topology: Topology) -> list[Batch]:
-        """The state's vectors stacked into batches, local stages run."""
+        """The state's vectors stacked into batches (a :class:`BlockState`'s matrices sliced),
+        local stages run."""
+        block = state if isinstance(state, BlockState) else None
         chosen = [sites[k] for k in state]
-        vectors = list(state.values())
+        vectors = list(state.values()) if block is None else []
         # Identity of the site objects and topology (held below, so ids stay valid) and every
-        # vector length: when all are unchanged, so is the cut.
-        signature = (id(topology), tuple(map(id, chosen)), tuple(v.numel() for vs in vectors for v in vs))
+        # vector length (one per statistic in a block): when all are unchanged, so is the cut.
+        lengths = (tuple(v.numel() for vs in vectors for v in vs) if block is None
+                   else ("block", *(m.shape[1] for m in block.matrices)))
+        signature = (id(topology), tuple(map(id, chosen)), lengths)
         cached = self._cached  # one read: a metric shared by threads never sees half an update
         if cached is None or cached[0] != signature:
-            cached = self._cached = (signature, (topology, chosen), self._cut(chosen, vectors, topology))
+            cut = self._cut(chosen, vectors or list(state.values()), topology)
+            cached = self._cached = (signature, (topology, chosen), cut)
         out = []
         for cut in cached[2]:
             j = cut.stat_index
-            rows = _stack([vectors[i][j] for i in cut.members])
+            rows = (_stack([vectors[i][j] for i in cut.members]) if block is None
+                    else cut.rows_of(block.matrices[j]))
             batch = Batch(self.statistics[j], cut.sites, cut.stages, 0, rows, cut.keys, tuple(cut.members),
                           cut.merge)
             out.extend(advance(batch, topology))

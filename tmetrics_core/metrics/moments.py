@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
 
 import torch
 
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from tmetrics_core.axes import Topology
     from tmetrics_core.metrics.statistics import Statistic
 
-__all__ = ["FIELDS", "SMALL_TABLE", "available", "derivable", "disabled", "moments", "remember", "row_softmax_sums",
-           "statistic_vectors", "takes"]
+__all__ = ["FIELDS", "SMALL_TABLE", "available", "derivable", "disabled", "moments", "moments_rows", "remember",
+           "row_softmax_sums", "statistic_vectors", "takes"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
@@ -280,14 +280,9 @@ def _rows(entries: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
     return block.index_select(0, torch.tensor([j for _, j in entries]))
 
 
-def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: Sequence[Site],
-                      topology: Topology, memo: dict[Hashable, torch.Tensor]) -> list[torch.Tensor]:
-    """``stat``'s local vectors of ``tensors`` (as :meth:`Statistic.compute`), through the fused
-    kernel where it applies: one moments row per site, kept in ``memo`` under
-    ``("moments", site key)`` as ``(kernel output, row)`` (None for a tensor the kernel does not
-    take) so every statistic of the step reuses the same read."""
-    if not stat.moments or not _switch["on"]:
-        return stat.compute(tensors, sites, topology)
+def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[Hashable, Any]
+             ) -> list[tuple[torch.Tensor, int] | None]:
+    """The memo entries of the sites' moments rows, the missing ones read in one kernel call."""
     keys = [("moments", site.key) for site in sites]
     missing = [i for i, key in enumerate(keys) if key not in memo]
     if missing:
@@ -300,7 +295,31 @@ def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: S
         if taken:
             block = _run(lib, [tensors[i] for i in taken], [None] * len(taken))
             memo.update((keys[i], (block, j)) for j, i in enumerate(taken))
-    entries = [memo[key] for key in keys]
+    return [memo[key] for key in keys]
+
+
+def moments_rows(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[Hashable, Any]
+                 ) -> torch.Tensor | None:
+    """``[len(sites), 5]`` moments rows of the sites (from ``memo``, the missing ones read in one
+    kernel call and remembered), or None when the kernel is off or does not take every tensor
+    (nothing is read then beyond what the memo gets)."""
+    if not _switch["on"] or not sites:
+        return None
+    entries = _entries(tensors, sites, memo)
+    if any(entry is None for entry in entries):
+        return None
+    return _rows(entries)  # type: ignore[arg-type]
+
+
+def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: Sequence[Site],
+                      topology: Topology, memo: dict[Hashable, torch.Tensor]) -> list[torch.Tensor]:
+    """``stat``'s local vectors of ``tensors`` (as :meth:`Statistic.compute`), through the fused
+    kernel where it applies: one moments row per site, kept in ``memo`` under
+    ``("moments", site key)`` as ``(kernel output, row)`` (None for a tensor the kernel does not
+    take) so every statistic of the step reuses the same read."""
+    if not stat.moments or not _switch["on"]:
+        return stat.compute(tensors, sites, topology)
+    entries = _entries(tensors, sites, memo)
     fused = [i for i, entry in enumerate(entries) if entry is not None]
     if len(fused) == len(tensors):
         return stat.from_moments(_rows([entries[i] for i in fused]), tensors)

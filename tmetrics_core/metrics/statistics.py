@@ -117,6 +117,12 @@ class Statistic:
     def from_moments(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Float64 vectors (as :meth:`compute`) from ``[len(tensors), 5]`` moments rows
         (sum of squares, sum, NaN-skipping max and min, zero count) of the same tensors."""
+        return list(self.moments_matrix(rows, tensors).unbind(0))
+
+    def moments_matrix(self, rows: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`from_moments` as one float64 ``[len(tensors), size]`` matrix, row ``i`` the
+        vector of tensor ``i`` (for statistics that read no element: ``moments`` and not
+        ``reads_elements``, or ``shape_only``)."""
         raise NotImplementedError(f"{type(self).__name__} does not derive from moments")
 
     def between(self, index: int, vector: torch.Tensor, site: Site, topology: Topology) -> torch.Tensor:
@@ -149,8 +155,8 @@ class _SumSq(Statistic):
 
     name, op, moments = "sumsq", "sum", True
 
-    def from_moments(self, rows, tensors):
-        return list(rows[:, 0:1].unbind(0))
+    def moments_matrix(self, rows, tensors):
+        return rows[:, 0:1]
 
     def compute(self, tensors, sites, topology):
         if not tensors:
@@ -202,9 +208,9 @@ class _AbsMax(Statistic):
     def size(self, site):
         return 2
 
-    def from_moments(self, rows, tensors):
+    def moments_matrix(self, rows, tensors):
         peaks = torch.maximum(rows[:, 2], -rows[:, 3]).clamp_min(0.0)
-        return list(_with_flag(_nan_where(rows, peaks), 0.0, 1.0).t().unbind(0))
+        return _with_flag(_nan_where(rows, peaks), 0.0, 1.0).t()
 
     def compute(self, tensors, sites, topology):
         if not tensors:
@@ -253,6 +259,10 @@ class _Count(Statistic):
 
     name, op, shape_only = "count", "sum", True
 
+    def moments_matrix(self, rows, tensors):
+        """The element counts (the rows are not read), on the rows' device."""
+        return torch.tensor([[float(t.numel())] for t in tensors], dtype=torch.float64, device=rows.device)
+
     def compute(self, tensors, sites, topology):
         if all(t.device.type == "cpu" for t in tensors):
             return list(torch.tensor([[float(t.numel())] for t in tensors], dtype=torch.float64).unbind(0))
@@ -266,8 +276,8 @@ class _Sum(Statistic):
 
     name, op, linear, moments = "sum", "sum", True, True
 
-    def from_moments(self, rows, tensors):
-        return list(rows[:, 1:2].unbind(0))
+    def moments_matrix(self, rows, tensors):
+        return rows[:, 1:2]
 
     def compute(self, tensors, sites, topology):
         return [t.sum(dtype=torch.float64 if t.device.type == "cpu" or t.dtype == torch.float64 else torch.float32)
@@ -282,8 +292,8 @@ class _Max(Statistic):
     def size(self, site):
         return 2
 
-    def from_moments(self, rows, tensors):
-        return list(_with_flag(_nan_where(rows, rows[:, 2]), -math.inf, 1.0).t().unbind(0))
+    def moments_matrix(self, rows, tensors):
+        return _with_flag(_nan_where(rows, rows[:, 2]), -math.inf, 1.0).t()
 
     def compute(self, tensors, sites, topology):
         return [_with_flag(t.max().double() if t.numel() else _infinite(-1.0, t.device), -math.inf, 1.0)
@@ -299,8 +309,8 @@ class _Min(Statistic):
     def size(self, site):
         return 2
 
-    def from_moments(self, rows, tensors):
-        return list(_with_flag(_nan_where(rows, rows[:, 3]), math.inf, -1.0).t().unbind(0))
+    def moments_matrix(self, rows, tensors):
+        return _with_flag(_nan_where(rows, rows[:, 3]), math.inf, -1.0).t()
 
     def compute(self, tensors, sites, topology):
         return [_with_flag(t.min().double() if t.numel() else _infinite(1.0, t.device), math.inf, -1.0)
@@ -366,8 +376,8 @@ class _Zeros(Statistic):
 
     name, op, moments = "zeros", "sum", True
 
-    def from_moments(self, rows, tensors):
-        return list(rows[:, 4:5].unbind(0))
+    def moments_matrix(self, rows, tensors):
+        return rows[:, 4:5]
 
     def compute(self, tensors, sites, topology):
         # count_nonzero is one vectorized pass; (t == 0).sum() materializes a bool tensor
