@@ -9,7 +9,9 @@ tensor with the moments kernel (a residual contribution ``h - x`` without writin
 metrics are prepared at the step's end from those rows, for every layer at once. Router outputs (``[tokens, experts]`` logits, scores
 and top-k choices, a small fraction of a layer's activations) are kept, not copied, until the
 step's end and prepared there for every layer at once: one batch instead of a few small
-calls in each layer's forward. A model must not change them in place after observing them.
+calls in each layer's forward. A model must not change them in place after observing them:
+one that does (the tensor's version counter moved by the step's end) gets the metrics reading
+that site reported as failed, never values of the changed tensor.
 Recomputation under activation checkpointing runs inside backward and is skipped, so each
 forward is observed exactly once. A metric that raises here is recorded, never raised into
 the model; the executor then skips it on every rank.
@@ -55,8 +57,9 @@ class TokenSites:
     """The same key -> whether every metric prepared at once derives all it reads from the
     moments rows (:func:`tmetrics_core.metrics.moments.derivable`)."""
     standins: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    """``(shape, dtype)`` -> a one-element tensor of that shape (zero strides) that stands in for
-    an observation whose moments rows are in the memo: its statistics never read elements."""
+    """``(shape, dtype)`` -> a one-element NaN tensor of that shape (zero strides) that stands in
+    for an observation whose moments rows are in the memo: its statistics never read elements
+    (were one read, it would show as NaN, not as a plausible number)."""
 
 
 class TokenObserver:
@@ -84,6 +87,7 @@ class TokenObserver:
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
         self._kept: dict[SiteKey, int] = {}
         self._memos: list[dict] = []
+        self._views: list[tuple[Site, torch.Tensor, int]] = []
 
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
@@ -100,7 +104,8 @@ class TokenObserver:
         x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
         x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
         y = _local_tokens(minus.detach(), None)[0].reshape(x.shape) if minus is not None else None
-        masked = self._mask is not None and self._mask.numel() == x.shape[0]
+        # Only token rows are padded: an expert_bias [E] as long as the micro-batch is not.
+        masked = kind in TOKEN_KINDS and self._mask is not None and self._mask.numel() == x.shape[0]
         path = self.index.path(module)
         site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path, split_axes)
         readers = self._readers(site, path)
@@ -110,6 +115,11 @@ class TokenObserver:
             x = x - y
         if masked:
             x = x[self._mask.to(x.device)]
+        if not masked and readers and site.kind in ROUTER_KINDS and not x.is_inference():
+            # Kept, not copied, until finish(): its version tells there whether the model
+            # changed it in place meanwhile (inference tensors have no version counter). An
+            # expert_bias is left out: models update it in place within the step, by design.
+            self._views.append((site, x, x._version))
         memo: dict = {}  # metrics of this observation share statistics (expert counts, sums of squares)
         for metric, joint in readers:
             if metric.name in self.errors:
@@ -130,6 +140,10 @@ class TokenObserver:
         """Read ``x`` (minus ``y``) with the moments kernel and keep the row for the step's end,
         when every metric prepared at once derives its statistics from it; False (nothing
         done) otherwise. The metrics then see a stand-in of ``x``'s shape."""
+        if not moments.available():
+            # Checked on every call, not remembered: the kernel may be switched off for a
+            # while (moments.disabled()), and then statistics read the tensors themselves.
+            return False
         key = (site, path, self._names)
         rows_suffice = self.known.from_rows.get(key)
         if rows_suffice is None:
@@ -153,8 +167,8 @@ class TokenObserver:
         self._memos[k][("moments", site.key)] = (block, 0)
         standin = self.known.standins.get((tuple(x.shape), x.dtype))
         if standin is None:
-            standin = self.known.standins[(tuple(x.shape), x.dtype)] = torch.empty_strided(
-                x.shape, (0,) * x.dim(), dtype=x.dtype)
+            standin = self.known.standins[(tuple(x.shape), x.dtype)] = torch.full(
+                (), float("nan"), dtype=x.dtype).expand(x.shape)
         for metric in now:
             self._deferred.setdefault(metric.name, []).append((site, standin))
         return True
@@ -165,11 +179,24 @@ class TokenObserver:
         a layer's top-k choices together with its logits or scores, the router diagnostic
         families): the k-th observation of every site forms micro-batch k, prepared in one
         call per metric; metrics share statistics (expert counts, moments rows) within a
-        micro-batch."""
+        micro-batch. Metrics that read a kept observation changed in place since are failed."""
         memos = self._memos
+        # A family's layer summary depends on which of the layer's sites it reads (scores or
+        # logits, the bias or not): families share it only when they read the same sites.
+        joint_memos: dict[tuple, dict] = {}
+        changed = {site.key: (version, x._version) for site, x, version in self._views if x._version != version}
+        self._views = []
         for metric in self.metrics:
             observed = self._deferred.pop(metric.name, [])
             if not observed or metric.name in self.errors:
+                continue
+            moved = next((s for s, _ in observed if s.key in changed), None)
+            if moved is not None:
+                before, after = changed[moved.key]
+                self.errors[metric.name] = (
+                    f"{moved.name} ({moved.kind}) was changed in place after it was observed (tensor version "
+                    f"{before} -> {after}); router observations are kept, not copied, until the step's end. "
+                    "Observe a copy (tensor.clone()) or observe after the last in-place change")
                 continue
             batches: list[list[tuple[Site, torch.Tensor]]] = []
             count: dict[SiteKey, int] = {}
@@ -183,9 +210,13 @@ class TokenObserver:
                 for k, batch in enumerate(batches):
                     for site, _ in batch:
                         self._check(metric, site)
-                    while len(memos) <= k:
-                        memos.append({})
-                    state = metric.prepare([s for s, _ in batch], [x for _, x in batch], self.topology, memos[k])
+                    if _joint(metric):
+                        memo = joint_memos.setdefault((k, tuple(s.key for s, _ in batch)), {})
+                    else:
+                        while len(memos) <= k:
+                            memos.append({})
+                        memo = memos[k]
+                    state = metric.prepare([s for s, _ in batch], [x for _, x in batch], self.topology, memo)
                     previous = self.states.get(metric.name)
                     self.states[metric.name] = state if previous is None else metric.merge(previous, state)
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
