@@ -49,6 +49,10 @@ def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: s
 
     Costs one context-variable read when no due metric watches ``kind``; never raises into the
     model for a metric's sake (errors are reported by the metrics object at the step's end).
+    Router outputs (``router_logits``, ``router_topk``, ``router_scores``) are kept, not copied,
+    until the step's end: do not change them in place afterwards (observe ``tensor.clone()``
+    instead); a change is detected by the tensor's version counter and fails the metrics that
+    read the site, on every rank.
     """
     observer = _ACTIVE.get()
     if observer is None or kind not in observer.kinds:

@@ -6,12 +6,13 @@ logits are prepared at once by every due metric that accepts the site, and relea
 small prepared states outlive the call. Where every metric reading an observation derives its
 statistics from the fused moments (the RMS and norm metrics on CPU), the call only reads the
 tensor with the moments kernel (a residual contribution ``h - x`` without writing it) and the
-metrics are prepared at the step's end from those rows, for every layer at once. Router outputs (``[tokens, experts]`` logits, scores
-and top-k choices, a small fraction of a layer's activations) are kept, not copied, until the
-step's end and prepared there for every layer at once: one batch instead of a few small
-calls in each layer's forward. A model must not change them in place after observing them:
-one that does (the tensor's version counter moved by the step's end) gets the metrics reading
-that site reported as failed, never values of the changed tensor.
+metrics are prepared at the step's end from those rows, for every layer at once. Router
+outputs (``[tokens, experts]`` logits, scores and top-k choices, a small fraction of a layer's
+activations) are kept, not copied, until the step's end and prepared there for every layer at
+once: one batch instead of a few small calls in each layer's forward. A model must not change
+them in place after observing them: one that does (the tensor's version counter moved by the
+step's end) gets the metrics reading that site reported as failed, never values of the changed
+tensor.
 Recomputation under activation checkpointing runs inside backward and is skipped, so each
 forward is observed exactly once. A metric that raises here is recorded, never raised into
 the model; the executor then skips it on every rank.
