@@ -256,11 +256,10 @@ def row_softmax_sums(tables: Sequence[torch.Tensor], classes: Sequence[int], pro
     out = torch.empty((n, 6), dtype=torch.float64)
     if not n:
         return out
-    status = lib.tm_row_softmax(
-        n, (ctypes.c_uint64 * n)(*(t.data_ptr() for t in tables)), (ctypes.c_int64 * n)(*(t.shape[0] for t in tables)),
-        (ctypes.c_int64 * n)(*(t.shape[1] for t in tables)), (ctypes.c_int64 * n)(*classes),
-        (ctypes.c_int32 * n)(*(_DTYPES[t.dtype] for t in tables)), (ctypes.c_int32 * n)(*map(int, probabilities)),
-        out.data_ptr())
+    arrays = (array.array("Q", [t.data_ptr() for t in tables]), array.array("q", [t.shape[0] for t in tables]),
+              array.array("q", [t.shape[1] for t in tables]), array.array("q", classes),
+              array.array("i", [_DTYPES[t.dtype] for t in tables]), array.array("i", map(int, probabilities)))
+    status = lib.tm_row_softmax(n, *map(_address, arrays), out.data_ptr())
     if status:
         raise RuntimeError("the row softmax kernel was given a table without data (null pointer)")
     return out
