@@ -46,7 +46,7 @@ from tmetrics_core.hub import NullHub
 from tmetrics_core.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.manifest import Manifest, dtensor_placements
 from tmetrics_core.metrics import moments
-from tmetrics_core.metrics.base import StatMetric, TensorMetric
+from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
@@ -399,9 +399,7 @@ class TensorMetrics:
         if self._known("partial params", lambda: any(p.is_partial() for kind in ("update", "param")
                                                      for s in self._sites_of(kind) for _, p in s.placements)):
             return None
-        # Metrics whose prepare is tmetrics' own read elements only through their statistics.
-        if not all(isinstance(m, StatMetric) and type(m).prepare.__module__.startswith("tmetrics_core.metrics.")
-                   and moments.derivable(m.statistics) for m in readers):
+        if not all(reads_only_moments(m) for m in readers):
             return None
         pairs = update_pairs(self.manifest, self._before)
         try:

@@ -21,7 +21,7 @@ import torch
 from tmetrics_core.axes import Topology
 from tmetrics_core.metrics.batches import Batch, BatchPlan, advance, canonical, merged_outputs, next_stage
 from tmetrics_core.metrics.block_state import BlockState
-from tmetrics_core.metrics.moments import moments_rows, statistic_vectors
+from tmetrics_core.metrics.moments import derivable, moments_rows, statistic_vectors
 from tmetrics_core.metrics.statistics import Statistic, neutral
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Value
@@ -34,6 +34,7 @@ __all__ = [
     "Scope",
     "StatMetric",
     "TensorMetric",
+    "reads_only_moments",
 ]
 
 Scope = Literal["global", "layer", "expert", "tensor", "family"]
@@ -315,6 +316,15 @@ class StatMetric:
     def __repr__(self) -> str:
         sel = f", select={list(self.select)}" if self.select else ""
         return f"{type(self).__name__}({self.name!r}{sel})"
+
+
+def reads_only_moments(metric: TensorMetric) -> bool:
+    """Whether ``metric`` reads its tensors only through statistics that derive from the fused
+    moments rows without reading an element (its ``prepare`` is tmetrics' own), so rows in the
+    memo and a stand-in tensor of the same shape serve for each tensor (the update ``p - prev``,
+    a residual contribution ``h - x``). False when the kernel is off or unavailable."""
+    return (isinstance(metric, StatMetric) and type(metric).prepare.__module__.startswith("tmetrics_core.metrics.")
+            and derivable(metric.statistics))
 
 
 def _combine(op: ReduceOpName, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from tmetrics_core.axes import Topology
 from tmetrics_core.metrics import moments
-from tmetrics_core.metrics.base import StatMetric, TensorMetric
+from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.modules import ModuleIndex
@@ -149,9 +149,7 @@ class TokenObserver:
         rows_suffice = self.known.from_rows.get(key)
         if rows_suffice is None:
             at_once = [m for m, joint in readers if not joint]
-            rows_suffice = self.known.from_rows[key] = bool(at_once) and all(
-                isinstance(m, StatMetric) and type(m).prepare.__module__.startswith("tmetrics_core.metrics.")
-                and moments.derivable(m.statistics) for m in at_once)
+            rows_suffice = self.known.from_rows[key] = bool(at_once) and all(map(reads_only_moments, at_once))
         if not (rows_suffice and moments.takes(x) and (y is None or (moments.takes(y) and y.dtype == x.dtype))):
             return False
         now = [m for m, joint in readers if not joint and m.name not in self.errors]
