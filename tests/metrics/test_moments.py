@@ -64,6 +64,33 @@ def test_moments_of_a_difference_without_materializing_it() -> None:
     assert rows[1].tolist()[0] == pytest.approx(_reference(b)[0], rel=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_parts_are_the_moments_of_the_difference_and_of_each_tensor_bit_for_bit(dtype: torch.dtype,
+                                                                                 threads: int) -> None:
+    """One read of each pair gives the rows of x - y, x and y, equal to three separate passes
+    (bfloat16 differences widened to float32 in both), across piece edges and the threaded path."""
+    xs = [_tensor(n, i, dtype) for i, n in enumerate(SIZES)]
+    ys = [_tensor(n, 100 + i, dtype) for i, n in enumerate(SIZES)]
+    xs[3][5], ys[3][7], xs[4][2], ys[5][3] = float("nan"), float("inf"), float("-inf"), float("nan")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = moments.parts(xs, ys)
+        want = torch.stack([moments.moments(xs, ys), moments.moments(xs), moments.moments(ys)], dim=1)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (len(SIZES), 3, 5) and got.dtype == torch.float64
+    assert torch.equal(got.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))
+    assert torch.isnan(got[3, 0, 0]) and torch.isnan(got[3, 1, 0]) and got[3, 2, 0] == math.inf
+    assert got[5, 0:3:2, 0].isnan().all() and not got[5, 1, 0].isnan()
+
+
+def test_parts_need_a_tensor_to_subtract_for_every_tensor() -> None:
+    with pytest.raises(ValueError, match="moments\\(\\) for single tensors"):
+        moments.parts([torch.ones(3)], [None])  # type: ignore[list-item]
+
+
 def test_nan_and_infinity_show_in_the_sum_of_squares() -> None:
     nan = torch.tensor([1.0, float("nan"), -3.0])
     inf = torch.tensor([1.0, float("-inf"), 2.0])

@@ -10,7 +10,9 @@
  *   [3] smallest element (NaN skipped; +inf when empty)
  *   [4] elements equal to zero (-0.0 included)
  * A NaN anywhere makes [0] NaN, an infinity makes [0] +inf: the caller derives non-finite
- * facts from [0] and counts exactly only then.
+ * facts from [0] and counts exactly only then. Asked for three rows, the pass over a pair
+ * (x, y) writes those of x - y, x and y (an optimizer step's update, the parameter after it and
+ * the parameter before it): no slower than reading x - y and x again, and y's row comes free.
  *
  * Work is cut into pieces of at most PIECE elements; `threads` > 1 runs the pieces on that many
  * POSIX threads (the caller's thread included) and merges them per tensor. Accumulators are
@@ -38,55 +40,85 @@ static inline float load_bf16(const void *p, int64_t i) {
     return f;
 }
 
-/* Lane j takes element value V: float max/min (NaN never wins a comparison), float64 sums. */
-#define ACCUMULATE(j, V)                \
-    do {                                \
-        float v = (V);                  \
-        double d = (double)v;           \
-        sq[j] += d * d;                 \
-        sum[j] += d;                    \
-        hi[j] = v > hi[j] ? v : hi[j];  \
-        lo[j] = v < lo[j] ? v : lo[j];  \
-        zeros[j] += v == 0.0f;          \
-    } while (0)
+/* The accumulators of one moments row in LANES independent lanes: float max/min (NaN never
+ * wins a comparison), float64 sums. */
+typedef struct {
+    double sq[LANES], sum[LANES];
+    float hi[LANES], lo[LANES];
+    int32_t zeros[LANES];
+} lanes_t;
 
-#define DEFINE_PASS(NAME, LOAD, VALUE)                                                        \
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void lanes_start(lanes_t *a) {
+    for (int j = 0; j < LANES; j++) {
+        a->sq[j] = 0;
+        a->sum[j] = 0;
+        a->hi[j] = -__builtin_inff();
+        a->lo[j] = __builtin_inff();
+        a->zeros[j] = 0;
+    }
+}
+
+INLINE void lanes_take(lanes_t *a, int j, float v) {
+    double d = (double)v;
+    a->sq[j] += d * d;
+    a->sum[j] += d;
+    a->hi[j] = v > a->hi[j] ? v : a->hi[j];
+    a->lo[j] = v < a->lo[j] ? v : a->lo[j];
+    a->zeros[j] += v == 0.0f;
+}
+
+INLINE void lanes_write(const lanes_t *a, double *out) {
+    double total_sq = 0, total = 0, top = -__builtin_inf(), bottom = __builtin_inf();
+    int64_t total_zeros = 0;
+    for (int j = 0; j < LANES; j++) {
+        total_sq += a->sq[j];
+        total += a->sum[j];
+        top = a->hi[j] > top ? a->hi[j] : top;
+        bottom = a->lo[j] < bottom ? a->lo[j] : bottom;
+        total_zeros += a->zeros[j];
+    }
+    out[0] = total_sq;
+    out[1] = total;
+    out[2] = top;
+    out[3] = bottom;
+    out[4] = (double)total_zeros;
+}
+
+/* A pass over elements [begin, end) writing ROWS rows of FIELDS to out; TAKE(r, j, i) feeds
+ * element i to the rows' lane j. */
+#define DEFINE_PASS(NAME, LOAD, ROWS, TAKE)                                                   \
     static void NAME(const void *x, const void *y, int64_t begin, int64_t end, double *out) { \
-        (void)y; /* read only by DIFFERENCE */                                                \
-        double sq[LANES] = {0}, sum[LANES] = {0};                                             \
-        float hi[LANES], lo[LANES];                                                           \
-        int32_t zeros[LANES] = {0};                                                           \
-        for (int j = 0; j < LANES; j++) {                                                     \
-            hi[j] = -__builtin_inff();                                                        \
-            lo[j] = __builtin_inff();                                                         \
-        }                                                                                     \
+        (void)y; /* read only by the passes of differences */                                 \
+        lanes_t r[ROWS];                                                                      \
+        for (int k = 0; k < ROWS; k++) lanes_start(&r[k]);                                    \
         int64_t i = begin;                                                                    \
         for (; i + LANES <= end; i += LANES)                                                  \
-            for (int j = 0; j < LANES; j++) ACCUMULATE(j, VALUE(LOAD, x, y, i + j));          \
-        for (int j = 0; i < end; i++, j++) ACCUMULATE(j, VALUE(LOAD, x, y, i));               \
-        double total_sq = 0, total = 0, top = -__builtin_inf(), bottom = __builtin_inf();     \
-        int64_t total_zeros = 0;                                                              \
-        for (int j = 0; j < LANES; j++) {                                                     \
-            total_sq += sq[j];                                                                \
-            total += sum[j];                                                                  \
-            top = hi[j] > top ? hi[j] : top;                                                  \
-            bottom = lo[j] < bottom ? lo[j] : bottom;                                         \
-            total_zeros += zeros[j];                                                          \
-        }                                                                                     \
-        out[0] = total_sq;                                                                    \
-        out[1] = total;                                                                       \
-        out[2] = top;                                                                         \
-        out[3] = bottom;                                                                      \
-        out[4] = (double)total_zeros;                                                         \
+            for (int j = 0; j < LANES; j++) TAKE(LOAD, r, j, i + j);                          \
+        for (int j = 0; i < end; i++, j++) TAKE(LOAD, r, j, i);                               \
+        for (int k = 0; k < ROWS; k++) lanes_write(&r[k], out + FIELDS * k);                  \
     }
 
-#define PLAIN(LOAD, x, y, i) LOAD(x, i)
-#define DIFFERENCE(LOAD, x, y, i) (LOAD(x, i) - LOAD(y, i))
+/* x */
+#define PLAIN(LOAD, r, j, i) lanes_take(&r[0], j, LOAD(x, i))
+/* x - y (bfloat16 widened first: the difference is not rounded to bfloat16) */
+#define DIFFERENCE(LOAD, r, j, i) lanes_take(&r[0], j, LOAD(x, i) - LOAD(y, i))
+/* x - y, x and y from one read of each */
+#define PARTS(LOAD, r, j, i)                    \
+    do {                                        \
+        float u = LOAD(x, i), w = LOAD(y, i);   \
+        lanes_take(&r[0], j, u - w);            \
+        lanes_take(&r[1], j, u);                \
+        lanes_take(&r[2], j, w);                \
+    } while (0)
 
-DEFINE_PASS(pass_f32, load_f32, PLAIN)
-DEFINE_PASS(pass_f32_diff, load_f32, DIFFERENCE)
-DEFINE_PASS(pass_bf16, load_bf16, PLAIN)
-DEFINE_PASS(pass_bf16_diff, load_bf16, DIFFERENCE)
+DEFINE_PASS(pass_f32, load_f32, 1, PLAIN)
+DEFINE_PASS(pass_f32_diff, load_f32, 1, DIFFERENCE)
+DEFINE_PASS(pass_f32_parts, load_f32, 3, PARTS)
+DEFINE_PASS(pass_bf16, load_bf16, 1, PLAIN)
+DEFINE_PASS(pass_bf16_diff, load_bf16, 1, DIFFERENCE)
+DEFINE_PASS(pass_bf16_parts, load_bf16, 3, PARTS)
 
 typedef struct {
     int64_t tensor, begin, end;
@@ -97,6 +129,7 @@ typedef struct {
     const int32_t *dtypes;
     const piece_t *pieces;
     int64_t count;
+    int32_t rows; /* moments rows per tensor: 1, or 3 (x - y, x, y) */
     double *partial;
     int64_t next; /* shared work counter */
 } job_t;
@@ -105,8 +138,11 @@ static void run_piece(const job_t *job, int64_t k) {
     const piece_t *p = &job->pieces[k];
     const void *x = (const void *)(uintptr_t)job->xs[p->tensor];
     const void *y = (const void *)(uintptr_t)job->ys[p->tensor];
-    double *out = job->partial + FIELDS * k;
-    if (job->dtypes[p->tensor] == TM_BFLOAT16)
+    double *out = job->partial + FIELDS * job->rows * k;
+    int bf16 = job->dtypes[p->tensor] == TM_BFLOAT16;
+    if (job->rows == 3)
+        (bf16 ? pass_bf16_parts : pass_f32_parts)(x, y, p->begin, p->end, out);
+    else if (bf16)
         (y ? pass_bf16_diff : pass_bf16)(x, y, p->begin, p->end, out);
     else
         (y ? pass_f32_diff : pass_f32)(x, y, p->begin, p->end, out);
@@ -122,16 +158,20 @@ static void *worker(void *arg) {
 }
 
 /* Moments of `count` tensors: xs[i] (and ys[i] when non-zero) point at ns[i] elements of
- * dtypes[i]; out receives count x FIELDS doubles. Returns 0, -1 when memory ran out, or -2
- * (reading nothing) when a non-empty tensor has a null pointer. */
+ * dtypes[i]. With rows = 1, out receives count x FIELDS doubles: the moments of x, or of x - y
+ * where ys[i] is non-zero. With rows = 3 (every ys[i] non-zero), count x 3 x FIELDS: the
+ * moments of x - y, of x and of y, from one read of each. Returns 0, -1 when memory ran out,
+ * -2 (reading nothing) when a non-empty tensor has a null pointer, -3 for rows other than 1
+ * or 3. */
 int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int64_t *ns,
-               const int32_t *dtypes, int32_t threads, double *out) {
+               const int32_t *dtypes, int32_t threads, int32_t rows, double *out) {
+    if (rows != 1 && rows != 3) return -3;
     for (int64_t i = 0; i < count; i++)
-        if (ns[i] > 0 && !xs[i]) return -2;
+        if (ns[i] > 0 && (!xs[i] || (rows == 3 && !ys[i]))) return -2;
     int64_t npieces = 0;
     for (int64_t i = 0; i < count; i++) npieces += ns[i] > 0 ? (ns[i] + PIECE - 1) / PIECE : 1;
     piece_t *pieces = malloc(sizeof(piece_t) * (size_t)npieces);
-    double *partial = malloc(sizeof(double) * FIELDS * (size_t)npieces);
+    double *partial = malloc(sizeof(double) * FIELDS * rows * (size_t)npieces);
     if (!pieces || !partial) {
         free(pieces);
         free(partial);
@@ -146,7 +186,7 @@ int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int6
             begin = end;
         } while (begin < ns[i]);
     }
-    job_t job = {xs, ys, dtypes, pieces, npieces, partial, 0};
+    job_t job = {xs, ys, dtypes, pieces, npieces, rows, partial, 0};
     int64_t helpers = threads - 1 < npieces - 1 ? threads - 1 : npieces - 1;
     pthread_t ids[64];
     if (helpers > 64) helpers = 64;
@@ -155,7 +195,7 @@ int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int6
         if (pthread_create(&ids[started], NULL, worker, &job) != 0) break;
     worker(&job);
     for (int64_t t = 0; t < started; t++) pthread_join(ids[t], NULL);
-    for (int64_t i = 0; i < count; i++) {
+    for (int64_t i = 0; i < count * rows; i++) {
         double *o = out + FIELDS * i;
         o[0] = 0;
         o[1] = 0;
@@ -163,14 +203,15 @@ int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int6
         o[3] = __builtin_inf();
         o[4] = 0;
     }
-    for (k = 0; k < npieces; k++) {
-        double *o = out + FIELDS * pieces[k].tensor, *p = partial + FIELDS * k;
-        o[0] += p[0];
-        o[1] += p[1];
-        o[2] = p[2] > o[2] ? p[2] : o[2];
-        o[3] = p[3] < o[3] ? p[3] : o[3];
-        o[4] += p[4];
-    }
+    for (k = 0; k < npieces; k++)
+        for (int32_t r = 0; r < rows; r++) {
+            double *o = out + FIELDS * (rows * pieces[k].tensor + r), *p = partial + FIELDS * (rows * k + r);
+            o[0] += p[0];
+            o[1] += p[1];
+            o[2] = p[2] > o[2] ? p[2] : o[2];
+            o[3] = p[3] < o[3] ? p[3] : o[3];
+            o[4] += p[4];
+        }
     free(pieces);
     free(partial);
     return 0;

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from tmetrics_core.axes import Topology
     from tmetrics_core.metrics.statistics import Statistic
 
-__all__ = ["FIELDS", "SMALL_TABLE", "available", "derivable", "disabled", "moments", "moments_rows", "remember",
+__all__ = ["FIELDS", "SMALL_TABLE", "available", "derivable", "disabled", "moments", "moments_rows", "parts",
            "row_softmax_sums", "statistic_vectors", "takes"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
@@ -124,7 +124,7 @@ def _library() -> ctypes.CDLL | None:
                      exc, " ".join(cc), _cache_dir())
         return None
     lib.tm_moments.restype = ctypes.c_int
-    lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32, ctypes.c_void_p]
+    lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 2 + [ctypes.c_void_p]
     lib.tm_row_softmax.restype = ctypes.c_int
     lib.tm_row_softmax.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 7
     return lib
@@ -158,24 +158,11 @@ def takes(t: torch.Tensor) -> bool:
 
 def derivable(statistics: Sequence[Statistic]) -> bool:
     """Whether every statistic derives from moments rows (or the shape) without reading an
-    element, and the kernel is on: then rows put in the memo by :func:`remember` stand for the
-    tensors themselves, and a tensor of the same shape (even one not holding those values)
-    stands in for each."""
+    element, and the kernel is on: then moments rows put in a memo stand for the tensors
+    themselves, and a tensor of the same shape (even one not holding those values) stands in
+    for each."""
     return (bool(statistics) and all((s.moments and not s.reads_elements) or s.shape_only for s in statistics)
             and _switch["on"] and _library() is not None)
-
-
-def remember(memo: dict[Hashable, torch.Tensor | None], keys: Sequence[Hashable], tensors: Sequence[torch.Tensor],
-             minus: Sequence[torch.Tensor | None] | None = None) -> None:
-    """Put the moments rows of ``tensors`` (minus ``minus``, see :func:`moments`) in ``memo``
-    under ``("moments", key)``, one kernel call, in the given order (list a tensor next to the
-    difference it is part of and the second read comes from cache).
-
-    Raises:
-        RuntimeError, ValueError: as :func:`moments`.
-    """
-    block = moments(tensors, minus)
-    memo.update((("moments", key), (block, i)) for i, key in enumerate(keys))
 
 
 def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
@@ -196,17 +183,41 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
         RuntimeError: the kernel is unavailable (see :func:`available`), ran out of memory,
             or was given a non-empty tensor without a data pointer.
     """
+    minus = list(minus) if minus is not None else [None] * len(tensors)
+    return _run(_checked(tensors, minus), tensors, minus)
+
+
+def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(tensors), 3, 5]`` float64: for each pair ``(x, y)`` of ``tensors`` and ``minus``
+    (same dtype and element count), the :data:`FIELDS` rows of ``x - y``, of ``x`` and of ``y``,
+    from one read of each (an optimizer step's update, the parameter after and before it). The
+    pass takes what reading ``x - y`` and then ``x`` again takes; ``y``'s row comes free. Each
+    row equals :func:`moments` of that tensor bit for bit.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`moments` (a ``minus`` entry may not be None).
+    """
+    if any(m is None for m in minus):
+        raise ValueError("parts() needs a tensor to subtract for every tensor; use moments() for single tensors")
+    return _run(_checked(tensors, minus), tensors, minus, rows=3).view(len(tensors), 3, len(FIELDS))
+
+
+def _checked(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None]) -> ctypes.CDLL:
+    """The kernel library, once every tensor and ``minus`` entry is known to be one it reads.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`moments`.
+    """
     lib = _library()
     if lib is None:
         raise RuntimeError("the fused moments kernel is unavailable; see tmetrics_core.metrics.moments")
-    minus = list(minus) if minus is not None else [None] * len(tensors)
     for t, m in zip(tensors, minus):
         if not takes(t):
             raise ValueError(f"moments takes contiguous CPU float32/bfloat16 tensors; got {t.dtype} on "
                              f"{t.device}, contiguous={t.is_contiguous()}")
         if m is not None and (m.dtype != t.dtype or m.numel() != t.numel() or not takes(m)):
             raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {t.numel()} elements, contiguous CPU)")
-    return _run(lib, tensors, minus)
+    return lib
 
 
 def _address(values: array.array) -> int:
@@ -214,10 +225,12 @@ def _address(values: array.array) -> int:
     return values.buffer_info()[0]
 
 
-def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """:func:`moments` of tensors already checked."""
+def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None], rows: int = 1
+         ) -> torch.Tensor:
+    """``[rows * len(tensors), 5]``: :func:`moments` (``rows=1``) or :func:`parts` (``rows=3``)
+    of tensors already checked."""
     n = len(tensors)
-    out = torch.empty((n, len(FIELDS)), dtype=torch.float64)
+    out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
     if not n:
         return out
     # Python arrays, not torch tensors: no torch op per call (this runs once per observation),
@@ -228,7 +241,8 @@ def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torc
     dtypes = array.array("i", [_DTYPES[t.dtype] for t in tensors])
     # The caller's thread always works; more only for inputs large enough to repay a thread start.
     threads = torch.get_num_threads() if sum(ns) > _THREADED else 1
-    status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, out.data_ptr())
+    status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, rows,
+                            out.data_ptr())
     if status:
         raise RuntimeError("the fused moments kernel " + ("ran out of memory" if status == -1 else
                                                           "was given a tensor without data (null pointer)"))
