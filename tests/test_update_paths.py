@@ -141,3 +141,66 @@ def test_non_finite_counts_of_updates_read_the_updates_themselves() -> None:
     got = {(r.metric, r.stat): r.value for r in metrics.last_records}
     assert got[("global-update-nonfinite", "nan")] == 2
     assert math.isnan(got[("layer-update-ratio", None)])
+
+
+@pytest.mark.parametrize("path", ["fused", "torch kernels", "written update"])
+@pytest.mark.parametrize("early", [False, True], ids=["pre-hook", "observe_gradients"])
+def test_parameter_metrics_with_an_update_due_measure_the_parameters_before_the_step(path: str, early: bool,
+                                                                                      monkeypatch) -> None:
+    """With an update metric due, metrics of parameters alone are prepared after the step from
+    the update snapshot: the values are those of the parameters before the step, and on the
+    fused path the parameters are read by one kernel pass in all (with the update), none before
+    the step."""
+    passes: list[tuple[int, set[int], bool]] = []  # (moments rows per tensor, data pointers, before the step)
+    stepped = [False]
+    original = moments._run
+    monkeypatch.setattr(moments, "_run", lambda lib, tensors, minus, rows=1: passes.append(
+        (rows, {t.data_ptr() for t in tensors}, not stepped[0])) or original(lib, tensors, minus, rows))
+    model = Transformer(SMALL, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))
+    chosen = [(build_metric(name), 1) for name in ("layer-param-l2", "layer-param-absmax", "layer-update-ratio",
+                                                     "layer-grad-l2")]
+    if path == "written update":
+        chosen.append((UpdateMeanRowL2(), 1))
+    metrics = TensorMetrics(model, metrics=chosen, optimizer=optimizer)
+    tokens = torch.randint(0, 256, (2, SMALL.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    names = [n for n, _ in model.named_parameters()]
+    with moments.disabled() if path == "torch kernels" else contextlib.nullcontext():
+        with metrics.step(1):
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            if early:
+                metrics.observe_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+    values = {(r.metric, r.layer): r.value for r in metrics.last_records}
+    metrics.close()
+    for layer in range(SMALL.n_layers):
+        theta = torch.cat([before[i].reshape(-1) for i, n in enumerate(names) if n.startswith(f"layers.{layer}.")])
+        assert values[("layer-param-l2", layer)] == pytest.approx(theta.double().norm().item(), rel=1e-9)
+        assert values[("layer-param-absmax", layer)] == theta.abs().max().item()
+    if path == "fused":
+        layered = {p.data_ptr() for p, n in zip(model.parameters(), names) if n.startswith("layers.")}
+        assert [rows for rows, read, _ in passes if read & layered] == [3]  # updates, after and before: one read
+        assert [early for _, read, early in passes if read & layered] == [False]
+
+
+def test_parameter_metrics_without_an_optimizer_step_in_the_scope_read_the_parameters() -> None:
+    """An update metric is due but no optimizer step runs in the scope: the parameter metrics
+    deferred to the snapshot read the parameters (unchanged) at the step's end instead."""
+    model = Transformer(SMALL, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-param-l2"), 1), (build_metric("layer-update-ratio"), 1)],
+                            optimizer=optimizer)
+    with metrics.step(1):
+        pass
+    values = {(r.metric, r.layer): r.value for r in metrics.last_records}
+    names = [n for n, _ in model.named_parameters()]
+    params = [p.detach() for p in model.parameters()]
+    theta = torch.cat([params[i].reshape(-1) for i, n in enumerate(names) if n.startswith("layers.0.")])
+    assert values[("layer-param-l2", 0)] == pytest.approx(theta.double().norm().item(), rel=1e-9)
+    assert ("layer-update-ratio", 0) not in values
+    assert [f.metric for f in metrics.failures] == ["layer-update-ratio"]
+    metrics.close()

@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,7 @@ class TensorMetrics:
         self._sites: dict[SiteKey, Site] = {}
         self._kind_sites: dict[str, list[Site]] = {}
         self._choices = SiteChoices()
-        self._static: dict[str, bool] = {}
+        self._static: dict[Hashable, Any] = {}
         self._token_sites = TokenSites()  # token sites and their placement checks, kept across steps
         self._num_experts = self.manifest.num_experts
         self._closed = False
@@ -291,8 +291,10 @@ class TensorMetrics:
                 self._step, self._due, self._before, self._prepared, self._sites = None, [], None, {}, {}
 
     def observe_gradients(self) -> None:
-        """Read parameters and gradients now (e.g. before clipping) instead of in the optimizer's
-        pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``.
+        """Read gradients (and parameters) now, e.g. before clipping, instead of in the optimizer's
+        pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``. Metrics
+        of parameters alone still see them as the optimizer step does when an update metric is
+        due: they are read from its snapshot (see :meth:`_from_snapshot`).
 
         Raises:
             TMetricsError: after :meth:`close`.
@@ -315,10 +317,9 @@ class TensorMetrics:
         if self._step is None or not self._due:
             return
         self._prepare_phase("pre")
-        updates = [m for m, _ in self._due if "update" in m.source_kinds]
-        if updates:  # only the tensors some update metric reads: the snapshot is their copy
-            self._before = snapshot(self.manifest, {s.name for s in self._sites_of("update")
-                                                    if any(m.accepts(s) for m in updates)})
+        names = self._snapshot_names()
+        if names:  # only the tensors some update metric reads: the snapshot is their copy
+            self._before = snapshot(self.manifest, names)
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._step is None or not self._due:
@@ -330,43 +331,116 @@ class TensorMetrics:
         """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
         state or updates (their parameters are the values after the step; updates are read as
         ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
-        consume). A failure to read the tensors becomes every phase metric's error."""
+        consume), and first the metrics of :meth:`_from_snapshot`. A failure to read the
+        tensors becomes every phase metric's error."""
+        later = self._from_snapshot()
+
         def in_phase(m: TensorMetric) -> bool:
             kinds = set(m.source_kinds)
             if phase == "pre":
-                return bool(kinds) and kinds <= PARAM_KINDS
+                return bool(kinds) and kinds <= PARAM_KINDS and m.name not in later
             return bool(kinds & OPTIMIZER_KINDS) and not kinds & TOKEN_KINDS
 
         metrics = [m for m, _ in self._due if in_phase(m) and m.name not in self._prepared]
+        before = [m for m, _ in self._due if m.name in later and m.name not in self._prepared] if phase == "post" else []
         if phase == "post" and self._before is None:
             for m in [m for m in metrics if "update" in m.source_kinds]:
                 self._prepared[m.name] = ({}, "optimizer.step() did not run inside this step scope; no update")
                 metrics.remove(m)
-        if not metrics:
+        if not metrics and not before:
             return
         memo: dict = {}
-        try:
-            sites, tensors = self._read_phase(metrics, phase, memo)
-            failed = None
-        except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
+        before_memo: dict = {}
+        # The snapshot as taken: the fused pass only reads it; read_kind("update") (in
+        # _read_phase) overwrites it with the updates, after the metrics of `before` read it.
+        snapshots = dict(self._before or {})
+        pairs, failed = None, None
+        if phase == "post":
+            try:
+                pairs = self._fused_updates(metrics, memo, before_memo)
+            except Exception as exc:  # noqa: BLE001 - the kernel failed (the snapshot is intact)
+                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
+        if before:
+            self._prepare_before(before, snapshots, before_memo)
+        if not metrics:
+            return
+        if failed is None:
+            try:
+                sites, tensors = self._read_phase(metrics, phase, pairs)
+            except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
+                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
+        if failed is not None:
             # Reported and skipped on every rank by the executor's failure agreement; the
             # placeholders keep this rank's collectives (Partial gradients) the same as the others'.
-            failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
             sites = [s for kind in sorted({k for m in metrics for k in m.source_kinds})
                      for s in (self._grad_sites() if kind == "grad" else self._sites_of(kind))]
             tensors, memo = [None] * len(sites), {}
+        self._prepare_from(metrics, sites, tensors, memo, failed)
+
+    def _prepare_from(self, metrics: list[TensorMetric], sites: list[Site], tensors: list[torch.Tensor | None],
+                      memo: dict, failed: str | None) -> None:
+        """Prepare ``metrics`` on the local tensors of ``sites`` (Partial ones reduced first) and
+        keep their states, with ``failed`` (a reading error) as every metric's error."""
         sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
         for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo, self._choices):
             self._prepared[metric.name] = (state, failed or error)
         self._sites.update((s.key, s) for s in sites)
 
-    def _read_phase(self, metrics: list[TensorMetric], phase: str, memo: dict
+    def _prepare_before(self, metrics: list[TensorMetric], snapshots: dict[str, torch.Tensor], memo: dict) -> None:
+        """Prepare the metrics of :meth:`_from_snapshot` on the parameters as they were before
+        the optimizer step: the snapshot's copies (exact), whose moments rows ``memo`` holds when
+        the fused update pass read them; the parameters themselves when no step ran in the scope
+        (then nothing changed them)."""
+        try:
+            params = read_kind("param", self.manifest, self.optimizer)
+            tensors = [snapshots.get(e.name, p) if p is not None else None
+                       for e, p in zip(self.manifest.entries, params)]
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
+            tensors, memo = [None] * len(self.manifest.entries), {}
+            failed = f"reading the parameters failed: {type(exc).__name__}: {exc}"
+        self._prepare_from(metrics, list(self._sites_of("param")), tensors, memo, failed)
+
+    def _snapshot_names(self) -> frozenset[str]:
+        """Names of the parameters this due step's update metrics read (their snapshot), found
+        once per due set."""
+        updates = tuple(m for m, _ in self._due if "update" in m.source_kinds)
+        key = ("snapshot", tuple(m.name for m in updates))
+        if key not in self._static:
+            self._static[key] = frozenset(s.name for s in self._sites_of("update")
+                                          if any(m.accepts(s) for m in updates))
+        return self._static[key]
+
+    def _from_snapshot(self) -> frozenset[str]:
+        """Names of the due metrics that read parameters only, every one of them in the update
+        snapshot. They are prepared after the optimizer step on the snapshot (the parameters
+        before the update, exactly): the fused update pass yields the snapshot's moments rows
+        with no read of its own, so no pass over the parameters runs before the step. Not with
+        flat-buffer or Partial parameters (read and reduced as they are). Found once per due set.
+        """
+        key = ("from snapshot", tuple(m.name for m, _ in self._due))
+        if key not in self._static:
+            names = self._snapshot_names()
+            plain = "param" not in self.flat and "update" not in self.flat and not self._known(
+                "partial params", self._partial_params)
+            found = set()
+            for m, _ in self._due if names and plain else ():
+                read = {s.name for s in self._sites_of("param") if m.accepts(s)}
+                if set(m.source_kinds) == {"param"} and read and read <= names:
+                    found.add(m.name)
+            self._static[key] = frozenset(found)
+        return self._static[key]
+
+    def _partial_params(self) -> bool:
+        return any(p.is_partial() for kind in ("update", "param") for s in self._sites_of(kind) for _, p in s.placements)
+
+    def _read_phase(self, metrics: list[TensorMetric], phase: str,
+                    pairs: list[tuple[torch.Tensor, torch.Tensor] | None] | None
                     ) -> tuple[list[Site], list[torch.Tensor | None]]:
         """Sites and local tensors of every kind the phase's metrics read (rank-symmetric sites);
-        in the post phase, the moments of fused updates go into ``memo``."""
+        ``pairs``: the fused updates of :meth:`_fused_updates` (their moments in the memo)."""
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
-        pairs = self._fused_updates(metrics, memo) if phase == "post" else None
         for kind in sorted({k for m in metrics for k in m.source_kinds}):
             if kind == "update" and pairs is not None:
                 # The snapshots stand in for the updates: every statistic of them comes from
@@ -385,52 +459,54 @@ class TensorMetrics:
             tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
         return sites, tensors
 
-    def _fused_updates(self, metrics: list[TensorMetric], memo: dict
+    def _fused_updates(self, metrics: list[TensorMetric], memo: dict, before: dict
                        ) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
-        """``(parameter now, snapshot)`` per manifest entry, their moments put in ``memo``, when
-        every metric reading updates derives all its statistics from fused moments and the
-        kernel takes every pair, so the update need not be written (``p - prev`` is read by
-        the kernel); else None (and ``read_kind`` computes the updates in place)."""
+        """``(parameter now, snapshot)`` per manifest entry, their moments put in ``memo`` (and
+        the snapshots' in ``before``), when every metric reading updates derives all its
+        statistics from fused moments and the kernel takes every pair, so the update need not
+        be written (``p - prev`` is read by the kernel); else None (and ``read_kind`` computes
+        the updates in place)."""
         readers = [m for m in metrics if "update" in m.source_kinds]
         if not readers or "update" in self.flat or self._before is None:
             return None
         # Partial parameters are materialized after reading (resolve_partials): their local
         # moments would be of one part.
-        if self._known("partial params", lambda: any(p.is_partial() for kind in ("update", "param")
-                                                     for s in self._sites_of(kind) for _, p in s.placements)):
+        if self._known("partial params", self._partial_params):
             return None
         if not all(reads_only_moments(m) for m in readers):
             return None
         pairs = update_pairs(self.manifest, self._before)
         try:
-            self._remember_updates(pairs, memo)
+            self._remember_updates(pairs, memo, before)
         except ValueError:  # a tensor the kernel does not take (checked before it reads anything)
             # Put the snapshots back for read_kind; nothing was consumed.
             self._before = {e.name: pair[1] for e, pair in zip(self.manifest.entries, pairs) if pair is not None}
             return None
         return pairs
 
-    def _remember_updates(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None], memo: dict) -> None:
-        """Moments of every update and of its parameter after the step, one kernel call with
-        each parameter next to its update (its second read comes from cache).
+    def _remember_updates(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None], memo: dict,
+                          before: dict) -> None:
+        """Moments of every update, of its parameter after the step (into ``memo``) and before
+        it (the snapshot, into ``before``), from one kernel pass over each pair.
 
         Raises:
             ValueError: a tensor the kernel does not take, or a snapshot whose dtype or size
                 differs from its parameter's (before anything is read).
         """
         keys, tensors, minus = [], [], []
-        params = {s.name: s for s in self._sites_of("param")} if "param" not in self.flat else {}
+        params = {s.name: s.key for s in self._sites_of("param")} if "param" not in self.flat else {}
         for site, pair in zip(self._sites_of("update"), pairs):
             if pair is None:
                 continue
-            keys.append(site.key)
+            keys.append((site.key, params.get(site.name)))
             tensors.append(pair[0])
             minus.append(pair[1])
-            if site.name in params:
-                keys.append(params[site.name].key)
-                tensors.append(pair[0])
-                minus.append(None)
-        moments.remember(memo, keys, tensors, minus)
+        block = moments.parts(tensors, minus).flatten(0, 1)
+        for i, (update, param) in enumerate(keys):
+            memo[("moments", update)] = (block, 3 * i)
+            if param is not None:
+                memo[("moments", param)] = (block, 3 * i + 1)
+                before[("moments", param)] = (block, 3 * i + 2)
 
     def _grad_sites(self) -> list[Site]:
         """Gradient sites with the gradient's own DTensor placements where they differ from the
