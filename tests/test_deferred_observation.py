@@ -443,3 +443,44 @@ def test_the_token_mask_leaves_an_expert_bias_as_long_as_the_micro_batch_whole()
         assert got[("layer-router-expert-bias", layer, "mean")] == pytest.approx(bias.mean().item())
         assert got[("layer-router-expert-bias", layer, "std")] == pytest.approx(bias.std(correction=0).item())
         assert got[("layer-router-expert-bias", layer, "range")] == pytest.approx(3.0)
+
+
+def test_routes_of_repeated_hook_calls_give_the_general_paths_values(monkeypatch) -> None:
+    """From its second call on, a hook's plain-tensor observation follows the route found on the
+    first (no site or reader lookup): over three steps of three micro-batches the records are
+    those of the general path, bit for bit, and the routes were taken."""
+    from tmetrics_core.sources.tokens import TokenObserver
+
+    original = TokenObserver._follow
+
+    def run(follow: bool) -> tuple[list[dict], int]:
+        taken = [0]
+
+        def counted(self, route, tensor, minus):
+            done = follow and original(self, route, tensor, minus)
+            taken[0] += done
+            return done
+
+        monkeypatch.setattr(TokenObserver, "_follow", counted)
+        model = Model()
+        metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in ROUTER + RESIDUAL + FAMILIES])
+        out = []
+        for step in (1, 2, 3):
+            xs, masks = _batches([(2, 5), (3, 5), (1, 4)], [False, False, step == 2], seed=step)
+            with metrics.step(step):
+                for x, mask in zip(xs, masks):
+                    model(x, mask).sum().backward()
+            assert metrics.failures == []
+            out.append(_records(metrics))
+        metrics.close()
+        return out, taken[0]
+
+    general, none_taken = run(follow=False)
+    routed, taken = run(follow=True)
+    assert none_taken == 0 and taken > 20
+    for got, want in zip(routed, general):
+        assert got.keys() == want.keys()
+        for key in want:
+            same = got[key] == want[key] or (isinstance(want[key], float) and math.isnan(want[key])
+                                             and math.isnan(got[key]))
+            assert same, key

@@ -33,7 +33,7 @@ from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.modules import ModuleIndex
 
-__all__ = ["TOKEN_KINDS", "TokenObserver", "TokenSites"]
+__all__ = ["TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
 
 TOKEN_KINDS = frozenset({
     "residual_accumulator", "residual_contribution", "logits", "activation",
@@ -61,6 +61,20 @@ class TokenSites:
     """``(shape, dtype)`` -> a one-element NaN tensor of that shape (zero strides) that stands in
     for an observation whose moments rows are in the memo: its statistics never read elements
     (were one read, it would show as NaN, not as a plausible number)."""
+    routes: dict[tuple, Route] = field(default_factory=dict)
+    """``(module, name, kind, shard_dim, dtype, width, with minus, due metric names)`` -> the
+    :class:`Route` of a plain-tensor observation: later calls skip the site and reader lookups."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the observations of one hook call go, found on its first call per run and due set:
+    the ``site``, its ``readers`` (as :meth:`TokenObserver._readers`) and whether every metric
+    prepared at once derives from moments rows (``rows``: one kernel read, rows kept)."""
+
+    site: Site
+    readers: tuple[tuple[TensorMetric, bool], ...]
+    rows: bool
 
 
 class TokenObserver:
@@ -90,12 +104,42 @@ class TokenObserver:
         self._memos: list[dict] = []
         self._views: list[tuple[Site, torch.Tensor, int]] = []
 
-    @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
         """Observe ``tensor`` (``tensor - minus`` when ``minus`` is given: same shape, local)."""
         if torch._C._current_graph_task_id() != -1:
             return  # recomputation inside backward (activation checkpointing)
+        # Plain tensors of a call seen before, no padding to strip: the route found then.
+        if (type(tensor) is torch.Tensor and (minus is None or type(minus) is torch.Tensor) and tensor.dim() > 1
+                and (self._mask is None or kind not in TOKEN_KINDS)):
+            key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
+            route = self.known.routes.get(key)
+            if route is not None and self._follow(route, tensor, minus):
+                return
+        self._record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus)
+
+    def _follow(self, route: Route, tensor: torch.Tensor, minus: torch.Tensor | None) -> bool:
+        """Observe along ``route``: read the rows, or keep a router output; False (nothing done)
+        where the general path must run (the kernel is off or does not take the tensors)."""
+        site = route.site
+        self.sites[site.key] = site
+        if route.rows:
+            return self._read_rows(site, route.readers, tensor, minus, (tensor.numel() // tensor.shape[-1],
+                                                                        tensor.shape[-1]))
+        if site.kind not in ROUTER_KINDS or minus is not None:
+            return False
+        x = tensor.detach().reshape(-1, tensor.shape[-1])
+        if route.readers and not x.is_inference():
+            self._views.append((site, x, x._version))
+        for metric, _ in route.readers:  # all prepared at the step's end (router sites)
+            if metric.name not in self.errors:
+                self._deferred.setdefault(metric.name, []).append((site, x))
+        return True
+
+    @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
+    def _record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
+                shard_dim: int | None, minus: torch.Tensor | None) -> None:
+        """The general path of :meth:`record`: every tensor, padding, DTensors; finds the route."""
         if kind == "token_mask":
             mask = tensor.detach().reshape(-1).bool()
             # No padding: nothing to strip, and no boolean-index copy (or, on an accelerator, a
@@ -110,6 +154,10 @@ class TokenObserver:
         path = self.index.path(module)
         site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path, split_axes)
         readers = self._readers(site, path)
+        if (type(tensor) is torch.Tensor and (minus is None or type(minus) is torch.Tensor) and tensor.dim() > 1
+                and not masked):
+            key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
+            self.known.routes[key] = Route(site, tuple(readers), self._rows_suffice(site, path, readers))
         if not masked and self._from_rows(site, path, readers, x, y):
             return
         if y is not None:
@@ -136,25 +184,36 @@ class TokenObserver:
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
 
+    def _rows_suffice(self, site: Site, path: str, readers: list[tuple[TensorMetric, bool]]) -> bool:
+        """Whether every metric prepared at once derives all it reads from moments rows."""
+        key = (site, path, self._names)
+        suffice = self.known.from_rows.get(key)
+        if suffice is None:
+            at_once = [m for m, joint in readers if not joint]
+            suffice = self.known.from_rows[key] = bool(at_once) and all(map(reads_only_moments, at_once))
+        return suffice
+
     def _from_rows(self, site: Site, path: str, readers: list[tuple[TensorMetric, bool]], x: torch.Tensor,
                    y: torch.Tensor | None) -> bool:
         """Read ``x`` (minus ``y``) with the moments kernel and keep the row for the step's end,
         when every metric prepared at once derives its statistics from it; False (nothing
         done) otherwise. The metrics then see a stand-in of ``x``'s shape."""
+        return self._rows_suffice(site, path, readers) and self._read_rows(site, readers, x, y, tuple(x.shape))
+
+    def _read_rows(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], x: torch.Tensor,
+                   y: torch.Tensor | None, shape: tuple[int, int]) -> bool:
+        """Read ``x`` (minus ``y``, of the same dtype and size) with the moments kernel, keep the
+        row for the step's end and give the metrics prepared at once a NaN stand-in of
+        ``shape``; False (nothing done) when the kernel is off or does not take the tensors."""
         if not moments.available():
             # Checked on every call, not remembered: the kernel may be switched off for a
             # while (moments.disabled()), and then statistics read the tensors themselves.
             return False
-        key = (site, path, self._names)
-        rows_suffice = self.known.from_rows.get(key)
-        if rows_suffice is None:
-            at_once = [m for m, joint in readers if not joint]
-            rows_suffice = self.known.from_rows[key] = bool(at_once) and all(map(reads_only_moments, at_once))
-        if not (rows_suffice and moments.takes(x) and (y is None or (moments.takes(y) and y.dtype == x.dtype))):
-            return False
         now = [m for m, joint in readers if not joint and m.name not in self.errors]
         try:
             block = moments.moments([x], [y])
+        except ValueError:  # a tensor the kernel does not take (refused before reading)
+            return False
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
             for metric in now:
                 self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
@@ -164,10 +223,9 @@ class TokenObserver:
         while len(self._memos) <= k:
             self._memos.append({})
         self._memos[k][("moments", site.key)] = (block, 0)
-        standin = self.known.standins.get((tuple(x.shape), x.dtype))
+        standin = self.known.standins.get((shape, x.dtype))
         if standin is None:
-            standin = self.known.standins[(tuple(x.shape), x.dtype)] = torch.full(
-                (), float("nan"), dtype=x.dtype).expand(x.shape)
+            standin = self.known.standins[(shape, x.dtype)] = torch.full((), float("nan"), dtype=x.dtype).expand(shape)
         for metric in now:
             self._deferred.setdefault(metric.name, []).append((site, standin))
         return True
@@ -282,6 +340,8 @@ class TokenObserver:
         return site
 
 
+_NO_AXES: frozenset[str] = frozenset()
+
 ROUTER_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
 """Token kinds kept until the step's end (``[tokens, experts]``: small next to activations)."""
 
@@ -302,10 +362,12 @@ def _local_tokens(tensor: torch.Tensor, shard_dim: int | None
     ``Shard`` of the last (feature) dim becomes ``shard_dim``, and a ``Shard`` of a leading
     dim (sequence parallel) makes that axis a population split, like the data axes.
     """
+    if type(tensor) is torch.Tensor:  # the common case, before the import below
+        return tensor, shard_dim, _NO_AXES
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(tensor, DTensor):
-        return tensor, shard_dim, frozenset()
+        return tensor, shard_dim, _NO_AXES
     if any(p.is_partial() for p in tensor.placements):
         tensor = tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
     names = tensor.device_mesh.mesh_dim_names or ()
