@@ -18,7 +18,7 @@ from tmetrics_core.metrics import moments
 from tmetrics_core.metrics.statistics import ABSMAX, MAX, MIN, NONFINITE, SUM, SUMSQ, ZEROS
 from tmetrics_core.site import Site
 
-PIECE = 1 << 20
+PIECE = 1 << 16
 SIZES = (0, 1, 15, 16, 17, 1000, PIECE - 1, PIECE + 3, 4 * PIECE + 7)  # the last: threaded
 
 
@@ -54,6 +54,27 @@ def test_moments_match_float64_reference(dtype: torch.dtype, threads: int) -> No
         assert row[0] == pytest.approx(ref[0], rel=1e-12, abs=1e-12)
         assert row[1] == pytest.approx(ref[1], rel=1e-9, abs=1e-9)
         assert row[2:] == ref[2:]
+
+
+def test_the_thread_count_does_not_change_a_bit() -> None:
+    """Pieces are merged in their order whichever thread read them: one and two threads agree
+    bit for bit (moments, parts and row softmax sums), on a call large enough to go parallel."""
+    tensors = [_tensor(n, i, torch.float32) for i, n in enumerate(SIZES)]
+    others = [_tensor(n, 50 + i, torch.float32) for i, n in enumerate(SIZES)]
+    tables = [torch.randn(700, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    assert sum(t.numel() for t in tensors) >= moments._PARALLEL
+    assert sum(t.numel() for t in tables) >= moments._PARALLEL // 16
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got.append((moments.moments(tensors), moments.parts(tensors, others),
+                        moments.row_softmax_sums(tables, [8] * 6, [False] * 6)))
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*got):
+        assert torch.equal(one, two)
 
 
 def test_moments_of_a_difference_without_materializing_it() -> None:

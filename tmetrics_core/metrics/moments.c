@@ -14,19 +14,22 @@
  * (x, y) writes those of x - y, x and y (an optimizer step's update, the parameter after it and
  * the parameter before it): no slower than reading x - y and x again, and y's row comes free.
  *
- * Work is cut into pieces of at most PIECE elements; `threads` > 1 runs the pieces on that many
- * POSIX threads (the caller's thread included) and merges them per tensor. Accumulators are
- * kept in LANES independent lanes so the compiler vectorizes the loop without reassociating
- * floating point (no -ffast-math: NaN must still propagate).
+ * Work is cut into pieces of at most PIECE elements, merged per tensor in piece order (the
+ * result does not depend on the thread count). `threads` > 1 runs the pieces on that many
+ * OpenMP threads: built with -fopenmp where torch's own runtime is libgomp, the kernel shares
+ * torch's thread pool, whose workers are still spinning after the model's last kernel (a pool
+ * of its own would fight them for the cores). Without -fopenmp the pragmas are ignored and one
+ * thread reads everything. Accumulators are kept in LANES independent lanes so the compiler
+ * vectorizes the loop without reassociating floating point (no -ffast-math: NaN must still
+ * propagate).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define LANES 16
-#define PIECE (1 << 20)
+#define PIECE (1 << 16)
 #define FIELDS 5
 
 enum { TM_FLOAT32 = 0, TM_BFLOAT16 = 1 };
@@ -131,7 +134,6 @@ typedef struct {
     int64_t count;
     int32_t rows; /* moments rows per tensor: 1, or 3 (x - y, x, y) */
     double *partial;
-    int64_t next; /* shared work counter */
 } job_t;
 
 static void run_piece(const job_t *job, int64_t k) {
@@ -146,15 +148,6 @@ static void run_piece(const job_t *job, int64_t k) {
         (y ? pass_bf16_diff : pass_bf16)(x, y, p->begin, p->end, out);
     else
         (y ? pass_f32_diff : pass_f32)(x, y, p->begin, p->end, out);
-}
-
-static void *worker(void *arg) {
-    job_t *job = arg;
-    for (;;) {
-        int64_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (k >= job->count) return NULL;
-        run_piece(job, k);
-    }
 }
 
 /* Moments of `count` tensors: xs[i] (and ys[i] when non-zero) point at ns[i] elements of
@@ -186,15 +179,9 @@ int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int6
             begin = end;
         } while (begin < ns[i]);
     }
-    job_t job = {xs, ys, dtypes, pieces, npieces, rows, partial, 0};
-    int64_t helpers = threads - 1 < npieces - 1 ? threads - 1 : npieces - 1;
-    pthread_t ids[64];
-    if (helpers > 64) helpers = 64;
-    int64_t started = 0;
-    for (; started < helpers; started++)
-        if (pthread_create(&ids[started], NULL, worker, &job) != 0) break;
-    worker(&job);
-    for (int64_t t = 0; t < started; t++) pthread_join(ids[t], NULL);
+    job_t job = {xs, ys, dtypes, pieces, npieces, rows, partial};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && npieces > 1)
+    for (int64_t q = 0; q < npieces; q++) run_piece(&job, q);
     for (int64_t i = 0; i < count * rows; i++) {
         double *o = out + FIELDS * i;
         o[0] = 0;
@@ -268,12 +255,15 @@ static void probability_row(const void *x, int32_t dtype, int64_t base, int64_t 
 /* Row softmax sums of `count` contiguous [rows[i], cols[i]] tables xs[i] (float32 or bfloat16;
  * probabilities[i] non-zero: the rows are probabilities, else logits), in float64: out receives
  * count x 6 doubles [0, sum H, sum H / log classes[i], sum lse, sum lse^2, rows] (the finished
- * vector of softmax.py; NaN normalizer for one class; zeros without rows). Returns 0, or -2
- * (reading nothing) when a non-empty table has a null pointer. */
+ * vector of softmax.py; NaN normalizer for one class; zeros without rows), the tables spread
+ * over `threads` threads. Returns 0, or -2 (reading nothing) when a non-empty table has a null
+ * pointer. */
 int tm_row_softmax(int64_t count, const uint64_t *xs, const int64_t *rows, const int64_t *cols,
-                   const int64_t *classes, const int32_t *dtypes, const int32_t *probabilities, double *out) {
+                   const int64_t *classes, const int32_t *dtypes, const int32_t *probabilities, int32_t threads,
+                   double *out) {
     for (int64_t i = 0; i < count; i++)
         if (rows[i] > 0 && cols[i] > 0 && !xs[i]) return -2;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
     for (int64_t i = 0; i < count; i++) {
         const void *x = (const void *)(uintptr_t)xs[i];
         double *o = out + 6 * i, sum_h = 0, sum_lse = 0, sum_lse_sq = 0;

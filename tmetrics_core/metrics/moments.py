@@ -50,12 +50,13 @@ FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_FLAGS = ("-O3", "-fPIC", "-shared", "-pthread", "-fno-math-errno", "-fno-trapping-math")
+_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
 _ARCH = (("-march=native",), ())
-_THREADED = 1 << 22
-"""Elements above which the kernel uses ``torch.get_num_threads()`` threads. Below it one thread
-wins: a thread start costs tens of microseconds, and right after a torch kernel its OpenMP
-workers still spin on the other cores."""
+_PARALLEL = 1 << 17
+"""Elements from which a :func:`moments` call spreads its pieces (``1 << 16`` elements each)
+over ``torch.get_num_threads()`` threads: torch's own OpenMP workers (see :func:`_openmp`),
+which cost a few microseconds to wake right after the model's kernels. Row softmax tables cost
+about 16x more per element, so they go parallel from ``_PARALLEL // 16`` elements."""
 SMALL_TABLE = 1 << 16
 """Elements up to which :func:`row_softmax_sums` takes a table (router logits of a few thousand
 tokens): there one kernel call replaces some twenty small torch ops per table."""
@@ -80,6 +81,19 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _openmp() -> tuple[str, ...]:
+    """``("-fopenmp",)`` where this process's OpenMP runtime is GNU ``libgomp.so.1`` (torch's
+    Linux wheels): the kernel, linked against the same soname, then shares torch's thread pool.
+    Else ``()``: a second runtime's threads would fight torch's spinning workers for the cores
+    (measured slower than one thread), so the kernel stays on one thread."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ()
+    loaded = {line.rsplit("/", 1)[-1] for line in maps.splitlines() if "libgomp" in line}
+    return ("-fopenmp",) if "libgomp.so.1" in loaded else ()
+
+
 def _compile(cc: list[str], target: Path) -> None:
     """Build the shared library at ``target`` (atomically: ranks of one node may race)."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -87,9 +101,12 @@ def _compile(cc: list[str], target: Path) -> None:
     os.close(fd)
     try:
         # -march=native vectorizes the lanes for this CPU (2.7x faster than the baseline ISA);
-        # compilers or architectures without it get the portable build.
-        for arch in _ARCH:
-            done = subprocess.run([*cc, *_FLAGS, *arch, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        # compilers or architectures without it get the portable build, and compilers without
+        # OpenMP (clang without libomp) the single-threaded one.
+        openmp = _openmp()
+        variants = [(*omp, *arch) for arch in _ARCH for omp in dict.fromkeys((openmp, ()))]
+        for flags in variants:
+            done = subprocess.run([*cc, *_FLAGS, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode == 0 and os.path.getsize(tmp) > 0:
                 os.replace(tmp, target)
@@ -111,7 +128,7 @@ def _library() -> ctypes.CDLL | None:
     cc = shlex.split(found)  # CC may carry flags ("gcc -O2"), as make allows
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(cc), version, repr((_FLAGS, _ARCH)),
+        key = hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(cc), version, repr((_FLAGS, _ARCH, _openmp())),
                                         platform.machine(), _cpu_flags())).encode()).hexdigest()[:20]
         path = _cache_dir() / f"moments-{key}.so"
         if not path.exists():
@@ -126,7 +143,7 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_moments.restype = ctypes.c_int
     lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 2 + [ctypes.c_void_p]
     lib.tm_row_softmax.restype = ctypes.c_int
-    lib.tm_row_softmax.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 7
+    lib.tm_row_softmax.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int32, ctypes.c_void_p]
     return lib
 
 
@@ -175,8 +192,9 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
             bfloat16 inputs are widened first, so their difference is not rounded to bfloat16).
 
     The sum of squares and sum accumulate in float64; the maximum and minimum skip NaN (a NaN
-    shows as a NaN sum of squares); an empty tensor gives ``[0, 0, -inf, inf, 0]``. Uses
-    ``torch.get_num_threads()`` threads for inputs over 4M elements.
+    shows as a NaN sum of squares); an empty tensor gives ``[0, 0, -inf, inf, 0]``. Calls of
+    at least ``_PARALLEL`` elements run on ``torch.get_num_threads()`` threads where the kernel
+    shares torch's OpenMP pool (the numbers do not depend on the thread count).
 
     Raises:
         ValueError: a tensor the kernel does not take, or a ``minus`` that does not match.
@@ -239,8 +257,7 @@ def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torc
     ys = array.array("Q", [m.data_ptr() if m is not None else 0 for m in minus])
     ns = array.array("q", [t.numel() for t in tensors])
     dtypes = array.array("i", [_DTYPES[t.dtype] for t in tensors])
-    # The caller's thread always works; more only for inputs large enough to repay a thread start.
-    threads = torch.get_num_threads() if sum(ns) > _THREADED else 1
+    threads = torch.get_num_threads() if sum(ns) >= _PARALLEL else 1
     status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, rows,
                             out.data_ptr())
     if status:
@@ -273,7 +290,8 @@ def row_softmax_sums(tables: Sequence[torch.Tensor], classes: Sequence[int], pro
     arrays = (array.array("Q", [t.data_ptr() for t in tables]), array.array("q", [t.shape[0] for t in tables]),
               array.array("q", [t.shape[1] for t in tables]), array.array("q", classes),
               array.array("i", [_DTYPES[t.dtype] for t in tables]), array.array("i", map(int, probabilities)))
-    status = lib.tm_row_softmax(n, *map(_address, arrays), out.data_ptr())
+    threads = torch.get_num_threads() if sum(t.numel() for t in tables) >= _PARALLEL // 16 else 1
+    status = lib.tm_row_softmax(n, *map(_address, arrays), threads, out.data_ptr())
     if status:
         raise RuntimeError("the row softmax kernel was given a table without data (null pointer)")
     return out
