@@ -44,7 +44,7 @@ from bench.due_step_time import DueStepTime, due_step_time
 from bench.peak_memory import HeapPeak, heap_in_use, max_rss_bytes
 from bench.rounds import Rounds, interleave
 from tmetrics_core.demo.data import ByteCorpus
-from tmetrics_core.demo.train import Trainer
+from tmetrics_core.demo.train import NullMetrics, StepMetrics, Trainer
 
 __all__ = ["main"]
 
@@ -92,6 +92,28 @@ def _stepper(trainer: Trainer) -> Callable[[int], None]:
     return run
 
 
+SWITCHED = ("same model, tmetrics off", "same model, tmetrics every 1")
+"""One trainer whose metrics object is switched each round: the bare loop and the bundle
+every step on the same model, optimizer and memory, so that the placement of separate model
+copies (a few percent of step time either way) cannot bias the pair."""
+
+
+def _switched(trainer: Trainer) -> dict[str, Callable[[int], None]]:
+    """Runners of :data:`SWITCHED` over ``trainer`` (built with the bundle every step): the
+    first swaps in a metrics object that does nothing; the optimizer hooks of the bundle stay
+    registered and return at once outside a step scope (counted against the bare side)."""
+    count = [0]
+
+    def runner(metrics: StepMetrics) -> Callable[[int], None]:
+        def run(steps: int) -> None:
+            trainer.metrics = metrics
+            for _ in range(steps):
+                count[0] += 1
+                trainer.step(count[0])
+        return run
+    return dict(zip(SWITCHED, (runner(NullMetrics()), runner(trainer.metrics))))
+
+
 def _idle_code_us(trainer: Trainer, first_step: int, repeats: int = 20000) -> float:
     """Microseconds of tmetrics code per idle step: the step scope, both optimizer hooks and
     ``observe_gradients``, timed directly (``observe()`` sites run in the bare model too)."""
@@ -120,6 +142,7 @@ def single_process(rounds: int, steps: int, bundle: tuple[str, ...], *, alternat
     variants = {n: f for n, f in _variants(bundle).items() if alternatives or n == "bare" or n.startswith("tmetrics")}
     trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in variants.items()}
     runners = {name: _stepper(t) for name, t in trainers.items()}
+    runners.update(_switched(make_trainer(tmetrics_factory(1, bundle), corpus=corpus)))
     for run in runners.values():
         run(2)  # warm-up; spends the always-due first step of "not due"
     result = interleave(runners, rounds=rounds, steps=steps)
@@ -140,7 +163,7 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
     lines = [f"Table 1: demo step, one process, {torch.get_num_threads()} threads, {rounds} rounds x {steps} steps "
              f"per variant (bare step {r.median_ms(base):.1f} ms)",
              f"{'variant':<22} {'ms/step':>8} {'wall x':>7} {'cpu x':>7} {'mean x':>7} {'expected x':>10}"]
-    for name in r.wall:
+    for name in (n for n in r.wall if n not in SWITCHED):
         interval = int(name.rsplit(" ", 1)[1]) if name.startswith("tmetrics every") else None
         expected = f"{1 + (due + (interval - 1) * idle) / interval:>10.4f}" if interval else f"{'':>10}"
         lines.append(f"{name:<22} {r.median_ms(name):>8.1f} {r.paired(name, base):>7.3f} "
@@ -150,6 +173,9 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         "mean of the per-round ratios, 10% trimmed each side (the average over steps); expected x: 1 + (due +",
         "(N-1) idle) / N with due the 'every 1' overhead and idle the directly timed not-due cost below.",
         "Noise: about 1.5% (MACHINE-NOTES).",
+        f"same model, tmetrics switched off and on each round (bare step {r.median_ms(SWITCHED[0]):.1f} ms): "
+        f"every 1 wall x {r.paired(SWITCHED[1], SWITCHED[0]):.3f}, cpu x {r.paired(SWITCHED[1], SWITCHED[0], cpu=True):.3f}, "
+        f"mean x {r.mean(SWITCHED[1], SWITCHED[0]):.3f}",
         f"not-due step, timed directly: {idle_us:.1f} us of tmetrics code per step "
         f"({idle_us / (r.median_ms(base) * 1e3):.4%} of a bare step); torch ops issued by tmetrics: "
         f"{idle_ops[0]}, host reads: {idle_ops[1]}",

@@ -67,3 +67,19 @@ def test_due_step_time_splits_the_tmetrics_code_and_restores_what_it_wraps():
     # Both groups read tensors (gradients; updates and the snapshot copy), so passes are timed.
     assert 0.0 < t.passes_ms < t.total_ms
     assert [getattr(owner, name) for owner, name in _ENTRIES + _PASSES] == before
+
+
+def test_the_switched_pair_runs_one_trainer_with_tmetrics_off_then_on():
+    from bench.demo_variants import make_trainer, tmetrics_factory
+    from bench.step_overhead import SWITCHED, _switched
+
+    trainer = make_trainer(tmetrics_factory(1, ("layer-grad-l2",)))
+    metrics = trainer.metrics
+    off, on = (_switched(trainer)[name] for name in SWITCHED)
+    off(1)
+    assert metrics.last_records == []  # the bundle's object saw no step scope
+    on(1)
+    assert {r.metric for r in metrics.last_records} == {"layer-grad-l2"}
+    steps = {r.step for r in metrics.last_records}
+    off(1)
+    assert trainer.metrics is not metrics and {r.step for r in metrics.last_records} == steps
