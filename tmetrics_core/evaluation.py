@@ -57,7 +57,8 @@ def resolve_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site],
     directly; such sites become ``Replica`` on that axis. Every rank takes part in the same
     packed round (sites are rank-symmetric); placeholders contribute zeros."""
     need: list[int] = []
-    for i, site in enumerate(sites):
+    for i in [i for i, site in enumerate(sites) if site.partial]:
+        site = sites[i]
         partial = [(a, p) for a, p in site.placements if p.is_partial() and topology.axes.get(a) and
                    topology.axes[a].size > 1]
         if not partial:

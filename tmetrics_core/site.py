@@ -49,9 +49,12 @@ class Site:
     meta: tuple[tuple[str, object], ...] = field(default=(), compare=True)
     key: SiteKey = field(init=False, repr=False, compare=False)
     """``(name, kind)``; computed once (the hot path reads it per site and statistic)."""
+    partial: bool = field(init=False, repr=False, compare=False)
+    """Whether some placement is ``Partial``; computed once (checked per site and step)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", (self.name, self.kind))
+        object.__setattr__(self, "partial", any(p.is_partial() for _, p in self.placements))
 
     @property
     def placement_map(self) -> dict[str, Placement]:

@@ -22,12 +22,15 @@ OPTIMIZER_KINDS = frozenset({"exp_avg", "exp_avg_sq", "update"})
 """Read in the optimizer's step post-hook: Adam state exists only after the first step."""
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """The local data of a DTensor (unpadded, possibly empty shard, detached) or the tensor
     itself. A plain parameter is not detached (one op per tensor and read): metrics read it
     under ``torch.no_grad()``, so no graph is built."""
-    if tensor is None:
-        return None
+    if tensor is None or type(tensor) in _PLAIN:
+        return tensor  # the common case, without a failing attribute lookup
     to_local = getattr(tensor, "to_local", None)
     return to_local().detach() if to_local is not None else tensor
 
