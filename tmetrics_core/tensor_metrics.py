@@ -121,6 +121,7 @@ class TensorMetrics:
         self._step: int | None = None
         self._first_step: int | None = None
         self._due: list[tuple[TensorMetric, int]] = []
+        self._due_names: tuple[str, ...] = ()
         self._prepared: dict[str, tuple[dict[SiteKey, Any], str | None]] = {}
         self._before: dict[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
@@ -258,6 +259,7 @@ class TensorMetrics:
             self._first_step = step
         self._step = step
         self._due = [(m, i) for m, i in self.metrics if step % i == 0 or step == self._first_step]
+        self._due_names = tuple(m.name for m, _ in self._due)  # keys the facts found once per due set
         self._prepared = {}
         self._sites = {}
         self._before = None
@@ -333,16 +335,9 @@ class TensorMetrics:
         ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
         consume), and first the metrics of :meth:`_from_snapshot`. A failure to read the
         tensors becomes every phase metric's error."""
-        later = self._from_snapshot()
-
-        def in_phase(m: TensorMetric) -> bool:
-            kinds = set(m.source_kinds)
-            if phase == "pre":
-                return bool(kinds) and kinds <= PARAM_KINDS and m.name not in later
-            return bool(kinds & OPTIMIZER_KINDS) and not kinds & TOKEN_KINDS
-
-        metrics = [m for m, _ in self._due if in_phase(m) and m.name not in self._prepared]
-        before = [m for m, _ in self._due if m.name in later and m.name not in self._prepared] if phase == "post" else []
+        in_phase, later = self._phase_metrics(phase)
+        metrics = [m for m in in_phase if m.name not in self._prepared]
+        before = [m for m in later if m.name not in self._prepared]
         if phase == "post" and self._before is None:
             for m in [m for m in metrics if "update" in m.source_kinds]:
                 self._prepared[m.name] = ({}, "optimizer.step() did not run inside this step scope; no update")
@@ -377,6 +372,23 @@ class TensorMetrics:
             tensors, memo = [None] * len(sites), {}
         self._prepare_from(metrics, sites, tensors, memo, failed)
 
+    def _phase_metrics(self, phase: str) -> tuple[tuple[TensorMetric, ...], tuple[TensorMetric, ...]]:
+        """The due metrics of ``phase`` (see :meth:`_prepare_phase`) and, in the post phase,
+        those of :meth:`_from_snapshot`; found once per due set."""
+        key = ("phase", phase, self._due_names)
+        if key not in self._static:
+            later = self._from_snapshot()
+
+            def in_phase(m: TensorMetric) -> bool:
+                kinds = set(m.source_kinds)
+                if phase == "pre":
+                    return bool(kinds) and kinds <= PARAM_KINDS and m.name not in later
+                return bool(kinds & OPTIMIZER_KINDS) and not kinds & TOKEN_KINDS
+
+            self._static[key] = (tuple(m for m, _ in self._due if in_phase(m)),
+                                 tuple(m for m, _ in self._due if m.name in later) if phase == "post" else ())
+        return self._static[key]
+
     def _prepare_from(self, metrics: list[TensorMetric], sites: list[Site], tensors: list[torch.Tensor | None],
                       memo: dict, failed: str | None) -> None:
         """Prepare ``metrics`` on the local tensors of ``sites`` (Partial ones reduced first) and
@@ -404,9 +416,9 @@ class TensorMetrics:
     def _snapshot_names(self) -> frozenset[str]:
         """Names of the parameters this due step's update metrics read (their snapshot), found
         once per due set."""
-        updates = tuple(m for m, _ in self._due if "update" in m.source_kinds)
-        key = ("snapshot", tuple(m.name for m in updates))
+        key = ("snapshot", self._due_names)
         if key not in self._static:
+            updates = [m for m, _ in self._due if "update" in m.source_kinds]
             self._static[key] = frozenset(s.name for s in self._sites_of("update")
                                           if any(m.accepts(s) for m in updates))
         return self._static[key]
@@ -418,7 +430,7 @@ class TensorMetrics:
         with no read of its own, so no pass over the parameters runs before the step. Not with
         flat-buffer or Partial parameters (read and reduced as they are). Found once per due set.
         """
-        key = ("from snapshot", tuple(m.name for m, _ in self._due))
+        key = ("from snapshot", self._due_names)
         if key not in self._static:
             names = self._snapshot_names()
             plain = "param" not in self.flat and "update" not in self.flat and not self._known(
@@ -432,7 +444,7 @@ class TensorMetrics:
         return self._static[key]
 
     def _partial_params(self) -> bool:
-        return any(p.is_partial() for kind in ("update", "param") for s in self._sites_of(kind) for _, p in s.placements)
+        return any(s.partial for kind in ("update", "param") for s in self._sites_of(kind))
 
     def _read_phase(self, metrics: list[TensorMetric], phase: str,
                     pairs: list[tuple[torch.Tensor, torch.Tensor] | None] | None
