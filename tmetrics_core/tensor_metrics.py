@@ -514,11 +514,12 @@ class TensorMetrics:
             tensors.append(pair[0])
             minus.append(pair[1])
         block = moments.parts(tensors, minus).flatten(0, 1)
+        after_rows, before_rows = moments.rows_of(memo), moments.rows_of(before)
         for i, (update, param) in enumerate(keys):
-            memo[("moments", update)] = (block, 3 * i)
+            after_rows[update] = (block, 3 * i)
             if param is not None:
-                memo[("moments", param)] = (block, 3 * i + 1)
-                before[("moments", param)] = (block, 3 * i + 2)
+                after_rows[param] = (block, 3 * i + 1)
+                before_rows[param] = (block, 3 * i + 2)
 
     def _grad_sites(self) -> list[Site]:
         """Gradient sites with the gradient's own DTensor placements where they differ from the

@@ -157,7 +157,7 @@ def test_statistics_through_the_kernel_equal_their_torch_kernels(stat) -> None:
     sites, topology = _sites(tensors), Topology.single_process()
     memo: dict = {}
     fused = moments.statistic_vectors(stat, tensors, sites, topology, memo)
-    taken = [key for key, row in memo.items() if key[0] == "moments" and row is not None]
+    taken = [key for key, row in moments.rows_of(memo).items() if row is not None]
     assert len(taken) == 6  # every tensor the kernel takes, read once
     with moments.disabled():
         plain = moments.statistic_vectors(stat, tensors, sites, topology, {})
@@ -209,7 +209,7 @@ def test_wrapper_subclasses_and_lazy_negations_go_to_the_torch_kernels() -> None
     assert not moments.takes(wrapped) and not moments.takes(negated) and moments.takes(inner)
     sites, memo = _sites([wrapped, negated]), {}
     got = moments.statistic_vectors(SUMSQ, [wrapped, negated], sites, Topology.single_process(), memo)
-    assert all(row is None for key, row in memo.items() if key[0] == "moments")
+    assert moments.rows_of(memo) and all(row is None for row in moments.rows_of(memo).values())
     for vec in got:
         assert vec.item() == pytest.approx(_reference(inner)[0], rel=1e-6)  # fp32 torch kernels
 

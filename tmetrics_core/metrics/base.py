@@ -12,6 +12,8 @@ axes -> merge over the tensors of a scope -> finalize": a metric names its stati
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Hashable, Literal, Mapping, Protocol, Sequence, runtime_checkable
@@ -36,6 +38,8 @@ __all__ = [
     "TensorMetric",
     "reads_only_moments",
 ]
+
+_KEY = operator.attrgetter("key")
 
 Scope = Literal["global", "layer", "expert", "tensor", "family"]
 """How a metric groups tensors: all of them, per layer, per (layer, expert), per tensor, or per
@@ -200,12 +204,12 @@ class StatMetric:
         stats = self.statistics
         if (not sites or not any(s.moments for s in stats)
                 or not all((s.moments and not s.reads_elements) or s.shape_only for s in stats)
-                or any(t is None for t in tensors)):
+                or any(map(operator.is_, tensors, itertools.repeat(None)))):
             return None
         rows = moments_rows(tensors, sites, memo)  # type: ignore[arg-type]
         if rows is None:
             return None
-        return BlockState([s.key for s in sites], [stat.moments_matrix(rows, tensors) for stat in stats])
+        return BlockState(tuple(map(_KEY, sites)), [stat.moments_matrix(rows, tensors) for stat in stats])
 
     def merge(self, a, b):
         out = dict(a)

@@ -237,7 +237,7 @@ class BatchPlan:
         """The state's vectors stacked into batches (a :class:`BlockState`'s matrices sliced),
         local stages run."""
         block = state if isinstance(state, BlockState) else None
-        chosen = [sites[k] for k in state]
+        chosen = list(map(sites.__getitem__, state))
         vectors = list(state.values()) if block is None else []
         # Identity of the site objects and topology (held below, so ids stay valid) and every
         # vector length (one per statistic in a block): when all are unchanged, so is the cut.

@@ -24,7 +24,9 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
+import operator
 import os
 import platform
 import shlex
@@ -36,17 +38,22 @@ from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
 
 import torch
 
-from tmetrics_core.site import Site
+from tmetrics_core.site import Site, SiteKey
 
 if TYPE_CHECKING:
     from tmetrics_core.axes import Topology
     from tmetrics_core.metrics.statistics import Statistic
 
-__all__ = ["FIELDS", "SMALL_TABLE", "available", "derivable", "disabled", "moments", "moments_rows", "parts",
+__all__ = ["FIELDS", "SMALL_TABLE", "available", "derivable", "disabled", "moments", "moments_rows", "parts", "rows_of",
            "row_softmax_sums", "statistic_vectors", "takes"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
+
+_ROWS = ("moments rows",)
+"""The memo key of :func:`rows_of`'s table."""
+_KEY = operator.attrgetter("key")
+_MISSING = object()
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -297,36 +304,50 @@ def row_softmax_sums(tables: Sequence[torch.Tensor], classes: Sequence[int], pro
     return out
 
 
+def rows_of(memo: dict[Hashable, Any]) -> dict[SiteKey, tuple[torch.Tensor, int] | None]:
+    """The step memo's moments rows by site key: ``(kernel output, row index)``, or None for a
+    tensor the kernel does not take (one table, so a metric's sites are looked up in C loops)."""
+    table = memo.get(_ROWS)
+    if table is None:
+        table = memo[_ROWS] = {}
+    return table
+
+
 def _rows(entries: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
     """The moments rows of memo entries ``(kernel output, row)``: a slice of the output when the
     entries are evenly spaced rows of it, as they are when one statistic asks for the sites of
-    the kernel call that read them (every row, or every other row where updates and parameters
-    alternate), else one gather from it, so no per-site rows are made and stacked again."""
-    block, first = entries[0]
-    if not all(b is block for b, _ in entries):
+    the kernel call that read them (every row, or every third row where updates and parameters
+    after and before the step come from one pass), else one gather from it, so no per-site rows
+    are made and stacked again."""
+    blocks, rows = zip(*entries)
+    block, first = blocks[0], rows[0]
+    if not all(map(operator.is_, blocks, itertools.repeat(block))):
         return torch.stack([b[j] for b, j in entries])
-    step = entries[1][1] - first if len(entries) > 1 else 1
-    if step > 0 and all(j == first + k * step for k, (_, j) in enumerate(entries)):
-        return block[first:first + step * (len(entries) - 1) + 1:step]
-    return block.index_select(0, torch.tensor([j for _, j in entries]))
+    step = rows[1] - first if len(rows) > 1 else 1
+    if step > 0 and rows == tuple(range(first, first + step * len(rows), step)):
+        return block[first:first + step * (len(rows) - 1) + 1:step]
+    return block.index_select(0, torch.tensor(rows))
 
 
 def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[Hashable, Any]
              ) -> list[tuple[torch.Tensor, int] | None]:
     """The memo entries of the sites' moments rows, the missing ones read in one kernel call."""
-    keys = [("moments", site.key) for site in sites]
-    missing = [i for i, key in enumerate(keys) if key not in memo]
-    if missing:
+    table = rows_of(memo)
+    keys = list(map(_KEY, sites))
+    entries = list(map(table.get, keys, itertools.repeat(_MISSING)))
+    if _MISSING in entries:
+        missing = [i for i, entry in enumerate(entries) if entry is _MISSING]
         # A tensor the kernel does not take is remembered as None: checked once per step. The
         # library is only looked for when some tensor needs it (not on accelerator-only runs).
         taken = [i for i in missing if takes(tensors[i])]
         lib = _library() if taken else None
         taken = taken if lib is not None else []
-        memo.update((keys[i], None) for i in missing)
+        table.update((keys[i], None) for i in missing)
         if taken:
             block = _run(lib, [tensors[i] for i in taken], [None] * len(taken))
-            memo.update((keys[i], (block, j)) for j, i in enumerate(taken))
-    return [memo[key] for key in keys]
+            table.update((keys[i], (block, j)) for j, i in enumerate(taken))
+        entries = list(map(table.__getitem__, keys))
+    return entries
 
 
 def moments_rows(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[Hashable, Any]
@@ -337,7 +358,7 @@ def moments_rows(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: d
     if not _switch["on"] or not sites:
         return None
     entries = _entries(tensors, sites, memo)
-    if any(entry is None for entry in entries):
+    if None in entries:
         return None
     return _rows(entries)  # type: ignore[arg-type]
 
@@ -345,9 +366,9 @@ def moments_rows(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: d
 def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: Sequence[Site],
                       topology: Topology, memo: dict[Hashable, torch.Tensor]) -> list[torch.Tensor]:
     """``stat``'s local vectors of ``tensors`` (as :meth:`Statistic.compute`), through the fused
-    kernel where it applies: one moments row per site, kept in ``memo`` under
-    ``("moments", site key)`` as ``(kernel output, row)`` (None for a tensor the kernel does not
-    take) so every statistic of the step reuses the same read."""
+    kernel where it applies: one moments row per site, kept in the memo's :func:`rows_of` table
+    as ``(kernel output, row)`` (None for a tensor the kernel does not take) so every statistic
+    of the step reuses the same read."""
     if not stat.moments or not _switch["on"]:
         return stat.compute(tensors, sites, topology)
     entries = _entries(tensors, sites, memo)

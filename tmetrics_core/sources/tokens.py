@@ -222,7 +222,7 @@ class TokenObserver:
         self._kept[site.key] = k + 1
         while len(self._memos) <= k:
             self._memos.append({})
-        self._memos[k][("moments", site.key)] = (block, 0)
+        moments.rows_of(self._memos[k])[site.key] = (block, 0)
         standin = self.known.standins.get((shape, x.dtype))
         if standin is None:
             standin = self.known.standins[(shape, x.dtype)] = torch.full((), float("nan"), dtype=x.dtype).expand(shape)
