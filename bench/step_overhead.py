@@ -6,7 +6,9 @@ Table 1, one process (``--threads`` intra-op threads): the demo model's full ste
 backward, clipping, AdamW) with the standard bundle (``bench.demo_variants.BUNDLE``) every 1,
 10 and 100 steps and on steps where nothing is due, against the same loop without tmetrics,
 ``wandb.watch(model, log="all", log_freq=1)`` (offline) and a per-parameter ``.norm().item()``
-loop. Variants alternate in short rounds (``bench.rounds``); ratios are to the bare loop.
+loop. Variants alternate in short rounds (``bench.rounds``); ratios are to the bare loop. One
+more trainer runs with its metrics object switched off and on each round (:data:`SWITCHED`):
+the same pair on one model, free of the few percent that separate model copies differ by.
 Interval rows also give the mean over all their steps and the mean expected from the due
 overhead and the idle one: ``1 + (due + (N - 1) idle) / N``, where the idle cost is the tmetrics
 code a not-due step runs (step scope, optimizer hooks, ``observe_gradients``) timed directly,
