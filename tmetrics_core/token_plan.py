@@ -11,11 +11,12 @@ stage without experts or a rank whose batch was all padding never stalls the oth
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from tmetrics_core.axes import Topology
 from tmetrics_core.executor import Executor
 from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.placements import Owned, Placement
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.tokens import TokenObserver
@@ -61,13 +62,17 @@ class TokenPlan:
         placements.sort(key=lambda ap: order[ap[0]])
         return dataclasses.replace(site, placements=tuple(placements))
 
-    def state_for(self, metric: TensorMetric, observer: TokenObserver) -> tuple[dict[SiteKey, Any], str | None]:
+    def state_for(self, metric: TensorMetric, observer: TokenObserver) -> tuple[Mapping[SiteKey, Any], str | None]:
         """The metric's prepared state over every planned site it accepts, placeholders for
         the sites this rank did not see; or its local error."""
         if metric.name in observer.errors:
             return {}, observer.errors[metric.name]
-        state = dict(observer.states.get(metric.name, {}))
-        missing = [s for k, s in self.sites.items() if k not in state and metric.accepts(s)]
+        prepared = observer.states.get(metric.name, {})
+        missing = [s for k, s in self.sites.items() if k not in prepared and metric.accepts(s)]
+        if (not missing and isinstance(prepared, BlockState) and all(k in self.sites for k in prepared)
+                and list(prepared) == sorted(prepared)):
+            return prepared, None  # already in plan order: kept as matrices, no vector per site
+        state = dict(prepared)
         try:
             if missing:
                 state.update(metric.prepare(missing, [None] * len(missing), self.topology, {}))

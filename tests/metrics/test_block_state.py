@@ -53,3 +53,34 @@ def test_a_cut_takes_its_members_rows_of_a_block_matrix() -> None:
     part = _Cut(0, (), [1, 4, 5], (), (), None)
     torch.testing.assert_close(part.rows_of(matrix), matrix[[1, 4, 5]])
     torch.testing.assert_close(part.rows_of(matrix), matrix[[1, 4, 5]])  # the index tensor is kept
+
+
+def test_membership_and_the_token_plan_keep_a_block_state_whole() -> None:
+    """``key in state`` makes no per-site vector, and a token metric's block state in plan
+    order goes to the executor as it is; out of order or incomplete, as per-site vectors in plan
+    order (values the same either way)."""
+    from tmetrics_core.token_plan import TokenPlan
+
+    topology = Topology.single_process()
+    metric = build_metric("layer-residual-accumulator-rms")
+    sites = [Site(name=f"layers.{i}", kind="residual_accumulator", logical_shape=(-1, 4), layer=i) for i in range(3)]
+    tensors = [torch.randn(6, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    block = metric.prepare(sites, tensors, topology, {})
+    assert isinstance(block, BlockState)
+    assert sites[1].key in block and ("layers.9", "residual_accumulator") not in block
+    assert block._index is not None  # membership built the position table, not vectors
+
+    class Seen:  # the attributes of a TokenObserver that state_for reads (the real one: test_deferred_observation)
+        errors: dict = {}
+        states = {metric.name: block}
+
+    plan = TokenPlan(topology)
+    plan.sites = {s.key: s for s in sites}
+    kept, error = plan.state_for(metric, Seen())  # type: ignore[arg-type]
+    assert error is None and kept is block
+    reversed_block = BlockState(block.site_keys[::-1], [m.flip(0) for m in block.matrices])
+    Seen.states = {metric.name: reversed_block}
+    rebuilt, _ = plan.state_for(metric, Seen())  # type: ignore[arg-type]
+    assert not isinstance(rebuilt, BlockState) and list(rebuilt) == [s.key for s in sites]
+    for key in rebuilt:
+        assert all(torch.equal(a, b) for a, b in zip(rebuilt[key], block[key]))

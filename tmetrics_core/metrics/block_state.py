@@ -35,10 +35,16 @@ class BlockState(Mapping[SiteKey, list[torch.Tensor]]):
         self._index: dict[SiteKey, int] | None = None
 
     def __getitem__(self, key: SiteKey) -> list[torch.Tensor]:
+        i = self._positions()[key]
+        return [m[i] for m in self.matrices]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._positions()  # without making the vectors, as Mapping's would
+
+    def _positions(self) -> dict[SiteKey, int]:
         if self._index is None:
             self._index = {k: i for i, k in enumerate(self.site_keys)}
-        i = self._index[key]
-        return [m[i] for m in self.matrices]
+        return self._index
 
     def __iter__(self) -> Iterator[SiteKey]:
         return iter(self.site_keys)
