@@ -128,7 +128,11 @@ class TokenObserver:
                                                                         tensor.shape[-1]))
         if site.kind not in ROUTER_KINDS or minus is not None:
             return False
-        x = tensor.detach().reshape(-1, tensor.shape[-1])
+        # Detached only when part of a graph (kept past backward, it would hold the graph's
+        # saved tensors); viewed as rows only when not 2-D already: no op otherwise.
+        x = tensor.detach() if tensor.requires_grad else tensor
+        if x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])
         if route.readers and not x.is_inference():
             self._views.append((site, x, x._version))
         for metric, _ in route.readers:  # all prepared at the step's end (router sites)
