@@ -484,3 +484,49 @@ def test_routes_of_repeated_hook_calls_give_the_general_paths_values(monkeypatch
             same = got[key] == want[key] or (isinstance(want[key], float) and math.isnan(want[key])
                                              and math.isnan(got[key]))
             assert same, key
+
+
+def test_a_hook_that_sees_two_widths_in_one_step_keeps_no_route_to_the_other_widths_site(monkeypatch) -> None:
+    """A step's site is found once by name (the step's first width): a second width of the same
+    hook in that step must not leave a route to the first width's site for later steps (every
+    route kept leads to its own width's site), and the records equal the general path's."""
+    from tmetrics_core.sources.tokens import TokenObserver
+
+    class Moe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = torch.nn.Linear(2, 2)  # makes the model an MoE for the config check
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            observe(self, "h", x, kind="router_logits")
+            return x
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = Moe()
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block()])
+
+    def run(follow: bool) -> dict:
+        original = TokenObserver._follow
+        monkeypatch.setattr(TokenObserver, "_follow", original if follow else (lambda *a: False))
+        net = Net()
+        metrics = TensorMetrics(net, metrics=[(build_metric("layer-router-logits-max"), 1)])
+        g = torch.Generator().manual_seed(0)
+        with metrics.step(1):
+            net.layers[0].moe(torch.randn(6, 4, generator=g))
+            net.layers[0].moe(torch.randn(6, 8, generator=g))
+        with metrics.step(2):
+            net.layers[0].moe(torch.randn(5, 8, generator=g) + 3.0)
+        got = _records(metrics)
+        # Every route kept leads to the site of its own width (the key's last-dim width).
+        assert all(route.site.logical_shape[-1] == key[5] for key, route in metrics._token_sites.routes.items())
+        metrics.close()
+        monkeypatch.setattr(TokenObserver, "_follow", original)
+        return got
+
+    assert run(follow=True) == run(follow=False)

@@ -92,7 +92,9 @@ def _openmp() -> tuple[str, ...]:
     """``("-fopenmp",)`` where this process's OpenMP runtime is GNU ``libgomp.so.1`` (torch's
     Linux wheels): the kernel, linked against the same soname, then shares torch's thread pool.
     Else ``()``: a second runtime's threads would fight torch's spinning workers for the cores
-    (measured slower than one thread), so the kernel stays on one thread."""
+    (measured slower than one thread), so the kernel stays on one thread. As for torch's own
+    parallel ops, a ``fork()``-ed child must set ``torch.set_num_threads(1)`` before using the
+    kernel (GNU OpenMP's pool does not survive a fork; torch's DataLoader workers do so)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:

@@ -156,10 +156,14 @@ class TokenObserver:
         # Only token rows are padded: an expert_bias [E] as long as the micro-batch is not.
         masked = kind in TOKEN_KINDS and self._mask is not None and self._mask.numel() == x.shape[0]
         path = self.index.path(module)
-        site = self._site(".".join(p for p in (path, name) if p), kind, x, shard_dim, path, split_axes)
+        full = ".".join(p for p in (path, name) if p)
+        site = self._site(full, kind, x, shard_dim, path, split_axes)
         readers = self._readers(site, path)
+        # A route is kept for the site built from this call's own width and dtype (a second
+        # width of the same hook within one step gets the step's first site, not a route).
         if (type(tensor) is torch.Tensor and (minus is None or type(minus) is torch.Tensor) and tensor.dim() > 1
-                and not masked):
+                and not masked and self.known.sites.get((full, kind, int(x.shape[1]), x.dtype, shard_dim, path,
+                                                         split_axes)) is site):
             key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
             self.known.routes[key] = Route(site, tuple(readers), self._rows_suffice(site, path, readers))
         if not masked and self._from_rows(site, path, readers, x, y):
@@ -227,9 +231,12 @@ class TokenObserver:
         while len(self._memos) <= k:
             self._memos.append({})
         moments.rows_of(self._memos[k])[site.key] = (block, 0)
-        standin = self.known.standins.get((shape, x.dtype))
+        standins = self.known.standins
+        standin = standins.get((shape, x.dtype))
         if standin is None:
-            standin = self.known.standins[(shape, x.dtype)] = torch.full((), float("nan"), dtype=x.dtype).expand(shape)
+            if len(standins) >= _STANDINS:  # changing sequence lengths make new shapes: bounded
+                standins.clear()
+            standin = standins[(shape, x.dtype)] = torch.full((), float("nan"), dtype=x.dtype).expand(shape)
         for metric in now:
             self._deferred.setdefault(metric.name, []).append((site, standin))
         return True
@@ -345,6 +352,8 @@ class TokenObserver:
 
 
 _NO_AXES: frozenset[str] = frozenset()
+_STANDINS = 256
+"""Stand-in shapes kept across steps at most (each is one element; the cache is cleared when full)."""
 
 ROUTER_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
 """Token kinds kept until the step's end (``[tokens, experts]``: small next to activations)."""
