@@ -64,7 +64,7 @@ def test_not_due_step_runs_no_tmetrics_tensor_op(corpus):
     assert idle.ops == [] and idle.reads == 0
     with _TmetricsOps() as due:  # the counter does see tmetrics when something is due
         result = trainer.step(50)
-    assert len(due.ops) > 100
+    assert len(due.ops) > 50  # 84 on this model (the demo's bench counts 102 per due step)
     assert math.isfinite(result.loss)
     assert {r.metric for r in trainer.metrics.last_records} == set(BUNDLE)
 
