@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from tests.test_update_paths import _Resizing  # plain SGD that then enlarges one parameter
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.metrics import moments
 from tmetrics_core.metrics.base import StatMetric
@@ -249,23 +250,6 @@ def test_element_reading_param_metrics_read_the_snapshot_not_the_update(written:
         assert values[("layer-param-nonfinite", 0, None, "total")] == 0
         assert all(torch.isfinite(t).all() for t in after.values())
         assert math.isnan(values[("layer-update-ratio", 1, None, None)])
-
-
-class _Resizing(torch.optim.Optimizer):
-    """Plain SGD that then replaces one layer-0 weight with a larger tensor of ones, inside its
-    own ``step`` (so torch's step hooks run around all of it)."""
-
-    def __init__(self, params, target: torch.nn.Parameter) -> None:
-        super().__init__(params, {"lr": 0.1})
-        self.target = target
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"])
-        self.target.data = torch.ones(self.target.shape[0] + 1, *self.target.shape[1:])
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch kernels"])
