@@ -16,33 +16,17 @@ import math
 import pytest
 import torch
 
-from tests.test_update_paths import _Resizing  # plain SGD that then enlarges one parameter
+# A plain SGD that then enlarges one parameter; an update statistic outside the fused moments
+# (so the update is written in place into the snapshot, after the deferred metrics read it).
+from tests.test_update_paths import UpdateMeanRowL2, _Resizing
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.metrics import moments
-from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import NonFinite
-from tmetrics_core.metrics.statistics import RowL2
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, seq_len=16)
 NAN_PARAM = "layers.1.attn.q.weight"
-
-
-class UpdateMeanRowL2(StatMetric):
-    """A statistic of the update outside the fused moments: the update is written in place
-    into the snapshot (after the deferred parameter metrics read it)."""
-
-    name = "update-mean-row-l2"
-    source_kinds = frozenset({"update"})
-    statistics = (RowL2(0),)
-
-    def accepts(self, site):
-        return super().accepts(site) and len(site.logical_shape) == 2
-
-    def finalize(self, stats):
-        total, rows = stats["update:row_l2"]
-        return total / rows
 
 
 def _values(metrics: TensorMetrics) -> dict[tuple, object]:
