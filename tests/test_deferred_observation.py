@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.deferred_model import D, Model, Observed, replay, row_entropy, token_rows
+from tests.deferred_model import D, Model, Observed, count_routes, replay, row_entropy, token_rows
 from tmetrics_core.axes import Topology
 from tmetrics_core.evaluation import SiteChoices, prepare_states
 from tmetrics_core.executor import Executor
@@ -449,19 +449,8 @@ def test_routes_of_repeated_hook_calls_give_the_general_paths_values(monkeypatch
     """From its second call on, a hook's plain-tensor observation follows the route found on the
     first (no site or reader lookup): over three steps of three micro-batches the records are
     those of the general path, bit for bit, and the routes were taken."""
-    from tmetrics_core.sources.tokens import TokenObserver
-
-    original = TokenObserver._follow
-
     def run(follow: bool) -> tuple[list[dict], int]:
-        taken = [0]
-
-        def counted(self, route, tensor, minus):
-            done = follow and original(self, route, tensor, minus)
-            taken[0] += done
-            return done
-
-        monkeypatch.setattr(TokenObserver, "_follow", counted)
+        taken = count_routes(monkeypatch, follow)
         model = Model()
         metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in ROUTER + RESIDUAL + FAMILIES])
         out = []
@@ -490,8 +479,6 @@ def test_a_hook_that_sees_two_widths_in_one_step_keeps_no_route_to_the_other_wid
     """A step's site is found once by name (the step's first width): a second width of the same
     hook in that step must not leave a route to the first width's site for later steps (every
     route kept leads to its own width's site), and the records equal the general path's."""
-    from tmetrics_core.sources.tokens import TokenObserver
-
     class Moe(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -512,8 +499,7 @@ def test_a_hook_that_sees_two_widths_in_one_step_keeps_no_route_to_the_other_wid
             self.layers = torch.nn.ModuleList([Block()])
 
     def run(follow: bool) -> dict:
-        original = TokenObserver._follow
-        monkeypatch.setattr(TokenObserver, "_follow", original if follow else (lambda *a: False))
+        count_routes(monkeypatch, follow)
         net = Net()
         metrics = TensorMetrics(net, metrics=[(build_metric("layer-router-logits-max"), 1)])
         g = torch.Generator().manual_seed(0)
@@ -526,7 +512,6 @@ def test_a_hook_that_sees_two_widths_in_one_step_keeps_no_route_to_the_other_wid
         # Every route kept leads to the site of its own width (the key's last-dim width).
         assert all(route.site.logical_shape[-1] == key[5] for key, route in metrics._token_sites.routes.items())
         metrics.close()
-        monkeypatch.setattr(TokenObserver, "_follow", original)
         return got
 
     assert run(follow=True) == run(follow=False)

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tests.deferred_model import count_routes
 from tmetrics_core.metrics import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.observe import observe
-from tmetrics_core.sources.tokens import TokenObserver
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 D = 6
@@ -142,19 +142,8 @@ class _Seen:
         return out
 
 
-_FOLLOW = TokenObserver._follow
-
-
 def _run(follow: bool, monkeypatch) -> tuple[list[tuple[dict, dict]], int]:
-    original = _FOLLOW
-    taken = [0]
-
-    def counted(self, route, tensor, minus):
-        done = follow and original(self, route, tensor, minus)
-        taken[0] += done
-        return done
-
-    monkeypatch.setattr(TokenObserver, "_follow", counted)
+    taken = count_routes(monkeypatch, follow)
     model = Net()
     metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in RESIDUAL] + [
         (build_metric("layer-activation-rms", modules="layers.*.mlp"), 1)], modules={"layer-activation-rms": ["layers.*.mlp"]})
