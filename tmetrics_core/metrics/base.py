@@ -173,7 +173,16 @@ class StatMetric:
         for stat in self.statistics:
             stat.check(site, topology)
 
+    def kept(self, sites: Sequence[Site]) -> list[int] | None:
+        """Indices of the accepted ``sites`` this metric prepares, in order, when it drops some
+        (a site it reads only together with another one); None: all of them. Depends on the
+        sites alone, which every rank knows alike, so every rank keeps the same ones."""
+        return None
+
     def prepare(self, sites, tensors, topology, memo):
+        kept = self.kept(sites)
+        if kept is not None:
+            sites, tensors = [sites[i] for i in kept], [tensors[i] for i in kept]
         block = self._block(sites, tensors, memo)
         if block is not None:
             return block

@@ -266,11 +266,10 @@ class DecisionEntropy(RowSoftmaxMetric):
         _check_rows(site, self.name, allow_class_split=True)
         super().check(site, topology)
 
-    def prepare(self, sites, tensors, topology, memo):
+    def kept(self, sites):
         """Scores where a layer has them, logits otherwise (never both for one layer)."""
         scored = {s.layer for s in sites if s.kind == "router_scores"}
-        kept = [(s, t) for s, t in zip(sites, tensors) if s.kind == "router_scores" or s.layer not in scored]
-        return super().prepare([s for s, _ in kept], [t for _, t in kept], topology, memo)
+        return [i for i, s in enumerate(sites) if s.kind == "router_scores" or s.layer not in scored]
 
     def from_rows(self, sums):
         return sums["normalized_entropy"] / sums["rows"] if sums["rows"] else math.nan

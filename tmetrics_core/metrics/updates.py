@@ -35,12 +35,10 @@ class UpdateRatio(StatMetric):
     scope = "layer"
     formula = "sqrt(sum_i Δθ_i^2) / sqrt(sum_i θ_i^2) over the layer's updated tensors"
 
-    def prepare(self, sites, tensors, topology, memo):
-        """Drop ``param`` sites whose tensor has no ``update`` site this step (rank-symmetric:
-        every rank knows every site)."""
+    def kept(self, sites):
+        """Every ``update`` site, and the ``param`` sites of the tensors that have one."""
         updated = {s.name for s in sites if s.kind == "update"}
-        kept = [(s, t) for s, t in zip(sites, tensors) if s.kind == "update" or s.name in updated]
-        return super().prepare([s for s, _ in kept], [t for _, t in kept], topology, memo)
+        return [i for i, s in enumerate(sites) if s.kind == "update" or s.name in updated]
 
     def finalize(self, stats):
         update = stats.get("update:sumsq", [0.0])[0]
