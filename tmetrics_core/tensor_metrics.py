@@ -49,6 +49,7 @@ from tmetrics_core.metrics import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
+from tmetrics_core.param_program import ParamProgram
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer
@@ -335,6 +336,8 @@ class TensorMetrics:
         ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
         consume), and first the metrics of :meth:`_from_snapshot`. A failure to read the
         tensors becomes every phase metric's error."""
+        if self._programmed(phase):
+            return
         in_phase, later = self._phase_metrics(phase)
         metrics = [m for m in in_phase if m.name not in self._prepared]
         before = [m for m in later if m.name not in self._prepared]
@@ -371,6 +374,58 @@ class TensorMetrics:
                      for s in (self._grad_sites() if kind == "grad" else self._sites_of(kind))]
             tensors, memo = [None] * len(sites), {}
         self._prepare_from(metrics, sites, tensors, memo, failed)
+
+    def _programmed(self, phase: str) -> bool:
+        """Prepare the phase's metrics with the due set's :class:`ParamProgram` (the states the
+        general path prepares, without its per-tensor work); False, with nothing prepared or
+        consumed, where the general path must run: no program for the due set, the kernel
+        switched off, no optimizer step in the scope, a tensor the kernel does not take, or any
+        error (which the general path then reports)."""
+        on = moments.available()
+        key = ("program", self._due_names, on)
+        if key not in self._static:
+            self._static[key] = self._plan_program() if on else None
+        program = self._static[key]
+        if program is None:
+            return False
+        plan = program.pre if phase == "pre" else program.post
+        done = [name in self._prepared for name in plan.names]
+        if all(done):
+            return True
+        if any(done) or (phase == "post" and self._before is None):
+            return False
+        if phase == "pre":
+            try:
+                states = program.read_pre(lambda kind: read_kind(kind, self.manifest, self.optimizer))
+            except Exception:  # noqa: BLE001 - the general path reads again and reports it
+                states = None
+        else:
+            pairs = update_pairs(self.manifest, self._before)
+            try:
+                states = program.read_post(pairs)
+            except Exception:  # noqa: BLE001 - as above; the snapshot is intact
+                states = None
+            if states is None:  # put the snapshots back for the general path
+                self._before = {e.name: pair[1] for e, pair in zip(self.manifest.entries, pairs) if pair is not None}
+        if states is None:
+            return False
+        for metric, state in states:
+            self._prepared[metric.name] = (state, None)
+        self._sites.update(plan.sites)
+        return True
+
+    def _plan_program(self) -> ParamProgram | None:
+        """The due set's :class:`ParamProgram`: only over plain parameters held here (no flat
+        buffer, Partial placement or DTensor, whose sites and tensors the general path changes
+        per step), with every parameter-side metric one the program prepares."""
+        if (set(self.flat) & (PARAM_KINDS | OPTIMIZER_KINDS) or self._known("partial params", self._partial_params)
+                or self._dtensor_params() or any(s.partial for s in self._sites_of("grad"))
+                or any(self.manifest.local.get(e.name) is None for e in self.manifest.entries)):
+            return None
+        pre, _ = self._phase_metrics("pre")
+        post, before = self._phase_metrics("post")
+        return ParamProgram.plan(pre, post, before, self._sites_of, self._choices.of, self._snapshot_names(),
+                                 len(self.manifest.entries))
 
     def _phase_metrics(self, phase: str) -> tuple[tuple[TensorMetric, ...], tuple[TensorMetric, ...]]:
         """The due metrics of ``phase`` (see :meth:`_prepare_phase`) and, in the post phase,
@@ -526,8 +581,7 @@ class TensorMetrics:
         parameter's: a replicated weight fed by sequence-parallel activations has a
         ``Partial(sum)`` gradient, which is reduced before any norm is taken. Without DTensor
         parameters (plain gradients) these are the manifest's sites."""
-        if not self._known("dtensor params", lambda: any(dtensor_placements(p) is not None
-                                                         for p in self.manifest.local.values())):
+        if not self._dtensor_params():
             return self._sites_of("grad")
         sites = []
         for site, entry in zip(self._sites_of("grad"), self.manifest.entries):
@@ -539,6 +593,11 @@ class TensorMetrics:
                     site = dataclasses.replace(site, placements=grad)
             sites.append(site)
         return sites
+
+    def _dtensor_params(self) -> bool:
+        """Whether some local parameter is a DTensor (its gradient may be placed otherwise)."""
+        return self._known("dtensor params", lambda: any(dtensor_placements(p) is not None
+                                                         for p in self.manifest.local.values()))
 
     def _known(self, fact: str, find: Callable[[], bool]) -> bool:
         """A fact about the manifest's tensors and sites, found once (neither changes)."""
