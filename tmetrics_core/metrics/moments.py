@@ -211,7 +211,7 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
             or was given a non-empty tensor without a data pointer.
     """
     minus = list(minus) if minus is not None else [None] * len(tensors)
-    return _run(_checked(tensors, minus), tensors, minus)
+    return _run(_kernel(), _packed(tensors, minus))
 
 
 def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -226,25 +226,52 @@ def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor]) -> tor
     """
     if any(m is None for m in minus):
         raise ValueError("parts() needs a tensor to subtract for every tensor; use moments() for single tensors")
-    return _run(_checked(tensors, minus), tensors, minus, rows=3).view(len(tensors), 3, len(FIELDS))
+    return _run(_kernel(), _packed(tensors, minus), rows=3).view(len(tensors), 3, len(FIELDS))
 
 
-def _checked(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None]) -> ctypes.CDLL:
-    """The kernel library, once every tensor and ``minus`` entry is known to be one it reads.
+def _kernel() -> ctypes.CDLL:
+    """The kernel library.
 
     Raises:
-        ValueError, RuntimeError: as :func:`moments`.
+        RuntimeError: it is unavailable (see :func:`available`).
     """
     lib = _library()
     if lib is None:
         raise RuntimeError("the fused moments kernel is unavailable; see tmetrics_core.metrics.moments")
+    return lib
+
+
+_Packed = tuple[array.array, array.array, array.array, array.array]
+"""Kernel arguments: data pointers of the tensors and of what they subtract (0: nothing), element
+counts and dtype codes."""
+
+
+def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None]) -> _Packed:
+    """The kernel's arguments for ``tensors`` minus ``minus``, each checked while packed (one
+    pass over the tensors: this runs for every tensor of every due step).
+
+    Raises:
+        ValueError: a tensor the kernel does not take (:func:`takes`), or a ``minus`` entry
+            whose dtype or element count differs from its tensor's.
+    """
+    # Python arrays, not torch tensors: no torch op per call (this runs once per observation),
+    # and about half the cost of ctypes arrays built from the same lists.
+    xs, ys, ns, codes = array.array("Q"), array.array("Q"), array.array("q"), array.array("i")
     for t, m in zip(tensors, minus):
         if not takes(t):
             raise ValueError(f"moments takes contiguous CPU float32/bfloat16 tensors; got {t.dtype} on "
                              f"{t.device}, contiguous={t.is_contiguous()}")
-        if m is not None and (m.dtype != t.dtype or m.numel() != t.numel() or not takes(m)):
-            raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {t.numel()} elements, contiguous CPU)")
-    return lib
+        n = t.numel()
+        if m is None:
+            ys.append(0)
+        elif m.dtype is not t.dtype or m.numel() != n or not takes(m):
+            raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {n} elements, contiguous CPU)")
+        else:
+            ys.append(m.data_ptr())
+        xs.append(t.data_ptr())
+        ns.append(n)
+        codes.append(_DTYPES[t.dtype])
+    return xs, ys, ns, codes
 
 
 def _address(values: array.array) -> int:
@@ -252,20 +279,14 @@ def _address(values: array.array) -> int:
     return values.buffer_info()[0]
 
 
-def _run(lib: ctypes.CDLL, tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None], rows: int = 1
-         ) -> torch.Tensor:
-    """``[rows * len(tensors), 5]``: :func:`moments` (``rows=1``) or :func:`parts` (``rows=3``)
-    of tensors already checked."""
-    n = len(tensors)
+def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1) -> torch.Tensor:
+    """``[rows * n, 5]`` for the ``n`` tensors of ``packed``: :func:`moments` (``rows=1``) or
+    :func:`parts` (``rows=3``)."""
+    xs, ys, ns, dtypes = packed
+    n = len(xs)
     out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
     if not n:
         return out
-    # Python arrays, not torch tensors: no torch op per call (this runs once per observation),
-    # and about half the cost of ctypes arrays built from the same lists.
-    xs = array.array("Q", [t.data_ptr() for t in tensors])
-    ys = array.array("Q", [m.data_ptr() if m is not None else 0 for m in minus])
-    ns = array.array("q", [t.numel() for t in tensors])
-    dtypes = array.array("i", [_DTYPES[t.dtype] for t in tensors])
     threads = torch.get_num_threads() if sum(ns) >= _PARALLEL else 1
     status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, rows,
                             out.data_ptr())
@@ -346,7 +367,7 @@ def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[
         taken = taken if lib is not None else []
         table.update((keys[i], None) for i in missing)
         if taken:
-            block = _run(lib, [tensors[i] for i in taken], [None] * len(taken))
+            block = _run(lib, _packed([tensors[i] for i in taken], [None] * len(taken)))
             table.update((keys[i], (block, j)) for j, i in enumerate(taken))
         entries = list(map(table.__getitem__, keys))
     return entries

@@ -209,8 +209,7 @@ class _AbsMax(Statistic):
         return 2
 
     def moments_matrix(self, rows, tensors):
-        peaks = torch.maximum(rows[:, 2], -rows[:, 3]).clamp_min(0.0)
-        return _with_flag(_nan_where(rows, peaks), 0.0, 1.0).t()
+        return _flagged_rows(rows, torch.maximum(rows[:, 2:3], -rows[:, 3:4]).clamp_min_(0.0), 0.0, 1.0)
 
     def compute(self, tensors, sites, topology):
         if not tensors:
@@ -244,9 +243,13 @@ def _with_flag(value: torch.Tensor, neutral_value: float, flag: float) -> torch.
                         torch.where(nan, torch.full_like(value, flag), torch.zeros_like(value))])
 
 
-def _nan_where(rows: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` with NaN on the moments rows whose tensor holds a NaN (NaN sum of squares)."""
-    return torch.where(torch.isnan(rows[:, 0]), rows[:, 0], value)
+def _flagged_rows(rows: torch.Tensor, value: torch.Tensor, neutral_value: float, flag: float) -> torch.Tensor:
+    """``[n, 2]`` from moments rows and an extreme ``value`` ``[n, 1]`` derived from them:
+    ``[value, 0]`` per tensor, or ``[neutral_value, flag]`` for a tensor holding a NaN (its sum of
+    squares is NaN; the kernel's maximum and minimum skip NaN, so ``value`` itself is not)."""
+    nan = torch.isnan(rows[:, 0:1])
+    flags = nan.to(rows.dtype) if flag == 1.0 else torch.where(nan, flag, 0.0).to(rows.dtype)
+    return torch.cat([value.masked_fill(nan, neutral_value), flags], 1)
 
 
 def flagged_value(vector: Sequence[float]) -> float:
@@ -293,7 +296,7 @@ class _Max(Statistic):
         return 2
 
     def moments_matrix(self, rows, tensors):
-        return _with_flag(_nan_where(rows, rows[:, 2]), -math.inf, 1.0).t()
+        return _flagged_rows(rows, rows[:, 2:3], -math.inf, 1.0)
 
     def compute(self, tensors, sites, topology):
         return [_with_flag(t.max().double() if t.numel() else _infinite(-1.0, t.device), -math.inf, 1.0)
@@ -310,7 +313,7 @@ class _Min(Statistic):
         return 2
 
     def moments_matrix(self, rows, tensors):
-        return _with_flag(_nan_where(rows, rows[:, 3]), math.inf, -1.0).t()
+        return _flagged_rows(rows, rows[:, 3:4], math.inf, -1.0)
 
     def compute(self, tensors, sites, topology):
         return [_with_flag(t.min().double() if t.numel() else _infinite(1.0, t.device), math.inf, -1.0)
