@@ -124,6 +124,7 @@ class TensorMetrics:
         self._due: list[tuple[TensorMetric, int]] = []
         self._due_names: tuple[str, ...] = ()
         self._prepared: dict[str, tuple[dict[SiteKey, Any], str | None]] = {}
+        self._phases_done: set[str] = set()
         self._before: dict[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
         self._kind_sites: dict[str, list[Site]] = {}
@@ -262,6 +263,7 @@ class TensorMetrics:
         self._due = [(m, i) for m, i in self.metrics if step % i == 0 or step == self._first_step]
         self._due_names = tuple(m.name for m, _ in self._due)  # keys the facts found once per due set
         self._prepared = {}
+        self._phases_done = set()
         self._sites = {}
         self._before = None
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
@@ -329,8 +331,15 @@ class TensorMetrics:
             return
         self._prepare_phase("post")
 
-    @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def _prepare_phase(self, phase: str) -> None:
+        """Prepare the metrics of ``phase`` (see :meth:`_run_phase`) once per step: the later
+        calls (the optimizer hooks after ``observe_gradients()``, the step's end) return at once."""
+        if phase not in self._phases_done:
+            self._run_phase(phase)
+            self._phases_done.add(phase)
+
+    @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
+    def _run_phase(self, phase: str) -> None:
         """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
         state or updates (their parameters are the values after the step; updates are read as
         ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
