@@ -19,7 +19,7 @@ where the kernel refuses a tensor, ``TensorMetrics`` takes the general path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, overload
 
 import torch
 
@@ -39,13 +39,38 @@ _UPDATE, _AFTER, _BEFORE = 0, 1, 2
 
 @dataclass(frozen=True, slots=True)
 class _Recipe:
-    """One metric of a phase: the kernel rows of its sites in site order, its state keys, and
-    the phase inputs its shape-only statistics read (empty when it has none)."""
+    """One metric of a phase: the kernel rows of its sites in site order (as a list and as an
+    index tensor) and its state keys."""
 
     metric: StatMetric
-    rows: torch.Tensor
+    rows: tuple[int, ...]
+    index: torch.Tensor
     keys: tuple[SiteKey, ...]
-    shapes: tuple[int, ...]
+
+
+class _Inputs(Sequence[torch.Tensor]):
+    """The tensors a metric's rows were read from, in site order, made only when a statistic
+    reads them (element counts, shapes): ``inputs(row)`` gives each."""
+
+    __slots__ = ("_rows", "_inputs")
+
+    def __init__(self, rows: tuple[int, ...], inputs: Callable[[int], torch.Tensor]) -> None:
+        self._rows = rows
+        self._inputs = inputs
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._inputs(r) for r in self._rows[i]]
+        return self._inputs(self._rows[i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +87,12 @@ class PhasePlan:
     def states(self, rows: torch.Tensor, inputs: Callable[[int], torch.Tensor]
                ) -> list[tuple[StatMetric, BlockState]]:
         """Each metric's state from ``rows`` (the phase's kernel output, float64 ``[n, 5]``);
-        ``inputs(i)`` is the tensor of row ``i`` (or one of its shape), for shape-only statistics."""
+        ``inputs(i)`` is the tensor row ``i`` was read from (or one of its shape: the general path's
+        stand-in), for statistics that read shapes."""
         out = []
         for recipe in self.recipes:
-            picked = rows.index_select(0, recipe.rows)
-            tensors = [inputs(i) for i in recipe.shapes]
+            picked = rows.index_select(0, recipe.index)
+            tensors = _Inputs(recipe.rows, inputs)
             out.append((recipe.metric, BlockState(recipe.keys, [stat.moments_matrix(picked, tensors)
                                                                 for stat in recipe.metric.statistics])))
         return out
@@ -75,6 +101,7 @@ class PhasePlan:
 def _eligible(metric: TensorMetric, kinds: frozenset[str]) -> bool:
     """Whether the general path prepares ``metric`` as a block of moments rows of ``kinds``."""
     return (isinstance(metric, StatMetric) and type(metric).prepare is StatMetric.prepare
+            and type(metric)._block is StatMetric._block
             and bool(metric.source_kinds) and metric.source_kinds <= kinds and reads_only_moments(metric)
             and any(stat.moments for stat in metric.statistics))
 
@@ -122,13 +149,15 @@ class ParamProgram:
         if not all(_eligible(m, _POST_KINDS) for m in post) or not all(_eligible(m, frozenset({"param"}))
                                                                        for m in before):
             return None
+        if any(len(sites_of(kind)) != num_entries for kind in ("param", "grad", "update")):
+            return None  # rows are found by manifest entry: one site per entry and kind
         kinds = sorted({k for m in pre for k in m.source_kinds})
         sites = [s for kind in kinds for s in sites_of(kind)]
         chosen = [_kept(m, p, sites) for m, p in zip(pre, picks(pre, sites))] if pre else []
         union = sorted({i for p in chosen for i in p})
         position = {i: n for n, i in enumerate(union)}
         pre_rows = [[position[i] for i in p] for p in chosen]
-        pre_plan = _phase(pre, chosen, sites, pre_rows, pre_rows)
+        pre_plan = _phase(pre, chosen, sites, pre_rows)
         names = [s.name for s in sites_of("param")] if post or before else []
         stepped = [i for i, name in enumerate(names) if name in snapshot]
         slot = {i: n for n, i in enumerate(stepped)}
@@ -145,7 +174,7 @@ class ParamProgram:
             kinds_read = [listed[i].kind for i in picked]
             rows = [3 * slot[e] + (_UPDATE if kind == "update" else _AFTER if after else _BEFORE)
                     for e, kind in zip(entries, kinds_read)]
-            plan = _phase([metric], [picked], listed, [rows], [rows])
+            plan = _phase([metric], [picked], listed, [rows])
             if plan is None:
                 return None
             recipes.extend(plan.recipes)
@@ -195,17 +224,15 @@ def _kept(metric: StatMetric, picked: list[int], sites: Sequence[Site]) -> list[
 
 
 def _phase(metrics: Sequence[TensorMetric], chosen: Sequence[Sequence[int]], sites: Sequence[Site],
-           rows: Sequence[Sequence[int]], inputs: Sequence[Sequence[int]]) -> PhasePlan | None:
-    """Recipes of ``metrics``: ``chosen[k]`` the indices of the ``sites`` metric ``k`` accepts,
-    ``rows[k]`` their kernel rows and ``inputs[k]`` the inputs those rows read; None when a
-    metric accepts no site."""
+           rows: Sequence[Sequence[int]]) -> PhasePlan | None:
+    """Recipes of ``metrics``: ``chosen[k]`` the indices of the ``sites`` metric ``k`` accepts
+    and ``rows[k]`` their kernel rows; None when a metric accepts no site."""
     recipes = []
     named: dict[SiteKey, Site] = {}
-    for metric, picked, at, reads in zip(metrics, chosen, rows, inputs):
+    for metric, picked, at in zip(metrics, chosen, rows):
         if not picked:
             return None
-        shape_only = any(stat.shape_only for stat in metric.statistics)  # type: ignore[attr-defined]
-        recipes.append(_Recipe(metric, torch.tensor(at, dtype=torch.int64),  # type: ignore[arg-type]
-                               tuple(sites[i].key for i in picked), tuple(reads) if shape_only else ()))
+        recipes.append(_Recipe(metric, tuple(at), torch.tensor(at, dtype=torch.int64),  # type: ignore[arg-type]
+                               tuple(sites[i].key for i in picked)))
         named.update((sites[i].key, sites[i]) for i in picked)
     return PhasePlan(tuple(recipes), named)

@@ -393,7 +393,10 @@ class TensorMetrics:
         on = moments.available()
         key = ("program", self._due_names, on)
         if key not in self._static:
-            self._static[key] = self._plan_program() if on else None
+            try:
+                self._static[key] = self._plan_program() if on else None
+            except Exception:  # noqa: BLE001 - a metric's own code raised (e.g. kept): the
+                self._static[key] = None  # general path reports it per metric, on every rank
         program = self._static[key]
         if program is None:
             return False

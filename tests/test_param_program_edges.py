@@ -1,0 +1,691 @@
+"""Edges of the parameter-side program: where it runs, its states equal the general path's.
+
+Each case trains a small model twice from the same seed, once as shipped and once with
+``TensorMetrics._plan_program`` returning None (every phase takes the general path), and
+compares every record and every reported failure of every step exactly; it also asserts how
+many phases the program itself prepared, so a case meant to exercise the program cannot
+silently fall back (and a case meant to fall back cannot silently run it). The cases: selects
+that cover only some layers, and update metrics whose select differs from the parameter
+metrics' (a partial snapshot), scopes tensor/family/global, due sets that change over eleven
+steps, frozen parameters and layers without gradients on some steps, steps without
+``optimizer.step()`` or without an optimizer, ``observe_gradients()`` early, twice or before
+backward, non-contiguous parameters and gradients (from the start, or made so by the optimizer),
+a parameter resized by the optimizer, parameters replaced between steps (values and dtype),
+bfloat16 and mixed dtypes, NaN, infinities, -0.0 and empty tensors under every moments
+statistic, a tensor large enough for the threaded kernel, the kernel switched off mid-run or
+between the phases of one step, scopes and optimizer hooks that raise, two optimizer steps in
+one scope, two ``TensorMetrics`` on one model, and data parallelism on two gloo ranks where one
+rank's kernel refuses a gradient. Float64 references check the update ratio and the parameter
+metrics read from the snapshot.
+
+Two tests show where the program and the general path part (both fail as of d78ae02):
+a ``StatMetric.kept`` that raises (the general path reports the metric; the program's planning
+raises out of ``optimizer.step()``), and a moments statistic whose ``moments_matrix`` reads the
+tensors' shapes without being ``shape_only`` (the program hands it no tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+from tmetrics_core.metrics import moments
+from tmetrics_core.metrics.base import StatMetric
+from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.metrics.norms import AbsMax, L2Norm, Rms
+from tmetrics_core.metrics.statistics import (
+    ABSMAX,
+    COUNT,
+    MAX,
+    MIN,
+    SUM,
+    SUMSQ,
+    ZEROS,
+    Statistic,
+)
+from tmetrics_core.param_program import ParamProgram
+from tmetrics_core.tensor_metrics import TensorMetrics
+
+VOCAB, WIDTH = 16, 8
+
+Body = Callable[[torch.nn.Module, Any, TensorMetrics, int], None]
+
+
+class Net(torch.nn.Module):
+    """Embedding, three residual blocks ``layers.N.{norm,fc}`` and a head; ``skip`` leaves
+    blocks out of the forward (their parameters then get no gradient)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(3):
+            block = torch.nn.Module()
+            block.norm = torch.nn.LayerNorm(WIDTH)
+            block.fc = torch.nn.Linear(WIDTH, WIDTH)
+            self.layers.append(block)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+
+    def forward(self, tokens: torch.Tensor, skip: tuple[int, ...] = ()) -> torch.Tensor:
+        h = self.embed(tokens)
+        for i, block in enumerate(self.layers):
+            if i not in skip:
+                dtype = block.fc.weight.dtype
+                h = h + torch.tanh(block.fc(block.norm(h.to(dtype)))).to(h.dtype)
+        return torch.nn.functional.linear(h.to(self.head.weight.dtype), self.head.weight)
+
+
+class Everything(StatMetric):
+    """Every statistic the moments rows give, one record each."""
+
+    statistics = (SUMSQ, SUM, MAX, MIN, ABSMAX, ZEROS, COUNT)
+
+    def finalize(self, stats):
+        return {k: v[0] if len(v) == 1 else v[0] + 10.0 * v[1] for k, v in stats.items() if ":" not in k}
+
+
+class Expected(Exception):
+    """Raised on purpose inside a step scope."""
+
+
+def _loss(model: Net, step: int, skip: tuple[int, ...] = ()) -> torch.Tensor:
+    tokens = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(step))
+    return torch.nn.functional.cross_entropy(model(tokens, skip).reshape(-1, VOCAB).float(), tokens.reshape(-1))
+
+
+def _plain(model: Net, optimizer: Any, metrics: TensorMetrics, step: int) -> None:
+    _loss(model, step).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _train(make: Callable[[], Net], spec: list[tuple[Callable[[], Any], int]], body: Body, *, program: bool,
+           steps: int, optimizer: Callable[[Net], Any] | None, monkeypatch: pytest.MonkeyPatch
+           ) -> tuple[list[Any], tuple[int, int]]:
+    """Per step, ``(records by key, failures so far)`` or ``"raised"``; and how many pre and
+    post phases the program prepared."""
+    ran = [0, 0]
+    with monkeypatch.context() as patch:
+        if not program:
+            patch.setattr(TensorMetrics, "_plan_program", lambda self: None)
+        for index, name in enumerate(("read_pre", "read_post")):
+            original = getattr(ParamProgram, name)
+
+            def counted(self, *args, _original=original, _index=index, **kwargs):
+                states = _original(self, *args, **kwargs)
+                ran[_index] += states is not None
+                return states
+            patch.setattr(ParamProgram, name, counted)
+        torch.manual_seed(0)
+        model = make()
+        opt = optimizer(model) if optimizer is not None else None
+        metrics = TensorMetrics(model, metrics=[(build(), i) for build, i in spec], optimizer=opt)
+        out: list[Any] = []
+        for step in range(1, steps + 1):
+            try:
+                with metrics.step(step):
+                    body(model, opt, metrics, step)
+            except Expected:
+                out.append("raised")
+                continue
+            out.append(({(r.metric, r.layer, r.expert, r.tensor, r.stat): r.value for r in metrics.last_records},
+                        [(f.metric, f.error) for f in metrics.failures]))
+        metrics.close()
+    return out, (ran[0], ran[1])
+
+
+def _adamw(model: Net) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _sgd(model: Net) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    return a == b
+
+
+def _compare(make: Callable[[], Net], spec: list, body: Body, monkeypatch: pytest.MonkeyPatch, *, steps: int = 4,
+             optimizer: Callable[[Net], Any] | None = _adamw) -> tuple[list[Any], tuple[int, int]]:
+    """Both runs; asserts equal records and failures on every step; returns the program's run."""
+    fast, ran = _train(make, spec, body, program=True, steps=steps, optimizer=optimizer, monkeypatch=monkeypatch)
+    general, none = _train(make, spec, body, program=False, steps=steps, optimizer=optimizer,
+                           monkeypatch=monkeypatch)
+    assert none == (0, 0)
+    for step, (a, b) in enumerate(zip(fast, general, strict=True), start=1):
+        if a == "raised" or b == "raised":
+            assert a == b, step
+            continue
+        assert a[0].keys() == b[0].keys(), (step, set(a[0]) ^ set(b[0]))
+        bad = {k: (a[0][k], b[0][k]) for k in a[0] if not _same(a[0][k], b[0][k])}
+        assert not bad, f"step {step}: {bad}"
+        assert a[1] == b[1], step
+    return fast, ran
+
+
+def _metric(name: str, select: str | list[str] | None = None) -> Callable[[], Any]:
+    return lambda: build_metric(name, select=select)
+
+
+ALL = [(_metric(n), 1) for n in ("layer-param-l2", "layer-grad-l2", "layer-grad-absmax", "layer-update-ratio",
+                                 "global-param-l2", "tensor-grad-l2", "family-param-l2", "layer-param-rms",
+                                 "layer-grad-zero-fraction", "layer-param-absmax", "layer-grad-rms")]
+PARAMS_ONLY = [(b, i) for b, i in ALL if "update" not in b().name]
+
+
+def _records(run: list[Any]) -> list[int]:
+    return [len(step[0]) if step != "raised" else -1 for step in run]
+
+
+# -- selections, scopes, due sets ----------------------------------------------------------
+
+def test_selects_covering_some_layers_and_a_partial_snapshot(monkeypatch):
+    spec = [(_metric("layer-update-ratio", "layers.0.*"), 1),
+            (_metric("layer-param-l2", ["layers.0.*", "layers.1.*"]), 1),
+            (_metric("tensor-param-l2", "layers.0.fc.*"), 1),
+            (_metric("global-grad-l2", "layers.2.*"), 1), (_metric("family-param-l2", "layers.*.norm.weight"), 1)]
+    fast, ran = _compare(Net, spec, _plain, monkeypatch)
+    assert ran == (4, 4)
+    # layers 0 and 1 (param l2), layers.0.fc.{weight,bias}, one global, one family, layer 0's ratio
+    assert _records(fast) == [7] * 4
+
+
+def test_due_sets_changing_over_eleven_steps(monkeypatch):
+    """Intervals 1, 2, 3 and 5: parameter metrics are read before the step on some steps and
+    from the snapshot on others (their select inside the update ratio's)."""
+    spec = [(_metric("layer-update-ratio", "layers.*"), 2), (_metric("layer-param-l2", "layers.1.*"), 1),
+            (_metric("family-param-l2", "layers.*.fc.weight"), 3), (_metric("layer-param-absmax", "layers.2.*"), 5),
+            (_metric("global-param-l2", "*.fc.*"), 1), (_metric("layer-grad-rms"), 2)]
+    fast, ran = _compare(Net, spec, _plain, monkeypatch, steps=11)
+    assert ran[0] >= 5 and ran[1] == 6  # a post phase on every step the ratio is due (1, 2, 4, ..., 10)
+    assert _records(fast) == [10, 8, 3, 8, 3, 9, 2, 8, 3, 9, 2]
+
+
+def test_frozen_parameters_and_layers_without_gradients(monkeypatch):
+    def frozen() -> Net:
+        model = Net()
+        model.layers[1].fc.weight.requires_grad_(False)
+        model.embed.weight.requires_grad_(False)
+        return model
+
+    def skipping(model, optimizer, metrics, step):
+        _loss(model, step, skip=(2,) if step % 2 else ()).backward()  # layer 2: grad None on odd steps
+        optimizer.step()
+        optimizer.zero_grad()
+    fast, ran = _compare(frozen, ALL, skipping, monkeypatch)
+    assert ran == (4, 4)
+    values = fast[0][0]
+    assert values[("layer-grad-zero-fraction", 2, None, None, None)] == 1.0
+    assert values[("layer-grad-l2", 2, None, None, None)] == 0.0
+
+
+# -- optimizer steps, observe_gradients --------------------------------------------------------
+
+def test_steps_without_optimizer_step_and_without_optimizer(monkeypatch):
+    def some_steps(model, optimizer, metrics, step):
+        _loss(model, step).backward()
+        if step % 2 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    fast, ran = _compare(Net, ALL, some_steps, monkeypatch)
+    assert ran == (4, 2)
+    assert [f for f, _ in fast[-1][1]] == ["layer-update-ratio"] * 2
+    fast, ran = _compare(Net, PARAMS_ONLY, lambda m, o, t, s: _loss(m, s).backward(), monkeypatch, optimizer=None)
+    assert ran == (4, 0) and _records(fast) == [42] * 4
+
+
+def test_observe_gradients_twice_before_clipping_and_before_backward(monkeypatch):
+    def early(model, optimizer, metrics, step):
+        if step == 3:
+            metrics.observe_gradients()  # before backward: zero gradients
+        _loss(model, step).backward()
+        metrics.observe_gradients()
+        metrics.observe_gradients()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        optimizer.step()
+        metrics.observe_gradients()
+        optimizer.zero_grad()
+    fast, ran = _compare(Net, ALL, early, monkeypatch)
+    assert ran == (4, 4)
+    assert fast[2][0][("layer-grad-l2", 1, None, None, None)] == 0.0
+    assert fast[1][0][("layer-grad-l2", 1, None, None, None)] > 0.01  # read before clipping
+
+
+def test_two_optimizer_steps_in_one_scope(monkeypatch):
+    def twice(model, optimizer, metrics, step):
+        _loss(model, step).backward()
+        optimizer.step()
+        optimizer.step()
+        optimizer.zero_grad()
+    _, ran = _compare(Net, ALL, twice, monkeypatch, steps=3)
+    assert ran == (3, 3)
+
+
+def test_scope_and_optimizer_hook_raising(monkeypatch):
+    def raising(model, optimizer, metrics, step):
+        _loss(model, step).backward()
+        if step == 2:
+            raise Expected()
+        optimizer.step()
+        if step == 3:
+            raise Expected()  # after the post phase consumed the snapshot
+        optimizer.zero_grad()
+    fast, _ = _compare(Net, ALL, raising, monkeypatch, steps=5)
+    assert _records(fast) == [45, -1, -1, 45, 45]
+
+    def failing_hook(model: Net) -> torch.optim.Optimizer:
+        optimizer = _adamw(model)
+        optimizer.register_step_post_hook(lambda *_: (_ for _ in ()).throw(Expected()) if failing_hook.step == 2
+                                          else None)
+        return optimizer
+
+    def body(model, optimizer, metrics, step):
+        failing_hook.step = step
+        _plain(model, optimizer, metrics, step)
+    fast, ran = _compare(Net, ALL, body, monkeypatch, optimizer=failing_hook)
+    assert _records(fast) == [45, -1, 45, 45]
+    assert ran == (4, 3)  # the failing hook runs first: no post phase on step 2
+
+
+# -- tensors the kernel refuses, replaced or resized ------------------------------------------
+
+def test_non_contiguous_parameter_runs_no_program(monkeypatch):
+    def transposed() -> Net:
+        model = Net()
+        weight = model.layers[1].fc.weight
+        model.layers[1].fc.weight = torch.nn.Parameter(weight.detach().t().contiguous().t())
+        assert not model.layers[1].fc.weight.is_contiguous()
+        return model
+    _, ran = _compare(transposed, ALL, _plain, monkeypatch)
+    assert ran == (0, 0)
+
+
+def test_non_contiguous_gradient_on_one_step_falls_back_before_the_step_only(monkeypatch):
+    def body(model, optimizer, metrics, step):
+        _loss(model, step).backward()
+        if step == 2:
+            weight = model.layers[1].fc.weight
+            weight.grad = weight.grad.t().contiguous().t()
+        optimizer.step()
+        optimizer.zero_grad()
+    _, ran = _compare(Net, ALL, body, monkeypatch, steps=3)
+    assert ran == (2, 3)
+
+
+class _Transposing(torch.optim.Optimizer):
+    """SGD that leaves ``target`` non-contiguous after its step on the steps in ``when``."""
+
+    def __init__(self, params, target: torch.nn.Parameter, when: set[int]) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.target, self.when, self.count = target, when, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.count += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.1)
+        data = self.target.data
+        self.target.data = data.t().contiguous().t() if self.count in self.when else data.contiguous()
+
+
+def test_parameter_made_non_contiguous_by_the_optimizer(monkeypatch):
+    """Step 2's parts pass refuses it (snapshot restored); step 3 reads it non-contiguous before
+    the step and its snapshot (a strided copy) after it, so both phases fall back."""
+    _, ran = _compare(Net, ALL, _plain, monkeypatch,
+                      optimizer=lambda m: _Transposing(m.parameters(), m.layers[0].fc.weight, {2}))
+    assert ran == (3, 2)
+
+
+class _Resizing(torch.optim.Optimizer):
+    """SGD that enlarges ``target`` inside its second step."""
+
+    def __init__(self, params, target: torch.nn.Parameter) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.target, self.count = target, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.count += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.1)
+        if self.count == 2:
+            self.target.data = torch.zeros(self.target.shape[0] + 1, *self.target.shape[1:])
+
+
+class _SlicingNet(Net):
+    """Reads only the first WIDTH rows of each block's weight (so a grown weight still fits)."""
+
+    def forward(self, tokens, skip=()):
+        h = self.embed(tokens)
+        for block in self.layers:
+            h = h + torch.tanh(torch.nn.functional.linear(block.norm(h), block.fc.weight[:WIDTH], block.fc.bias))
+        return self.head(h)
+
+
+def test_parameter_resized_by_the_optimizer(monkeypatch):
+    fast, ran = _compare(_SlicingNet, ALL, _plain, monkeypatch,
+                         optimizer=lambda m: _Resizing(m.parameters(), m.layers[1].fc.weight))
+    assert ran == (4, 3)
+    assert [f for f, _ in fast[-1][1]] == ["layer-update-ratio"]
+    assert "reading the post-step tensors failed" in fast[-1][1][0][1]
+
+
+def test_parameters_replaced_between_steps(monkeypatch):
+    def body(model, optimizer, metrics, step):
+        if step == 2:
+            model.layers[2].fc.bias.data = torch.randn(WIDTH, generator=torch.Generator().manual_seed(5))
+        if step == 3:
+            model.head.weight.data = model.head.weight.data.to(torch.bfloat16)
+        _plain(model, optimizer, metrics, step)
+    _, ran = _compare(Net, ALL, body, monkeypatch, optimizer=_sgd)
+    assert ran == (4, 4)
+
+
+def test_bfloat16_and_mixed_dtypes(monkeypatch):
+    def mixed() -> Net:
+        model = Net()
+        model.layers[0].to(torch.bfloat16)
+        return model
+    for make in (mixed, lambda: Net().to(torch.bfloat16)):
+        _, ran = _compare(make, ALL, _plain, monkeypatch, steps=3)
+        assert ran == (3, 3)
+
+
+class _WithExtras(Net):
+    """Also an empty parameter and one of 280 000 elements (the threaded kernel path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[1].empty = torch.nn.Parameter(torch.zeros(0, WIDTH))
+        self.layers[0].big = torch.nn.Parameter(torch.randn(400, 700, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, tokens, skip=()):
+        return super().forward(tokens, skip) + 1e-3 * self.layers[0].big.square().mean()
+
+
+def _everything(name: str, kinds: list[str], scope: str, select: str | None = None) -> Callable[[], Everything]:
+    return lambda: Everything(name=name, source_kinds=kinds, scope=scope, select=select)
+
+
+EVERYTHING = [(_everything("e-param", ["param"], "tensor"), 1), (_everything("e-grad", ["grad"], "layer"), 1),
+              (_everything("e-update", ["update", "param"], "tensor", "layers.*"), 2),
+              (_everything("e-before", ["param"], "global", "layers.1.*"), 1)]
+
+
+def _poison(model, optimizer, metrics, step):
+    _loss(model, step).backward()
+    with torch.no_grad():
+        if step == 2:
+            model.layers[0].fc.weight[0, 0] = float("nan")
+            model.layers[1].fc.weight.zero_()
+            model.layers[1].fc.weight[0, 0] = -0.0
+            model.layers[2].fc.bias.fill_(float("inf"))
+            model.layers[2].fc.bias[0] = -float("inf")
+            model.layers[1].norm.weight.grad.fill_(float("nan"))
+        if step == 3:
+            model.layers[2].fc.bias.fill_(-0.0)
+            model.layers[1].norm.weight.grad.fill_(-0.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_moments_statistic_on_nan_infinities_negative_zero_empty_and_large(dtype, monkeypatch):
+    fast, ran = _compare(lambda: _WithExtras().to(dtype), EVERYTHING, _poison, monkeypatch, optimizer=_sgd)
+    assert ran == (4, 3)  # no post phase on step 3 (e-update is due every other step)
+    values = fast[1][0]
+    assert math.isnan(values[("e-param", 0, None, "layers.0.fc.weight", "sumsq")])
+    assert values[("e-param", 0, None, "layers.0.fc.weight", "absmax")] == 10.0  # neutral 0 + NaN flag
+    assert values[("e-param", 2, None, "layers.2.fc.bias", "absmax")] == math.inf
+    assert values[("e-param", 1, None, "layers.1.empty", "count")] == 0.0
+    assert values[("e-param", 1, None, "layers.1.fc.weight", "zeros")] == WIDTH * WIDTH
+
+
+# -- the kernel switched off -----------------------------------------------------------------
+
+def test_kernel_switched_off_mid_run_and_between_phases(monkeypatch):
+    def off_mid_run(model, optimizer, metrics, step):
+        with moments.disabled() if step in (2, 3) else contextlib.nullcontext():
+            _plain(model, optimizer, metrics, step)
+    _, ran = _compare(Net, ALL, off_mid_run, monkeypatch, steps=5)
+    assert ran == (3, 3)
+
+    def off_after_observe(model, optimizer, metrics, step):
+        _loss(model, step).backward()
+        metrics.observe_gradients()
+        with moments.disabled():
+            optimizer.step()
+        optimizer.zero_grad()
+    _, ran = _compare(Net, ALL, off_after_observe, monkeypatch, steps=2)
+    assert ran == (2, 0)
+
+    def on_after_observe(model, optimizer, metrics, step):
+        with moments.disabled():
+            _loss(model, step).backward()
+            metrics.observe_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    _, ran = _compare(Net, ALL, on_after_observe, monkeypatch, steps=2)
+    assert ran == (0, 2)
+
+
+def test_kernel_switched_off_from_the_start_runs_no_program(monkeypatch):
+    """What ``TMETRICS_FUSED_KERNEL=0`` sets at import."""
+    monkeypatch.setitem(moments._switch, "on", False)
+    _, ran = _compare(Net, ALL, _plain, monkeypatch, steps=2)
+    assert ran == (0, 0)
+
+
+# -- other metric shapes ---------------------------------------------------------------------
+
+def test_metrics_of_several_kinds_and_of_updates_alone(monkeypatch):
+    spec = [(lambda: L2Norm(name="layer-paramgrad-l2", source_kinds=["param", "grad"], scope="layer"), 1),
+            (lambda: L2Norm(name="layer-update-l2", source_kinds=["update"], scope="layer", select="layers.[01].*"), 1),
+            (lambda: AbsMax(name="tensor-update-absmax", source_kinds=["update"], scope="tensor",
+                            select="layers.1.*"), 2),
+            (lambda: Rms(name="family-update-rms", source_kinds=["update", "param"], scope="family"), 3),
+            (lambda: AbsMax(name="global-param-absmax", source_kinds=["param"], select="layers.0.*"), 1),
+            (_metric("layer-update-ratio", "layers.2.*"), 2)]
+    fast, ran = _compare(Net, spec, _plain, monkeypatch, steps=6)
+    assert ran == (6, 6)
+    assert _records(fast) == [17, 11, 12, 11, 6, 17]
+
+
+def test_two_tensor_metrics_on_one_model(monkeypatch):
+    def run(program: bool) -> list:
+        with monkeypatch.context() as patch:
+            if not program:
+                patch.setattr(TensorMetrics, "_plan_program", lambda self: None)
+            model = Net()
+            optimizer = _adamw(model)
+            a = TensorMetrics(model, metrics=[(build_metric("layer-update-ratio"), 1),
+                                              (build_metric("layer-param-l2"), 2)], optimizer=optimizer)
+            b = TensorMetrics(model, metrics=[(build_metric("layer-update-ratio", select="layers.1.*"), 2),
+                                              (build_metric("layer-grad-l2"), 1), (build_metric("layer-param-l2"), 1)],
+                              optimizer=optimizer)
+            out = []
+            for step in range(1, 5):
+                with a.step(step), b.step(step):
+                    _loss(model, step).backward()
+                    if step == 2:
+                        b.observe_gradients()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                out.append(sorted((r.metric, r.layer, r.value) for r in [*a.last_records, *b.last_records]))
+            assert a.failures == [] and b.failures == []
+            planned = [v is not None for m in (a, b) for k, v in m._static.items()
+                       if isinstance(k, tuple) and k[0] == "program"]
+            assert planned and all(planned) == program
+            a.close()
+            b.close()
+            return out
+    fast, general = run(True), run(False)
+    assert fast == general
+    assert [len(step) for step in fast] == [13, 13, 9, 13]
+
+
+# -- float64 references ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_ratio_and_snapshot_reads_against_float64(dtype):
+    """Through the program (asserted), the update ratio equals ||p_after - p_before|| /
+    ||p_after|| per layer and layer-param-l2 (read from the snapshot) ||p_before||, in float64."""
+    model = Net().to(dtype)
+    optimizer = _adamw(model)
+    metrics = TensorMetrics(model, optimizer=optimizer, metrics=[(build_metric("layer-update-ratio"), 1),
+                                                                 (build_metric("layer-param-l2"), 1)])
+    assert metrics._static == {}
+    for step in range(1, 3):
+        with metrics.step(step):
+            _loss(model, step).backward()
+            before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+            optimizer.step()
+            after = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+            optimizer.zero_grad()
+        program = [v for k, v in metrics._static.items() if isinstance(k, tuple) and k[0] == "program"]
+        assert len(program) == 1 and program[0] is not None and len(program[0].post.recipes) == 2
+        values = {(r.metric, r.layer): r.value for r in metrics.last_records}
+        for layer in range(3):
+            names = [n for n in before if n.startswith(f"layers.{layer}.")]
+            update = math.sqrt(sum((after[n] - before[n]).pow(2).sum().item() for n in names))
+            param_after = math.sqrt(sum(after[n].pow(2).sum().item() for n in names))
+            param_before = math.sqrt(sum(before[n].pow(2).sum().item() for n in names))
+            assert values[("layer-update-ratio", layer)] == pytest.approx(update / param_after, rel=1e-9)
+            assert values[("layer-param-l2", layer)] == pytest.approx(param_before, rel=1e-12)
+    metrics.close()
+
+
+# -- data parallel, one rank falling back ----------------------------------------------------
+
+DP_METRICS = {"layer-param-l2": 1, "layer-grad-l2": 1, "layer-grad-absmax": 1, "layer-update-ratio": 2,
+              "tensor-grad-l2": 1, "global-param-l2": 3, "layer-grad-rms": 1}
+
+
+def train_data_parallel(rank: int, world: int, program: bool) -> tuple[list[dict], list, tuple[int, int]]:
+    """Three steps of the demo model under DDP on ``dp``; on rank 1 at step 2 one gradient is
+    made non-contiguous (same values), so that rank's pre phase takes the general path."""
+    from tmetrics_core.axes import Topology
+    from tmetrics_core.demo.model import ModelConfig
+    from tmetrics_core.demo.parallel import parallelize
+    from tmetrics_core.demo.topology import Topology as DemoTopology
+
+    if not program:
+        TensorMetrics._plan_program = lambda self: None
+    ran = [0, 0]
+    for index, name in enumerate(("read_pre", "read_post")):
+        original = getattr(ParamProgram, name)
+
+        def counted(self, *args, _original=original, _index=index, **kwargs):
+            states = _original(self, *args, **kwargs)
+            ran[_index] += states is not None
+            return states
+        setattr(ParamProgram, name, counted)
+    torch.manual_seed(0)
+    config = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=12, n_experts=4, top_k=2, dense_layers=(1,),
+                         seq_len=16)
+    parallel = parallelize(config, DemoTopology(dp=2), seed=3, batch_size=8)
+    optimizer = torch.optim.AdamW(parallel.model.parameters(), lr=1e-2)
+    metrics = TensorMetrics(parallel.model, metrics=[(build_metric(n), i) for n, i in DP_METRICS.items()],
+                            optimizer=optimizer, topology=Topology.from_mesh(parallel.mesh), timeout_s=30)
+    out = []
+    for step in range(1, 4):
+        batch = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(step))
+        with metrics.step(step):
+            parallel.forward_backward(batch)
+            if rank == 1 and step == 2:
+                p = next(p for p in parallel.model.parameters() if p.dim() == 2 and p.grad is not None)
+                p.grad = p.grad.t().contiguous().t()
+            optimizer.step()
+            optimizer.zero_grad()
+        out.append({(r.metric, r.layer, r.tensor, r.stat): r.value for r in metrics.last_records})
+    failures = [(f.metric, f.error) for f in metrics.failures]
+    metrics.close()
+    return out, failures, (ran[0], ran[1])
+
+
+@pytest.mark.timeout(120)
+def test_data_parallel_with_one_rank_falling_back():
+    fast = run_distributed(train_data_parallel, 2, True, timeout=90, collective_timeout=30)
+    general = run_distributed(train_data_parallel, 2, False, timeout=90, collective_timeout=30)
+    for rank in range(2):
+        records, failures, ran = fast[rank]
+        assert failures == [] and general[rank][1] == []
+        assert ran == ((3, 2) if rank == 0 else (2, 2)) and general[rank][2] == (0, 0)
+        assert [len(r) for r in records] == [42, 41, 40]
+        assert records == general[rank][0], rank
+    # replicated: the ranks agree but at step 2, where rank 1 read one gradient with torch kernels
+    assert fast[0][0][0] == fast[1][0][0] and fast[0][0][2] == fast[1][0][2]
+
+
+# -- where the program and the general path part (failing as of d78ae02) ---------------------
+
+class _BrokenKept(L2Norm):
+    """A metric whose ``kept`` raises: a metric error, which the general path reports."""
+
+    def kept(self, sites):
+        raise RuntimeError("kept is broken")
+
+
+def test_a_kept_that_raises_is_reported_not_raised_from_optimizer_step(monkeypatch):
+    """The general path calls ``kept`` inside ``prepare`` (under ``prepare_states``' per-metric
+    error handling); the program calls it while planning, in ``_programmed`` outside any try,
+    so the error escapes the optimizer's pre-hook and ends the training step (on every due step:
+    the plan is never cached)."""
+    spec = [(lambda: _BrokenKept(name="bad-grad-l2", source_kinds=["grad"], scope="layer"), 1),
+            (_metric("layer-param-l2"), 1)]
+    general, _ = _train(Net, spec, _plain, program=False, steps=2, optimizer=_adamw, monkeypatch=monkeypatch)
+    assert general[-1][1] == [("bad-grad-l2", "RuntimeError: kept is broken")] * 2
+    assert _records(general) == [3, 3]
+    _compare(Net, spec, _plain, monkeypatch, steps=2)
+
+
+class _MeanSquare(Statistic):
+    """Per tensor ``sum x**2 / numel`` from the moments rows and the tensor's shape; reads no
+    element (``moments``, not ``reads_elements``), so a same-shaped stand-in serves
+    (``moments.derivable``)."""
+
+    name = "mean_square"
+    op = "max"
+    moments = True
+
+    def moments_matrix(self, rows, tensors):
+        counts = torch.tensor([[float(max(t.numel(), 1))] for t in tensors], dtype=torch.float64)
+        return rows[:, 0:1] / counts
+
+    def compute(self, tensors, sites, topology):
+        return [(t.double().pow(2).sum() / max(t.numel(), 1)).reshape(1) for t in tensors]
+
+
+class _PeakMeanSquare(StatMetric):
+    statistics = (_MeanSquare(),)
+
+    def finalize(self, stats):
+        return stats["mean_square"][0]
+
+
+def test_a_moments_statistic_reading_shapes_gets_its_tensors(monkeypatch):
+    """``Statistic.moments_matrix(rows, tensors)`` documents one row per tensor; the program
+    passes the tensors only to metrics with a ``shape_only`` statistic, so this metric gets
+    ``[]`` (an empty matrix, then ``IndexError`` in finalize) where the general path reports it."""
+    spec = [(lambda: _PeakMeanSquare(name="layer-grad-peak-ms", source_kinds=["grad"], scope="layer"), 1),
+            (lambda: _PeakMeanSquare(name="layer-update-peak-ms", source_kinds=["update"], scope="layer"), 1)]
+    general, _ = _train(Net, spec, _plain, program=False, steps=1, optimizer=_adamw, monkeypatch=monkeypatch)
+    assert general[0][1] == [] and _records(general) == [6]
+    _compare(Net, spec, _plain, monkeypatch, steps=2)
