@@ -7,22 +7,27 @@ elements: the C kernels (moments, row softmax sums) and the update snapshot copy
 per-tensor and per-observation Python and small torch ops. Timed directly with
 ``time.perf_counter`` around those functions, so the figures are the in-step costs (slower
 than the same code in a warm loop: the model's kernels evict the caches between calls).
+
+:func:`program_gain` times the same code with and without the parameter-side program
+(``tmetrics_core.param_program``) on two trainers stepping in turn in one process, so the
+machine's drift cancels: ``python -m bench.due_step_time [--steps N]`` prints both.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from bench.demo_variants import make_trainer, tmetrics_factory
+from bench.demo_variants import BUNDLE, make_trainer, tmetrics_factory
 from tmetrics_core import tensor_metrics
 from tmetrics_core.metrics import moments
 from tmetrics_core.sources import tokens
 
-__all__ = ["DueStepTime", "due_step_time"]
+__all__ = ["DueStepTime", "due_step_time", "main", "program_gain"]
 
 _ENTRIES = ((tensor_metrics.TensorMetrics, "_pre_step"), (tensor_metrics.TensorMetrics, "_post_step"),
             (tensor_metrics.TensorMetrics, "observe_gradients"), (tensor_metrics.TensorMetrics, "_finish_step"),
@@ -80,7 +85,49 @@ def due_step_time(bundle: tuple[str, ...], steps: int = 20) -> DueStepTime:
             trainer.step(step)
             per_step.append((total[0] - before[0], passes[0] - before[1]))
     trainer.metrics.close()
+    return _median(per_step)
+
+
+def _median(per_step: list[tuple[float, float]]) -> DueStepTime:
     totals = sorted(t for t, _ in per_step)
     shares = sorted(p for _, p in per_step)
     return DueStepTime(totals[len(totals) // 2] * 1e3, shares[len(shares) // 2] * 1e3)
 
+
+def program_gain(bundle: tuple[str, ...] = BUNDLE, steps: int = 40) -> tuple[DueStepTime, DueStepTime]:
+    """Medians over ``steps`` due steps (after 3 warm-up steps) of the tmetrics time with the
+    parameter-side program and with it planned away (the general path), on two demo trainers
+    that take their steps in turn (order swapped every step), in ms."""
+    total, passes = [0.0], [0.0]
+    with _timed(_ENTRIES, total), _timed(_PASSES, passes):
+        program = make_trainer(tmetrics_factory(1, bundle))
+        general = make_trainer(tmetrics_factory(1, bundle))
+        general.metrics._plan_program = lambda: None  # every phase takes the general path
+        for step in range(1, 4):
+            program.step(step)
+            general.step(step)
+        per_step: dict[str, list[tuple[float, float]]] = {"program": [], "general": []}
+        for step in range(4, 4 + steps):
+            order = (("program", program), ("general", general))
+            for name, trainer in order if step % 2 else order[::-1]:
+                before = (total[0], passes[0])
+                trainer.step(step)
+                per_step[name].append((total[0] - before[0], passes[0] - before[1]))
+    program.metrics.close()
+    general.metrics.close()
+    return _median(per_step["program"]), _median(per_step["general"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="due steps per variant (default 40)")
+    args = parser.parse_args()
+    with_program, general = program_gain(BUNDLE, args.steps)
+    print(f"due step of the standard bundle, tmetrics code timed directly, median of {args.steps} steps per variant")
+    for name, t in (("program", with_program), ("general path", general)):
+        print(f"{name:13s} {t.total_ms:6.2f} ms  (passes over tensor elements {t.passes_ms:5.2f} ms)")
+    print(f"program saves {general.total_ms - with_program.total_ms:.2f} ms per due step")
+
+
+if __name__ == "__main__":
+    main()
