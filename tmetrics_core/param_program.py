@@ -82,6 +82,7 @@ class PhasePlan:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The metrics' names, in recipe order."""
         return tuple(r.metric.name for r in self.recipes)
 
     def states(self, rows: torch.Tensor, inputs: Callable[[int], torch.Tensor]

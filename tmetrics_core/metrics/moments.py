@@ -246,9 +246,11 @@ _Packed = tuple[array.array, array.array, array.array, array.array]
 counts and dtype codes."""
 
 
-def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None]) -> _Packed:
+def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None], *, taken: bool = False
+            ) -> _Packed:
     """The kernel's arguments for ``tensors`` minus ``minus``, each checked while packed (one
-    pass over the tensors: this runs for every tensor of every due step).
+    pass over the tensors: this runs for every tensor of every due step); ``taken``: the
+    tensors are known to pass :func:`takes` (only ``minus`` is checked).
 
     Raises:
         ValueError: a tensor the kernel does not take (:func:`takes`), or a ``minus`` entry
@@ -258,7 +260,7 @@ def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
     # and about half the cost of ctypes arrays built from the same lists.
     xs, ys, ns, codes = array.array("Q"), array.array("Q"), array.array("q"), array.array("i")
     for t, m in zip(tensors, minus):
-        if not takes(t):
+        if not taken and not takes(t):
             raise ValueError(f"moments takes contiguous CPU float32/bfloat16 tensors; got {t.dtype} on "
                              f"{t.device}, contiguous={t.is_contiguous()}")
         n = t.numel()
@@ -367,7 +369,7 @@ def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[
         taken = taken if lib is not None else []
         table.update((keys[i], None) for i in missing)
         if taken:
-            block = _run(lib, _packed([tensors[i] for i in taken], [None] * len(taken)))
+            block = _run(lib, _packed([tensors[i] for i in taken], [None] * len(taken), taken=True))
             table.update((keys[i], (block, j)) for j, i in enumerate(taken))
         entries = list(map(table.__getitem__, keys))
     return entries
