@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol  # autograd-aware collectives (as torchtitan)
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from tmetrics_core.demo.expert_collectives import all_gather, reduce_scatter
 from tmetrics_core.demo.model import ModelConfig, MoE, Transformer, fixed_shape_dispatch
 from tmetrics_core.demo.topology import Topology
 from tmetrics_core.errors import ConfigError
@@ -66,11 +66,10 @@ class ExpertParallelDispatch:
 
     def __call__(self, moe: MoE, tokens: torch.Tensor, topk_idx: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
-        all_tokens = funcol.all_gather_single_autograd(tokens, 0, self.group)        # (ep*N, d)
-        all_weights = funcol.all_gather_single_autograd(weights, 0, self.group)      # (ep*N, k)
-        all_idx = funcol.wait_tensor(funcol.all_gather_single(topk_idx, 0, self.group))    # (ep*N, k)
-        partial = moe.expert_outputs(funcol.wait_tensor(all_tokens), all_idx, funcol.wait_tensor(all_weights))
-        return funcol.wait_tensor(funcol.reduce_scatter_single_autograd(partial, "sum", 0, self.group))
+        all_tokens = all_gather(tokens, self.group)        # (ep*N, d)
+        all_weights = all_gather(weights, self.group)      # (ep*N, k)
+        all_idx = all_gather(topk_idx, self.group)         # (ep*N, k)
+        return reduce_scatter(moe.expert_outputs(all_tokens, all_idx, all_weights), self.group)
 
 
 @dataclass(frozen=True, slots=True)
