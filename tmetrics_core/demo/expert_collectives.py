@@ -38,26 +38,17 @@ def _scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _gather(x, group)
+class _Exchange(torch.autograd.Function):
+    """All-gather (``gather``) or reduce-scatter forward; the other one backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _scatter(grad, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _scatter(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.gather = group, gather
+        return (_gather if gather else _scatter)(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather(grad, ctx.group), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_scatter if ctx.gather else _gather)(grad, ctx.group), None, None
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -66,10 +57,10 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     returned to that rank (a reduce-scatter). Integer tensors pass without a gradient."""
     if not x.requires_grad:
         return _gather(x, group)
-    return _AllGather.apply(x, group)
+    return _Exchange.apply(x, group, True)
 
 
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[N / world, ...]``: this rank's slice (rank order along dim 0) of ``x`` summed over the
     ranks (``N`` divisible by the world size); the gradient is gathered back (an all-gather)."""
-    return _ReduceScatter.apply(x, group)
+    return _Exchange.apply(x, group, False)
