@@ -80,11 +80,6 @@ class PhasePlan:
     recipes: tuple[_Recipe, ...]
     sites: dict[SiteKey, Site]
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The metrics' names, in recipe order."""
-        return tuple(r.metric.name for r in self.recipes)
-
     def states(self, rows: torch.Tensor, inputs: Callable[[int], torch.Tensor]
                ) -> list[tuple[StatMetric, BlockState]]:
         """Each metric's state from ``rows`` (the phase's kernel output, float64 ``[n, 5]``);
@@ -158,7 +153,9 @@ class ParamProgram:
         union = sorted({i for p in chosen for i in p})
         position = {i: n for n, i in enumerate(union)}
         pre_rows = [[position[i] for i in p] for p in chosen]
-        pre_plan = _phase(pre, chosen, sites, pre_rows)
+        pre_plan = _phase(pre, chosen, sites, pre_rows) if pre else PhasePlan((), {})
+        if pre_plan is None:
+            return None
         names = [s.name for s in sites_of("param")] if post or before else []
         stepped = [i for i, name in enumerate(names) if name in snapshot]
         slot = {i: n for n, i in enumerate(stepped)}
@@ -180,9 +177,7 @@ class ParamProgram:
                 return None
             recipes.extend(plan.recipes)
             post_sites.update(plan.sites)
-        if pre and pre_plan is None:
-            return None
-        return cls(pre_plan or PhasePlan((), {}), [(sites[i].kind, i % num_entries) for i in union],
+        return cls(pre_plan, [(sites[i].kind, i % num_entries) for i in union],
                    PhasePlan(tuple(recipes), post_sites), stepped)
 
     def read_pre(self, read: Callable[[str], list[torch.Tensor | None]]) -> list[tuple[StatMetric, BlockState]] | None:
