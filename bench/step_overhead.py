@@ -8,7 +8,8 @@ backward, clipping, AdamW) with the standard bundle (``bench.demo_variants.BUNDL
 ``wandb.watch(model, log="all", log_freq=1)`` (offline) and a per-parameter ``.norm().item()``
 loop. Variants alternate in short rounds (``bench.rounds``); ratios are to the bare loop. One
 more trainer runs with its metrics object switched off and on each round (:data:`SWITCHED`):
-the same pair on one model, free of the few percent that separate model copies differ by.
+the same pair on one model, free of the few percent that separate model copies differ by
+(shown by a second bare copy, :data:`SECOND_BARE`).
 Interval rows also give the mean over all their steps and the mean expected from the due
 overhead and the idle one: ``1 + (due + (N - 1) idle) / N``, where the idle cost is the tmetrics
 code a not-due step runs (step scope, optimizer hooks, ``observe_gradients``) timed directly,
@@ -52,6 +53,9 @@ __all__ = ["main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY = ("bare", "tmetrics every 1", "wandb.watch all/1", "norm().item() loop")
+SECOND_BARE = "bare, second copy"
+"""The bare loop again, on a model built last: its ratio to ``bare`` is how far two copies of one
+loop differ by where their tensors sit in memory, the error of every separate-copy ratio."""
 
 
 def _variants(bundle: tuple[str, ...]) -> dict[str, Any]:
@@ -64,6 +68,7 @@ def _variants(bundle: tuple[str, ...]) -> dict[str, Any]:
         "tmetrics not due": tmetrics_factory(NEVER, bundle),
         "wandb.watch all/1": wandb_factory,
         "norm().item() loop": norm_loop_factory(),
+        SECOND_BARE: None,
     }
 
 
@@ -141,7 +146,8 @@ def _ops_of_step(trainer: Trainer, step: int) -> tuple[int, int]:
 
 def single_process(rounds: int, steps: int, bundle: tuple[str, ...], *, alternatives: bool = True) -> list[str]:
     corpus = ByteCorpus.from_stdlib()
-    variants = {n: f for n, f in _variants(bundle).items() if alternatives or n == "bare" or n.startswith("tmetrics")}
+    variants = {n: f for n, f in _variants(bundle).items()
+                if alternatives or n in ("bare", SECOND_BARE) or n.startswith("tmetrics")}
     trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in variants.items()}
     runners = {name: _stepper(t) for name, t in trainers.items()}
     runners.update(_switched(make_trainer(tmetrics_factory(1, bundle), corpus=corpus)))
@@ -174,7 +180,8 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         "wall x / cpu x: median over rounds of the paired ratio to bare (wall time / process CPU time); mean x:",
         "mean of the per-round ratios, 10% trimmed each side (the average over steps); expected x: 1 + (due +",
         "(N-1) idle) / N with due the 'every 1' overhead and idle the directly timed not-due cost below.",
-        "Noise: about 1.5% (MACHINE-NOTES).",
+        "Noise: about 1.5% (MACHINE-NOTES); 'bare, second copy' (the same loop, another model copy) shows",
+        "how far separate copies differ, which the same-model pair below does not see.",
         f"same model, tmetrics switched off and on each round (bare step {r.median_ms(SWITCHED[0]):.1f} ms): "
         f"every 1 wall x {r.paired(SWITCHED[1], SWITCHED[0]):.3f}, cpu x {r.paired(SWITCHED[1], SWITCHED[0], cpu=True):.3f}, "
         f"mean x {r.mean(SWITCHED[1], SWITCHED[0]):.3f}",
