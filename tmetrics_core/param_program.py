@@ -118,6 +118,9 @@ class ParamProgram:
         self.reads = tuple(reads)
         self.post = post
         self.stepped = tuple(stepped)
+        # Rows that only sums of squares are read from (L2 norms, update ratios) skip the rest.
+        self._squares = tuple(moments.sumsq_suffices(stat for recipe in plan.recipes for stat in recipe.metric.statistics)
+                              for plan in (pre, post))
 
     @classmethod
     def plan(cls, pre: Sequence[TensorMetric], post: Sequence[TensorMetric], before: Sequence[TensorMetric],
@@ -189,7 +192,7 @@ class ParamProgram:
         if any(t is None for t in tensors):
             return None
         try:
-            rows = moments.moments(tensors)
+            rows = moments.moments(tensors, sumsq_only=self._squares[0])
         except ValueError:
             return None
         return self.pre.states(rows, tensors.__getitem__)
@@ -205,7 +208,7 @@ class ParamProgram:
         now = [p[0] for p in stepped]  # type: ignore[index]
         then = [p[1] for p in stepped]  # type: ignore[index]
         try:
-            block = moments.parts(now, then).flatten(0, 1)
+            block = moments.parts(now, then, sumsq_only=self._squares[1]).flatten(0, 1)
         except ValueError:
             return None
         # The general path gives the snapshot as the stand-in of an update, and as the

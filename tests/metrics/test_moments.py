@@ -107,6 +107,31 @@ def test_parts_are_the_moments_of_the_difference_and_of_each_tensor_bit_for_bit(
     assert got[5, 0:3:2, 0].isnan().all() and not got[5, 1, 0].isnan()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sums_of_squares_alone_have_the_bits_of_full_rows(dtype: torch.dtype, threads: int) -> None:
+    """``sumsq_only`` computes the sum of squares with the same bits as a full row (plain,
+    difference and parts passes; NaN and infinities, empty tensors, piece edges, threads) and
+    leaves NaN in every other column, so a statistic that read one would show NaN."""
+    xs = [_tensor(n, i, dtype) for i, n in enumerate(SIZES)]
+    ys = [_tensor(n, 100 + i, dtype) for i, n in enumerate(SIZES)]
+    xs[3][5], ys[3][7], xs[4][2] = float("nan"), float("inf"), float("-inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pairs = [(moments.moments(xs, sumsq_only=True), moments.moments(xs)),
+                 (moments.moments(xs, ys, sumsq_only=True), moments.moments(xs, ys)),
+                 (moments.parts(xs, ys, sumsq_only=True), moments.parts(xs, ys))]
+    finally:
+        torch.set_num_threads(before)
+    for squares, full in pairs:
+        assert squares.shape == full.shape and squares.dtype == torch.float64
+        assert torch.equal(squares[..., 0].nan_to_num(nan=7.0), full[..., 0].nan_to_num(nan=7.0))
+        assert squares[..., 1:].isnan().all()
+    assert moments.sumsq_suffices([SUMSQ, NONFINITE]) and not moments.sumsq_suffices([SUMSQ, ABSMAX])
+    assert not any(moments.sumsq_suffices([stat]) for stat in (SUM, MAX, MIN, ZEROS))
+
+
 def test_parts_need_a_tensor_to_subtract_for_every_tensor() -> None:
     with pytest.raises(ValueError, match="moments\\(\\) for single tensors"):
         moments.parts([torch.ones(3)], [None])  # type: ignore[list-item]

@@ -13,6 +13,10 @@
  * facts from [0] and counts exactly only then. Asked for three rows, the pass over a pair
  * (x, y) writes those of x - y, x and y (an optimizer step's update, the parameter after it and
  * the parameter before it): no slower than reading x - y and x again, and y's row comes free.
+ * Asked for sums of squares only (every statistic of the call reads [0] alone: L2 norms, RMS,
+ * update ratios), the pass keeps that one accumulator and writes NaN to [1]..[4]; [0] has the
+ * same bits as in a full pass (same lanes, same order). On a pass bound by arithmetic (a few
+ * hundred KiB of activations, the three rows of a pair) that halves the time.
  *
  * Work is cut into pieces of at most PIECE elements, merged per tensor in piece order (the
  * result does not depend on the thread count). `threads` > 1 runs the pieces on that many
@@ -89,39 +93,75 @@ INLINE void lanes_write(const lanes_t *a, double *out) {
     out[4] = (double)total_zeros;
 }
 
-/* A pass over elements [begin, end) writing ROWS rows of FIELDS to out; TAKE(r, j, i) feeds
- * element i to the rows' lane j. */
-#define DEFINE_PASS(NAME, LOAD, ROWS, TAKE)                                                   \
+/* The sum-of-squares accumulator alone, in the same lanes as lanes_t's (same bits). */
+typedef struct {
+    double sq[LANES];
+} squares_t;
+
+INLINE void squares_start(squares_t *a) {
+    for (int j = 0; j < LANES; j++) a->sq[j] = 0;
+}
+
+INLINE void squares_take(squares_t *a, int j, float v) {
+    double d = (double)v;
+    a->sq[j] += d * d;
+}
+
+INLINE void squares_write(const squares_t *a, double *out) {
+    double total_sq = 0;
+    for (int j = 0; j < LANES; j++) total_sq += a->sq[j];
+    out[0] = total_sq;
+    for (int f = 1; f < FIELDS; f++) out[f] = __builtin_nan("");
+}
+
+/* A pass over elements [begin, end) writing ROWS rows of FIELDS to out with the accumulators
+ * ACC (lanes: every field; squares: [0] only); TAKE(FEED, LOAD, r, j, i) feeds element i to the
+ * rows' lane j. */
+#define DEFINE_PASS(NAME, ACC, LOAD, ROWS, TAKE)                                              \
     static void NAME(const void *x, const void *y, int64_t begin, int64_t end, double *out) { \
         (void)y; /* read only by the passes of differences */                                 \
-        lanes_t r[ROWS];                                                                      \
-        for (int k = 0; k < ROWS; k++) lanes_start(&r[k]);                                    \
+        ACC##_t r[ROWS];                                                                      \
+        for (int k = 0; k < ROWS; k++) ACC##_start(&r[k]);                                    \
         int64_t i = begin;                                                                    \
         for (; i + LANES <= end; i += LANES)                                                  \
-            for (int j = 0; j < LANES; j++) TAKE(LOAD, r, j, i + j);                          \
-        for (int j = 0; i < end; i++, j++) TAKE(LOAD, r, j, i);                               \
-        for (int k = 0; k < ROWS; k++) lanes_write(&r[k], out + FIELDS * k);                  \
+            for (int j = 0; j < LANES; j++) TAKE(ACC##_take, LOAD, r, j, i + j);              \
+        for (int j = 0; i < end; i++, j++) TAKE(ACC##_take, LOAD, r, j, i);                   \
+        for (int k = 0; k < ROWS; k++) ACC##_write(&r[k], out + FIELDS * k);                  \
     }
 
 /* x */
-#define PLAIN(LOAD, r, j, i) lanes_take(&r[0], j, LOAD(x, i))
+#define PLAIN(FEED, LOAD, r, j, i) FEED(&r[0], j, LOAD(x, i))
 /* x - y (bfloat16 widened first: the difference is not rounded to bfloat16) */
-#define DIFFERENCE(LOAD, r, j, i) lanes_take(&r[0], j, LOAD(x, i) - LOAD(y, i))
+#define DIFFERENCE(FEED, LOAD, r, j, i) FEED(&r[0], j, LOAD(x, i) - LOAD(y, i))
 /* x - y, x and y from one read of each */
-#define PARTS(LOAD, r, j, i)                    \
+#define PARTS(FEED, LOAD, r, j, i)              \
     do {                                        \
         float u = LOAD(x, i), w = LOAD(y, i);   \
-        lanes_take(&r[0], j, u - w);            \
-        lanes_take(&r[1], j, u);                \
-        lanes_take(&r[2], j, w);                \
+        FEED(&r[0], j, u - w);                  \
+        FEED(&r[1], j, u);                      \
+        FEED(&r[2], j, w);                      \
     } while (0)
 
-DEFINE_PASS(pass_f32, load_f32, 1, PLAIN)
-DEFINE_PASS(pass_f32_diff, load_f32, 1, DIFFERENCE)
-DEFINE_PASS(pass_f32_parts, load_f32, 3, PARTS)
-DEFINE_PASS(pass_bf16, load_bf16, 1, PLAIN)
-DEFINE_PASS(pass_bf16_diff, load_bf16, 1, DIFFERENCE)
-DEFINE_PASS(pass_bf16_parts, load_bf16, 3, PARTS)
+typedef void (*pass_t)(const void *, const void *, int64_t, int64_t, double *);
+
+DEFINE_PASS(pass_f32, lanes, load_f32, 1, PLAIN)
+DEFINE_PASS(pass_f32_diff, lanes, load_f32, 1, DIFFERENCE)
+DEFINE_PASS(pass_f32_parts, lanes, load_f32, 3, PARTS)
+DEFINE_PASS(pass_bf16, lanes, load_bf16, 1, PLAIN)
+DEFINE_PASS(pass_bf16_diff, lanes, load_bf16, 1, DIFFERENCE)
+DEFINE_PASS(pass_bf16_parts, lanes, load_bf16, 3, PARTS)
+DEFINE_PASS(squares_f32, squares, load_f32, 1, PLAIN)
+DEFINE_PASS(squares_f32_diff, squares, load_f32, 1, DIFFERENCE)
+DEFINE_PASS(squares_f32_parts, squares, load_f32, 3, PARTS)
+DEFINE_PASS(squares_bf16, squares, load_bf16, 1, PLAIN)
+DEFINE_PASS(squares_bf16_diff, squares, load_bf16, 1, DIFFERENCE)
+DEFINE_PASS(squares_bf16_parts, squares, load_bf16, 3, PARTS)
+
+/* PASSES[sums of squares only][bfloat16][plain, difference, parts] */
+static const pass_t PASSES[2][2][3] = {
+    {{pass_f32, pass_f32_diff, pass_f32_parts}, {pass_bf16, pass_bf16_diff, pass_bf16_parts}},
+    {{squares_f32, squares_f32_diff, squares_f32_parts}, {squares_bf16, squares_bf16_diff, squares_bf16_parts}},
+};
 
 typedef struct {
     int64_t tensor, begin, end;
@@ -132,7 +172,8 @@ typedef struct {
     const int32_t *dtypes;
     const piece_t *pieces;
     int64_t count;
-    int32_t rows; /* moments rows per tensor: 1, or 3 (x - y, x, y) */
+    int32_t rows;    /* moments rows per tensor: 1, or 3 (x - y, x, y) */
+    int32_t squares; /* sums of squares only */
     double *partial;
 } job_t;
 
@@ -141,23 +182,18 @@ static void run_piece(const job_t *job, int64_t k) {
     const void *x = (const void *)(uintptr_t)job->xs[p->tensor];
     const void *y = (const void *)(uintptr_t)job->ys[p->tensor];
     double *out = job->partial + FIELDS * job->rows * k;
-    int bf16 = job->dtypes[p->tensor] == TM_BFLOAT16;
-    if (job->rows == 3)
-        (bf16 ? pass_bf16_parts : pass_f32_parts)(x, y, p->begin, p->end, out);
-    else if (bf16)
-        (y ? pass_bf16_diff : pass_bf16)(x, y, p->begin, p->end, out);
-    else
-        (y ? pass_f32_diff : pass_f32)(x, y, p->begin, p->end, out);
+    int kind = job->rows == 3 ? 2 : y ? 1 : 0;
+    PASSES[job->squares][job->dtypes[p->tensor] == TM_BFLOAT16][kind](x, y, p->begin, p->end, out);
 }
 
 /* Moments of `count` tensors: xs[i] (and ys[i] when non-zero) point at ns[i] elements of
  * dtypes[i]. With rows = 1, out receives count x FIELDS doubles: the moments of x, or of x - y
  * where ys[i] is non-zero. With rows = 3 (every ys[i] non-zero), count x 3 x FIELDS: the
- * moments of x - y, of x and of y, from one read of each. Returns 0, -1 when memory ran out,
- * -2 (reading nothing) when a non-empty tensor has a null pointer, -3 for rows other than 1
- * or 3. */
+ * moments of x - y, of x and of y, from one read of each. With squares non-zero only [0] of
+ * each row is computed, [1]..[4] are NaN. Returns 0, -1 when memory ran out, -2 (reading
+ * nothing) when a non-empty tensor has a null pointer, -3 for rows other than 1 or 3. */
 int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int64_t *ns,
-               const int32_t *dtypes, int32_t threads, int32_t rows, double *out) {
+               const int32_t *dtypes, int32_t threads, int32_t rows, int32_t squares, double *out) {
     if (rows != 1 && rows != 3) return -3;
     for (int64_t i = 0; i < count; i++)
         if (ns[i] > 0 && (!xs[i] || (rows == 3 && !ys[i]))) return -2;
@@ -179,7 +215,7 @@ int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int6
             begin = end;
         } while (begin < ns[i]);
     }
-    job_t job = {xs, ys, dtypes, pieces, npieces, rows, partial};
+    job_t job = {xs, ys, dtypes, pieces, npieces, rows, squares != 0, partial};
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && npieces > 1)
     for (int64_t q = 0; q < npieces; q++) run_piece(&job, q);
     for (int64_t i = 0; i < count * rows; i++) {
@@ -199,6 +235,9 @@ int tm_moments(int64_t count, const uint64_t *xs, const uint64_t *ys, const int6
             o[3] = p[3] < o[3] ? p[3] : o[3];
             o[4] += p[4];
         }
+    if (squares)
+        for (int64_t i = 0; i < count * rows; i++)
+            for (int f = 1; f < FIELDS; f++) out[FIELDS * i + f] = __builtin_nan("");
     free(pieces);
     free(partial);
     return 0;

@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from tmetrics_core.metrics.statistics import Statistic
 
 __all__ = ["FIELDS", "SMALL_TABLE", "available", "derivable", "disabled", "moments", "moments_rows", "parts", "rows_of",
-           "row_softmax_sums", "statistic_vectors", "takes"]
+           "row_softmax_sums", "statistic_vectors", "sumsq_suffices", "takes"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
@@ -150,7 +150,7 @@ def _library() -> ctypes.CDLL | None:
                      exc, " ".join(cc), _cache_dir())
         return None
     lib.tm_moments.restype = ctypes.c_int
-    lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 2 + [ctypes.c_void_p]
+    lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 3 + [ctypes.c_void_p]
     lib.tm_row_softmax.restype = ctypes.c_int
     lib.tm_row_softmax.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int32, ctypes.c_void_p]
     return lib
@@ -191,7 +191,8 @@ def derivable(statistics: Sequence[Statistic]) -> bool:
             and _switch["on"] and _library() is not None)
 
 
-def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | None = None, *,
+            sumsq_only: bool = False) -> torch.Tensor:
     """``[len(tensors), 5]`` float64 rows of :data:`FIELDS`, one read of each tensor.
 
     Args:
@@ -199,6 +200,9 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
         minus: optional tensors of the same dtype and element count subtracted elementwise
             before the moments are taken, without materializing the difference (in float32:
             bfloat16 inputs are widened first, so their difference is not rounded to bfloat16).
+        sumsq_only: compute the sum of squares alone (the other columns are NaN), the same
+            bits as a full row's, in up to half the time where the pass is bound by arithmetic;
+            for calls whose statistics pass :func:`sumsq_suffices`.
 
     The sum of squares and sum accumulate in float64; the maximum and minimum skip NaN (a NaN
     shows as a NaN sum of squares); an empty tensor gives ``[0, 0, -inf, inf, 0]``. Calls of
@@ -211,22 +215,29 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
             or was given a non-empty tensor without a data pointer.
     """
     minus = list(minus) if minus is not None else [None] * len(tensors)
-    return _run(_kernel(), _packed(tensors, minus))
+    return _run(_kernel(), _packed(tensors, minus), squares=sumsq_only)
 
 
-def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor]) -> torch.Tensor:
+def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor], *, sumsq_only: bool = False) -> torch.Tensor:
     """``[len(tensors), 3, 5]`` float64: for each pair ``(x, y)`` of ``tensors`` and ``minus``
     (same dtype and element count), the :data:`FIELDS` rows of ``x - y``, of ``x`` and of ``y``,
     from one read of each (an optimizer step's update, the parameter after and before it). The
     pass takes what reading ``x - y`` and then ``x`` again takes; ``y``'s row comes free. Each
-    row equals :func:`moments` of that tensor bit for bit.
+    row equals :func:`moments` of that tensor bit for bit (``sumsq_only`` as there).
 
     Raises:
         ValueError, RuntimeError: as :func:`moments` (a ``minus`` entry may not be None).
     """
     if any(m is None for m in minus):
         raise ValueError("parts() needs a tensor to subtract for every tensor; use moments() for single tensors")
-    return _run(_kernel(), _packed(tensors, minus), rows=3).view(len(tensors), 3, len(FIELDS))
+    return _run(_kernel(), _packed(tensors, minus), rows=3, squares=sumsq_only).view(len(tensors), 3, len(FIELDS))
+
+
+def sumsq_suffices(statistics: Iterable[Statistic]) -> bool:
+    """Whether the moments rows of ``statistics`` may be computed with ``sumsq_only``: each
+    reads at most the sum-of-squares column (``Statistic.reads_sumsq_only``, or ``shape_only``:
+    no column)."""
+    return all(s.reads_sumsq_only or s.shape_only for s in statistics)
 
 
 def _kernel() -> ctypes.CDLL:
@@ -281,16 +292,16 @@ def _address(values: array.array) -> int:
     return values.buffer_info()[0]
 
 
-def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1) -> torch.Tensor:
+def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1, squares: bool = False) -> torch.Tensor:
     """``[rows * n, 5]`` for the ``n`` tensors of ``packed``: :func:`moments` (``rows=1``) or
-    :func:`parts` (``rows=3``)."""
+    :func:`parts` (``rows=3``); ``squares``: their ``sumsq_only``."""
     xs, ys, ns, dtypes = packed
     n = len(xs)
     out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
     if not n:
         return out
     threads = torch.get_num_threads() if sum(ns) >= _PARALLEL else 1
-    status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, rows,
+    status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, rows, squares,
                             out.data_ptr())
     if status:
         raise RuntimeError("the fused moments kernel " + ("ran out of memory" if status == -1 else

@@ -100,6 +100,10 @@ class Statistic:
     reads_elements: bool = False
     """True when :meth:`from_moments` may still read elements of the tensor (exact counts of
     non-finite values): such a statistic needs the tensor itself, not a stand-in of its shape."""
+    reads_sumsq_only: bool = False
+    """True when :meth:`from_moments` reads the sum-of-squares column of the moments rows and no
+    other: kernel calls whose statistics all read at most that column compute it alone (see
+    :func:`tmetrics_core.metrics.moments.sumsq_suffices`)."""
 
     def stages(self, site: Site, topology: Topology) -> tuple[Stage, ...]:
         """The reductions of this statistic for ``site``: a single stage by default."""
@@ -153,7 +157,7 @@ class _SumSq(Statistic):
     fp32 (float64 for float64 tensors, and on CPU for chunks whose fp32 sum overflowed; on
     accelerators a float32 square still overflows above 1.8e19)."""
 
-    name, op, moments = "sumsq", "sum", True
+    name, op, moments, reads_sumsq_only = "sumsq", "sum", True, True
 
     def moments_matrix(self, rows, tensors):
         return rows[:, 0:1]
@@ -334,7 +338,7 @@ class _NonFinite(Statistic):
     All tensors are checked with one host transfer.
     """
 
-    name, op, moments, reads_elements = "nonfinite", "sum", True, True
+    name, op, moments, reads_elements, reads_sumsq_only = "nonfinite", "sum", True, True, True
 
     def size(self, site):
         return 3
