@@ -31,7 +31,7 @@ __all__ = ["DueStepTime", "due_step_time", "main", "program_gain"]
 
 _ENTRIES = ((tensor_metrics.TensorMetrics, "_pre_step"), (tensor_metrics.TensorMetrics, "_post_step"),
             (tensor_metrics.TensorMetrics, "observe_gradients"), (tensor_metrics.TensorMetrics, "_finish_step"),
-            (tokens.TokenObserver, "record"))
+            (tokens.TokenObserver, "record"), (tokens.TokenObserver, "record_residual"))
 """The tmetrics code of a step (never nested in one another)."""
 
 _PASSES = ((moments, "_run"), (moments, "row_softmax_sums"), (tensor_metrics, "snapshot"))

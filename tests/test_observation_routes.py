@@ -16,7 +16,9 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.deferred_model import count_routes
 from tmetrics_core.metrics import moments
+from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.metrics.statistics import ABSMAX, flagged_value
 from tmetrics_core.observe import observe
 from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -192,3 +194,51 @@ def test_routes_equal_the_general_path_bit_for_bit_and_float64_references(monkey
             # the empty values (a zero norm, a NaN mean), as on the general path.
             assert got[("layer-residual-contribution-l2", 2, None)] == 0.0
             assert math.isnan(got[("layer-residual-contribution-rms", 2, None)])
+
+
+class ResidualPeak(StatMetric):
+    """A residual metric that reads more than sums of squares: the largest |h| per layer."""
+
+    name, scope, statistics = "test-residual-peak", "layer", (ABSMAX,)
+    source_kinds = frozenset({"residual_accumulator"})
+
+    def finalize(self, stats):
+        return flagged_value(stats["absmax"])
+
+
+@pytest.mark.parametrize("peak", [False, True], ids=["norms", "with-peak"])
+def test_each_block_is_read_once_for_both_residual_rows(peak, monkeypatch) -> None:
+    """Once a block's routes are known, its output and input are read by one kernel pass for
+    the accumulator and contribution rows together, computing only sums of squares when every
+    residual metric reads nothing else (the L2 and RMS metrics), full rows when one does; the
+    values equal float64 references."""
+    calls: list[tuple[int, int, bool]] = []
+    original = moments._run
+
+    def spied(lib, packed, rows=1, squares=False):
+        calls.append((len(packed[0]), rows, squares))
+        return original(lib, packed, rows, squares)
+    monkeypatch.setattr(moments, "_run", spied)
+    model = Net()
+    chosen = [(build_metric(n), 1) for n in RESIDUAL] + ([(ResidualPeak(), 1)] if peak else [])
+    metrics = TensorMetrics(model, metrics=chosen)
+    for step in (1, 2):
+        calls.clear()
+        seen = _Seen(model)
+        peaks: dict[int, float] = {}
+        hooks = [block.register_forward_hook(lambda m, a, out, i=i, peaks=peaks: peaks.__setitem__(
+            i, out.abs().max().item())) for i, block in enumerate(model.layers)]
+        with metrics.step(step):
+            model(torch.randn(2, 5, D, generator=torch.Generator().manual_seed(step)))
+        for h in [*seen.handles, *hooks]:
+            h.remove()
+        assert metrics.failures == []
+    assert calls == [(1, 3, not peak)] * 3
+    got = {(r.metric, r.layer, r.tensor): r.value for r in metrics.last_records}
+    for key, value in seen.expected().items():
+        if key[0] in RESIDUAL:
+            assert got[key] == pytest.approx(value, rel=1e-6), key
+    assert len(got) == 4 * 3 + 3 * peak
+    if peak:
+        assert all(got[("test-residual-peak", i, None)] == peaks[i] for i in range(3))
+    metrics.close()

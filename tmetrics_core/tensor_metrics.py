@@ -273,7 +273,8 @@ class TensorMetrics:
                                      modules=self.modules, known=self._token_sites)
             kinds = observer.kinds
             patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
-            handles = self.index.install(observer.record, residual="residual_accumulator" in kinds,
+            handles = self.index.install(observer.record, observer.record_residual,
+                                         residual="residual_accumulator" in kinds,
                                          contribution="residual_contribution" in kinds, logits="logits" in kinds,
                                          patterns=patterns)
             reset = _ACTIVE.set(observer)

@@ -74,13 +74,16 @@ class ModuleIndex:
             return []
         return [(p, m) for p, m in self.named if p and any(fnmatchcase(p, g) for g in patterns)]
 
-    def install(self, record: Callable[..., None], *, residual: bool,
+    def install(self, record: Callable[..., None], record_residual: Callable[..., None], *, residual: bool,
                 contribution: bool, logits: bool, patterns: Sequence[str]) -> list[Any]:
-        """Register the forward hooks a step needs; returns handles to remove at its end."""
+        """Register the forward hooks a step needs; returns handles to remove at its end.
+        ``record(module, name, tensor, kind=, shard_dim=)`` receives each output;
+        ``record_residual(module, h, x, accumulator=)`` a block's output ``h`` and, for the
+        contribution ``h - x``, its input ``x`` (None when not wanted or not of ``h``'s shape)."""
         handles = []
         if residual or contribution:
             for _, _, block in self.blocks:
-                handles.append(block.register_forward_hook(_residual_hook(record, residual, contribution)))
+                handles.append(block.register_forward_hook(_residual_hook(record_residual, residual, contribution)))
         if logits and self.head is not None:
             head = self.head[1]
             vocab = _logical_out(head)
@@ -93,13 +96,13 @@ class ModuleIndex:
         return handles
 
 
-def _residual_hook(record: Callable[..., None], residual: bool, contribution: bool):
+def _residual_hook(record_residual: Callable[..., None], residual: bool, contribution: bool):
     def hook(module, args, out):
         h = _first(out)
-        if residual:
-            record(module, "", h, kind="residual_accumulator", shard_dim=None)
-        if contribution and args and isinstance(args[0], torch.Tensor) and args[0].shape == h.shape:
-            record(module, "", h, kind="residual_contribution", shard_dim=None, minus=args[0])
+        fits = contribution and args and isinstance(args[0], torch.Tensor) and args[0].shape == h.shape
+        x = args[0] if fits else None
+        if residual or x is not None:
+            record_residual(module, h, x, accumulator=residual)
     return hook
 
 

@@ -75,6 +75,9 @@ class Route:
     site: Site
     readers: tuple[tuple[TensorMetric, bool], ...]
     rows: bool
+    squares: bool = False
+    """The metrics prepared at once read only sums of squares from the rows (RMS, L2): the
+    kernel computes that column alone (``moments.sumsq_suffices``)."""
 
 
 class TokenObserver:
@@ -107,6 +110,12 @@ class TokenObserver:
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
         """Observe ``tensor`` (``tensor - minus`` when ``minus`` is given: same shape, local)."""
+        self._observe(module, name, tensor, kind, shard_dim, minus)
+
+    def _observe(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str, shard_dim: int | None,
+                 minus: torch.Tensor | None) -> None:
+        """:meth:`record` (also the fallback of :meth:`record_residual`, which does not call the
+        public entry, so timing either entry never counts the other)."""
         if torch._C._current_graph_task_id() != -1:
             return  # recomputation inside backward (activation checkpointing)
         # Plain tensors of a call seen before, no padding to strip: the route found then.
@@ -118,6 +127,49 @@ class TokenObserver:
                 return
         self._record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus)
 
+    def record_residual(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *,
+                        accumulator: bool) -> None:
+        """Observe a block's output ``h`` as the residual accumulator (when ``accumulator``) and
+        ``h - x`` as its contribution (when ``x``, the block's input of the same shape, is given):
+        as the two :meth:`record` calls would, but where both are known to need only moments rows,
+        one kernel pass over ``h`` and ``x`` gives both rows (``h`` is read once, not twice)."""
+        if not (accumulator and x is not None and self._follow_pair(module, h, x)):
+            if accumulator:
+                self._observe(module, "", h, "residual_accumulator", None, None)
+            if x is not None:
+                self._observe(module, "", h, "residual_contribution", None, x)
+
+    def _follow_pair(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor) -> bool:
+        """Both residual rows of one block from one ``parts`` pass (rows of ``h - x``, ``h``),
+        along the routes of earlier steps; False (nothing done) where :meth:`record` must run:
+        a route not known yet or not reading rows, padding to strip, a tensor the kernel does
+        not take, the kernel off."""
+        if (type(h) is not torch.Tensor or type(x) is not torch.Tensor or h.dim() < 2 or self._mask is not None
+                or torch._C._current_graph_task_id() != -1 or not moments.available()):
+            return False
+        known = self.known.routes
+        width = h.shape[-1]
+        total = known.get((module, "", "residual_accumulator", None, h.dtype, width, True, self._names))
+        part = known.get((module, "", "residual_contribution", None, h.dtype, width, False, self._names))
+        if total is None or part is None or not total.rows or not part.rows:
+            return False
+        try:
+            rows = moments.parts([h], [x], sumsq_only=total.squares and part.squares).view(3, len(moments.FIELDS))
+        except ValueError:  # a tensor the kernel does not take (refused before reading)
+            return False
+        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
+            for route in (total, part):
+                self.sites[route.site.key] = route.site
+                for metric, joint in route.readers:
+                    if not joint:
+                        self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
+            return True
+        shape = (h.numel() // width, width)
+        for route, row in ((total, 1), (part, 0)):
+            self.sites[route.site.key] = route.site
+            self._keep_row(route.site, route.readers, rows, row, shape, h.dtype)
+        return True
+
     def _follow(self, route: Route, tensor: torch.Tensor, minus: torch.Tensor | None) -> bool:
         """Observe along ``route``: read the rows, or keep a router output; False (nothing done)
         where the general path must run (the kernel is off or does not take the tensors)."""
@@ -125,7 +177,7 @@ class TokenObserver:
         self.sites[site.key] = site
         if route.rows:
             return self._read_rows(site, route.readers, tensor, minus, (tensor.numel() // tensor.shape[-1],
-                                                                        tensor.shape[-1]))
+                                                                        tensor.shape[-1]), route.squares)
         if site.kind not in ROUTER_KINDS or minus is not None:
             return False
         # Detached only when part of a graph (kept past backward, it would hold the graph's
@@ -165,7 +217,9 @@ class TokenObserver:
                 and not masked and self.known.sites.get((full, kind, int(x.shape[1]), x.dtype, shard_dim, path,
                                                          split_axes)) is site):
             key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
-            self.known.routes[key] = Route(site, tuple(readers), self._rows_suffice(site, path, readers))
+            rows = self._rows_suffice(site, path, readers)
+            squares = rows and moments.sumsq_suffices(s for m, joint in readers if not joint for s in m.statistics)
+            self.known.routes[key] = Route(site, tuple(readers), rows, squares)
         if not masked and self._from_rows(site, path, readers, x, y):
             return
         if y is not None:
@@ -209,37 +263,46 @@ class TokenObserver:
         return self._rows_suffice(site, path, readers) and self._read_rows(site, readers, x, y, tuple(x.shape))
 
     def _read_rows(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], x: torch.Tensor,
-                   y: torch.Tensor | None, shape: tuple[int, int]) -> bool:
-        """Read ``x`` (minus ``y``, of the same dtype and size) with the moments kernel, keep the
-        row for the step's end and give the metrics prepared at once a NaN stand-in of
-        ``shape``; False (nothing done) when the kernel is off or does not take the tensors."""
+                   y: torch.Tensor | None, shape: tuple[int, int], squares: bool = False) -> bool:
+        """Read ``x`` (minus ``y``, of the same dtype and size) with the moments kernel (sums of
+        squares alone with ``squares``), keep the row for the step's end and give the metrics
+        prepared at once a NaN stand-in of ``shape``; False (nothing done) when the kernel is
+        off or does not take the tensors."""
         if not moments.available():
             # Checked on every call, not remembered: the kernel may be switched off for a
             # while (moments.disabled()), and then statistics read the tensors themselves.
             return False
         now = [m for m, joint in readers if not joint and m.name not in self.errors]
         try:
-            block = moments.moments([x], [y])
+            block = moments.moments([x], [y], sumsq_only=squares)
         except ValueError:  # a tensor the kernel does not take (refused before reading)
             return False
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
             for metric in now:
                 self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
             return True
+        self._keep_row(site, readers, block, 0, shape, x.dtype)
+        return True
+
+    def _keep_row(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], block: torch.Tensor, row: int,
+                  shape: tuple[int, int], dtype: torch.dtype) -> None:
+        """Keep moments row ``row`` of ``block`` as ``site``'s for the step's end (micro-batch k
+        for the site's k-th observation) and give the metrics prepared at once a NaN stand-in of
+        ``shape``."""
         k = self._kept.get(site.key, 0)
         self._kept[site.key] = k + 1
         while len(self._memos) <= k:
             self._memos.append({})
-        moments.rows_of(self._memos[k])[site.key] = (block, 0)
+        moments.rows_of(self._memos[k])[site.key] = (block, row)
         standins = self.known.standins
-        standin = standins.get((shape, x.dtype))
+        standin = standins.get((shape, dtype))
         if standin is None:
             if len(standins) >= _STANDINS:  # changing sequence lengths make new shapes: bounded
                 standins.clear()
-            standin = standins[(shape, x.dtype)] = torch.full((), float("nan"), dtype=x.dtype).expand(shape)
-        for metric in now:
-            self._deferred.setdefault(metric.name, []).append((site, standin))
-        return True
+            standin = standins[(shape, dtype)] = torch.full((), float("nan"), dtype=dtype).expand(shape)
+        for metric, joint in readers:
+            if not joint and metric.name not in self.errors:
+                self._deferred.setdefault(metric.name, []).append((site, standin))
 
     @torch.no_grad()
     def finish(self) -> None:
