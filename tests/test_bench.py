@@ -75,7 +75,7 @@ def test_program_gain_times_the_program_against_the_general_path(monkeypatch):
 
     read = []
     original = ParamProgram.read_post
-    monkeypatch.setattr(ParamProgram, "read_post", lambda self, pairs: read.append(1) or original(self, pairs))
+    monkeypatch.setattr(ParamProgram, "read_post", lambda self, *args: read.append(1) or original(self, *args))
     with_program, general = program_gain(("layer-grad-l2", "layer-update-ratio"), steps=2)
     assert len(read) == 3 + 2  # the program's trainer only: warm-up and timed steps
     assert 0.0 < with_program.passes_ms < with_program.total_ms and 0.0 < general.passes_ms < general.total_ms

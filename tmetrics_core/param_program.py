@@ -108,16 +108,16 @@ class ParamProgram:
     Args:
         pre: the metrics prepared before the optimizer step (parameters and gradients, read in
             one kernel call); ``reads``: ``(kind, manifest entry)`` of each row of that call.
-        post: the metrics prepared after it, from the ``parts`` pass over the pairs of
-            ``stepped`` (manifest entries with a snapshot, in manifest order).
+        post: the metrics prepared after it, from the ``parts`` pass over each parameter of
+            ``names`` (those with a snapshot, in manifest order) and its snapshot.
     """
 
     def __init__(self, pre: PhasePlan, reads: Sequence[tuple[str, int]], post: PhasePlan,
-                 stepped: Sequence[int]) -> None:
+                 names: Sequence[str]) -> None:
         self.pre = pre
         self.reads = tuple(reads)
         self.post = post
-        self.stepped = tuple(stepped)
+        self.names = tuple(names)
         # Rows that only sums of squares are read from (L2 norms, update ratios) skip the rest.
         self._squares = tuple(moments.sumsq_suffices(stat for recipe in plan.recipes for stat in recipe.metric.statistics)
                               for plan in (pre, post))
@@ -181,7 +181,7 @@ class ParamProgram:
             recipes.extend(plan.recipes)
             post_sites.update(plan.sites)
         return cls(pre_plan, [(sites[i].kind, i % num_entries) for i in union],
-                   PhasePlan(tuple(recipes), post_sites), stepped)
+                   PhasePlan(tuple(recipes), post_sites), [names[i] for i in stepped])
 
     def read_pre(self, read: Callable[[str], list[torch.Tensor | None]]) -> list[tuple[StatMetric, BlockState]] | None:
         """States of the ``pre`` metrics from the tensors ``read(kind)`` gives (one per manifest
@@ -197,23 +197,21 @@ class ParamProgram:
             return None
         return self.pre.states(rows, tensors.__getitem__)
 
-    def read_post(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+    def read_post(self, now: Sequence[torch.Tensor | None], then: Sequence[moments.Held]
                   ) -> list[tuple[StatMetric, BlockState]] | None:
-        """States of the ``post`` metrics from ``(parameter now, snapshot)`` pairs (one per
-        manifest entry), in one ``parts`` pass; None (nothing read) when the pairs are not
-        those planned or the kernel does not take a tensor."""
-        stepped = [pairs[i] for i in self.stepped]
-        if sum(p is not None for p in pairs) != len(stepped) or any(p is None for p in stepped):
+        """States of the ``post`` metrics from each parameter of :attr:`names` now and its
+        snapshot (``then``: where the copy lies), in one ``parts`` pass; None (nothing read) when
+        a parameter is missing or the kernel does not take it with its snapshot (the optimizer
+        replaced or resized it)."""
+        if any(p is None for p in now):
             return None
-        now = [p[0] for p in stepped]  # type: ignore[index]
-        then = [p[1] for p in stepped]  # type: ignore[index]
         try:
-            block = moments.parts(now, then, sumsq_only=self._squares[1]).flatten(0, 1)
+            block = moments.parts(now, then, sumsq_only=self._squares[1]).flatten(0, 1)  # type: ignore[arg-type]
         except ValueError:
             return None
-        # The general path gives the snapshot as the stand-in of an update, and as the
-        # parameter before the step; the parameter itself after it.
-        return self.post.states(block, lambda r: now[r // 3] if r % 3 == _AFTER else then[r // 3])
+        # A statistic that reads shapes gets the parameter for every row: the update and the
+        # snapshot have its shape (the parts pass checked their sizes).
+        return self.post.states(block, lambda r: now[r // 3])  # type: ignore[return-value]
 
 
 def _kept(metric: StatMetric, picked: list[int], sites: Sequence[Site]) -> list[int]:

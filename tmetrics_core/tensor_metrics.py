@@ -32,7 +32,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,8 @@ from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.modules import ModuleIndex
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, snapshot, update_pairs
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, local_view, read_kind, update_pairs
+from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.token_plan import TokenPlan
 
@@ -125,7 +126,7 @@ class TensorMetrics:
         self._due_names: tuple[str, ...] = ()
         self._prepared: dict[str, tuple[dict[SiteKey, Any], str | None]] = {}
         self._phases_done: set[str] = set()
-        self._before: dict[str, torch.Tensor] | None = None
+        self._before: MutableMapping[str, torch.Tensor] | None = None
         self._sites: dict[SiteKey, Site] = {}
         self._kind_sites: dict[str, list[Site]] = {}
         self._choices = SiteChoices()
@@ -412,13 +413,15 @@ class TensorMetrics:
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
                 states = None
         else:
-            pairs = update_pairs(self.manifest, self._before)
+            # The snapshot's flat buffer, read by address: no copy is handed out or consumed, so
+            # the general path finds the snapshot intact when the program does not apply.
+            held = self._before.held(program.names) if isinstance(self._before, Snapshot) else None
+            if held is None:
+                return False
             try:
-                states = program.read_post(pairs)
-            except Exception:  # noqa: BLE001 - as above; the snapshot is intact
+                states = program.read_post([local_view(self.manifest.local.get(n)) for n in program.names], held)
+            except Exception:  # noqa: BLE001 - as above
                 states = None
-            if states is None:  # put the snapshots back for the general path
-                self._before = {e.name: pair[1] for e, pair in zip(self.manifest.entries, pairs) if pair is not None}
         if states is None:
             return False
         for metric, state in states:

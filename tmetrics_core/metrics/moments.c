@@ -1,5 +1,6 @@
 /* The CPU kernels of tmetrics (bound in moments.py): one read of each tensor for every
- * elementwise statistic (tm_moments), and row softmax sums of small tables (tm_row_softmax).
+ * elementwise statistic (tm_moments), row softmax sums of small tables (tm_row_softmax), and
+ * the update snapshot's copy of the parameters in one call (tm_copy).
  *
  * For each contiguous tensor x (float32 or bfloat16), optionally minus a second tensor y of the
  * same dtype and length, the pass writes five doubles:
@@ -321,5 +322,32 @@ int tm_row_softmax(int64_t count, const uint64_t *xs, const int64_t *rows, const
         o[4] = sum_lse_sq;
         o[5] = (double)rows[i];
     }
+    return 0;
+}
+
+/* Copies count byte ranges: nbytes[i] bytes from srcs[i] to dsts[i] (an update snapshot of the
+ * parameters), in pieces of PIECE floats' bytes over `threads` threads: one call instead of a
+ * torch kernel launch per tensor. Returns 0, -1 when memory ran out, -2 (copying nothing) when
+ * a range with bytes has a null pointer. */
+int tm_copy(int64_t count, const uint64_t *srcs, const uint64_t *dsts, const int64_t *nbytes, int32_t threads) {
+    const int64_t step = (int64_t)PIECE * (int64_t)sizeof(float);
+    int64_t npieces = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (nbytes[i] > 0 && (!srcs[i] || !dsts[i])) return -2;
+        npieces += (nbytes[i] + step - 1) / step;
+    }
+    piece_t *pieces = malloc(sizeof(piece_t) * (size_t)(npieces ? npieces : 1));
+    if (!pieces) return -1;
+    int64_t k = 0;
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t begin = 0; begin < nbytes[i]; begin += step)
+            pieces[k++] = (piece_t){i, begin, nbytes[i] - begin > step ? begin + step : nbytes[i]};
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && npieces > 1)
+    for (int64_t q = 0; q < npieces; q++) {
+        const piece_t *p = &pieces[q];
+        memcpy((char *)(uintptr_t)dsts[p->tensor] + p->begin, (const char *)(uintptr_t)srcs[p->tensor] + p->begin,
+               (size_t)(p->end - p->begin));
+    }
+    free(pieces);
     return 0;
 }

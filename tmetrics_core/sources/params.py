@@ -13,7 +13,7 @@ import torch
 
 from tmetrics_core.manifest import Manifest
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "local_view", "read_kind", "snapshot", "update_pairs"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "local_view", "read_kind", "update_pairs"]
 
 PARAM_KINDS = frozenset({"param", "grad"})
 """Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
@@ -82,12 +82,3 @@ def update_pairs(manifest: Manifest, before: dict[str, torch.Tensor] | None
         prev = (before or {}).pop(entry.name, None) if p is not None else None
         out.append((local_view(p), prev) if prev is not None else None)
     return out
-
-
-@torch.no_grad()
-def snapshot(manifest: Manifest, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Copies of the local parameters (for updates), only of ``names`` when given."""
-    chosen = [(n, local_view(p)) for n, p in manifest.local.items() if names is None or n in names]
-    # One batched kernel for every copy: x * 1.0 is exact for every value (-0.0, NaN, inf).
-    copies = torch._foreach_mul([t for _, t in chosen], 1.0) if chosen else []
-    return {n: c for (n, _), c in zip(chosen, copies)}
