@@ -39,8 +39,8 @@ def test_copies_are_exact_views_of_one_buffer_made_when_looked_up() -> None:
     snap = snapshot(manifest, {"a", "b", "c", "empty"})
     assert isinstance(snap, Snapshot) and len(snap) == 4 and set(snap) == {"a", "b", "c", "empty"}
     held = snap.held(["a", "b", "c", "empty"])
-    assert held is not None and [h.elements for h in held] == [300 * 700, 17, 15, 0]
-    assert all(h.address % 64 == 0 for h in held)
+    assert held is not None and [elements for _, elements, _ in held] == [300 * 700, 17, 15, 0]
+    assert all(address % 64 == 0 for address, _, _ in held)
     a_before = model.a.detach().clone()
     with torch.no_grad():
         model.a.add_(1.0)  # the optimizer step: the snapshot keeps the values before it

@@ -108,16 +108,18 @@ class ParamProgram:
     Args:
         pre: the metrics prepared before the optimizer step (parameters and gradients, read in
             one kernel call); ``reads``: ``(kind, manifest entry)`` of each row of that call.
-        post: the metrics prepared after it, from the ``parts`` pass over each parameter of
-            ``names`` (those with a snapshot, in manifest order) and its snapshot.
+        post: the metrics prepared after it, from the ``parts`` pass over the parameters of
+            ``stepped`` (``(manifest entry, name)`` of those with a snapshot, in manifest order)
+            and their snapshots.
     """
 
     def __init__(self, pre: PhasePlan, reads: Sequence[tuple[str, int]], post: PhasePlan,
-                 names: Sequence[str]) -> None:
+                 stepped: Sequence[tuple[int, str]]) -> None:
         self.pre = pre
         self.reads = tuple(reads)
         self.post = post
-        self.names = tuple(names)
+        self.stepped = tuple(i for i, _ in stepped)
+        self.names = tuple(name for _, name in stepped)
         # Rows that only sums of squares are read from (L2 norms, update ratios) skip the rest.
         self._squares = tuple(moments.sumsq_suffices(stat for recipe in plan.recipes for stat in recipe.metric.statistics)
                               for plan in (pre, post))
@@ -181,37 +183,39 @@ class ParamProgram:
             recipes.extend(plan.recipes)
             post_sites.update(plan.sites)
         return cls(pre_plan, [(sites[i].kind, i % num_entries) for i in union],
-                   PhasePlan(tuple(recipes), post_sites), [names[i] for i in stepped])
+                   PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped])
 
-    def read_pre(self, read: Callable[[str], list[torch.Tensor | None]]) -> list[tuple[StatMetric, BlockState]] | None:
-        """States of the ``pre`` metrics from the tensors ``read(kind)`` gives (one per manifest
-        entry), in one kernel call; None (nothing read) when a tensor is missing or the kernel
-        does not take it."""
-        lists = {kind: read(kind) for kind in {kind for kind, _ in self.reads}}
-        tensors = [lists[kind][i] for kind, i in self.reads]
-        if any(t is None for t in tensors):
-            return None
+    def read_pre(self, params: Sequence[torch.Tensor]) -> list[tuple[StatMetric, BlockState]] | None:
+        """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
+        entry, plain tensors) and their gradients (zeros for a None gradient, as ``read_kind``),
+        in one kernel call; None (nothing read) when the kernel does not take a tensor."""
+        tensors = []
+        for kind, i in self.reads:
+            p = params[i]
+            if kind == "grad":
+                grad = p.grad
+                p = grad if grad is not None else torch.zeros_like(p)
+            tensors.append(p)
         try:
             rows = moments.moments(tensors, sumsq_only=self._squares[0])
         except ValueError:
             return None
         return self.pre.states(rows, tensors.__getitem__)
 
-    def read_post(self, now: Sequence[torch.Tensor | None], then: Sequence[moments.Held]
+    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[moments.Held]
                   ) -> list[tuple[StatMetric, BlockState]] | None:
-        """States of the ``post`` metrics from each parameter of :attr:`names` now and its
-        snapshot (``then``: where the copy lies), in one ``parts`` pass; None (nothing read) when
-        a parameter is missing or the kernel does not take it with its snapshot (the optimizer
-        replaced or resized it)."""
-        if any(p is None for p in now):
-            return None
+        """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
+        ``params``, as in :meth:`read_pre`) and their snapshots (``then``: where each copy lies,
+        in the same order), in one ``parts`` pass; None (nothing read) when the kernel does not
+        take a parameter with its snapshot (the optimizer replaced or resized it)."""
+        now = [params[i] for i in self.stepped]
         try:
-            block = moments.parts(now, then, sumsq_only=self._squares[1]).flatten(0, 1)  # type: ignore[arg-type]
+            block = moments.parts(now, then, sumsq_only=self._squares[1]).flatten(0, 1)
         except ValueError:
             return None
         # A statistic that reads shapes gets the parameter for every row: the update and the
         # snapshot have its shape (the parts pass checked their sizes).
-        return self.post.states(block, lambda r: now[r // 3])  # type: ignore[return-value]
+        return self.post.states(block, lambda r: now[r // 3])
 
 
 def _kept(metric: StatMetric, picked: list[int], sites: Sequence[Site]) -> list[int]:

@@ -54,7 +54,7 @@ from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.modules import ModuleIndex
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, local_view, read_kind, update_pairs
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.token_plan import TokenPlan
@@ -407,9 +407,10 @@ class TensorMetrics:
             return True  # no metric of this phase is due (the program plans every one that is)
         if phase == "post" and self._before is None:
             return False
+        params = self._local_params()
         if phase == "pre":
             try:
-                states = program.read_pre(lambda kind: read_kind(kind, self.manifest, self.optimizer))
+                states = program.read_pre(params)
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
                 states = None
         else:
@@ -419,7 +420,7 @@ class TensorMetrics:
             if held is None:
                 return False
             try:
-                states = program.read_post([local_view(self.manifest.local.get(n)) for n in program.names], held)
+                states = program.read_post(params, held)
             except Exception:  # noqa: BLE001 - as above
                 states = None
         if states is None:
@@ -428,6 +429,13 @@ class TensorMetrics:
             self._prepared[metric.name] = (state, None)
         self._sites.update(plan.sites)
         return True
+
+    def _local_params(self) -> list[torch.Tensor]:
+        """The local parameter of every manifest entry, in manifest order (a program's due set
+        holds every one here, as plain tensors); found once (the manifest does not change)."""
+        if "local params" not in self._static:
+            self._static["local params"] = [self.manifest.local.get(e.name) for e in self.manifest.entries]
+        return self._static["local params"]
 
     def _plan_program(self) -> ParamProgram | None:
         """The due set's :class:`ParamProgram`: only over plain parameters held here (no flat

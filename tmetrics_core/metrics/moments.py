@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -223,7 +223,7 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
 def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held], *,
           sumsq_only: bool = False) -> torch.Tensor:
     """``[len(tensors), 3, 5]`` float64: for each pair ``(x, y)`` of ``tensors`` and ``minus``
-    (same dtype and element count; ``y`` a tensor or :class:`Held` memory, such as an update
+    (same dtype and element count; ``y`` a tensor or :data:`Held` memory, such as an update
     snapshot's flat buffer), the :data:`FIELDS` rows of ``x - y``, of ``x`` and of ``y``,
     from one read of each (an optimizer step's update, the parameter after and before it). The
     pass takes what reading ``x - y`` and then ``x`` again takes; ``y``'s row comes free. Each
@@ -237,13 +237,10 @@ def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held],
     return _run(_kernel(), _packed(tensors, minus), rows=3, squares=sumsq_only).view(len(tensors), 3, len(FIELDS))
 
 
-class Held(NamedTuple):
-    """Elements a caller keeps outside any tensor object, given to :func:`parts` as a ``minus``
-    entry: ``elements`` contiguous values of ``dtype`` at ``address``, alive during the call."""
-
-    address: int
-    elements: int
-    dtype: torch.dtype
+Held = tuple[int, int, torch.dtype]
+"""Elements a caller keeps outside any tensor object, given to :func:`parts` as a ``minus``
+entry: ``(address, elements, dtype)`` of contiguous values, alive during the call (a plain
+tuple: an update snapshot describes one per parameter on every due step)."""
 
 
 def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
@@ -322,10 +319,10 @@ def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held
         n = t.numel()
         if m is None:
             ys.append(0)
-        elif type(m) is Held:
-            if m.dtype is not t.dtype or m.elements != n:
+        elif type(m) is tuple:
+            if m[2] is not t.dtype or m[1] != n:
                 raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {n} elements)")
-            ys.append(m.address)
+            ys.append(m[0])
         elif m.dtype is not t.dtype or m.numel() != n or not takes(m):
             raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {n} elements, contiguous CPU)")
         else:

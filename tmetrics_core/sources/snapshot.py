@@ -54,7 +54,7 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
             if place is None:
                 return None
             offset, shape, dtype = place
-            out.append(moments.Held(base + offset, shape.numel(), dtype))
+            out.append((base + offset, shape.numel(), dtype))
         return out
 
     def __getitem__(self, name: str) -> torch.Tensor:
