@@ -44,7 +44,8 @@ class _Recipe:
 
     metric: StatMetric
     rows: tuple[int, ...]
-    index: torch.Tensor
+    index: torch.Tensor | slice
+    """The rows as a slice where they are evenly spaced (a view: no gather), else a tensor."""
     keys: tuple[SiteKey, ...]
 
 
@@ -87,7 +88,8 @@ class PhasePlan:
         stand-in), for statistics that read shapes."""
         out = []
         for recipe in self.recipes:
-            picked = rows.index_select(0, recipe.index)
+            index = recipe.index
+            picked = rows[index] if type(index) is slice else rows.index_select(0, index)
             tensors = _Inputs(recipe.rows, inputs)
             out.append((recipe.metric, BlockState(recipe.keys, [stat.moments_matrix(picked, tensors)
                                                                 for stat in recipe.metric.statistics])))
@@ -224,6 +226,12 @@ def _kept(metric: StatMetric, picked: list[int], sites: Sequence[Site]) -> list[
     return picked if kept is None else [picked[k] for k in kept]
 
 
+def _index(rows: Sequence[int]) -> torch.Tensor | slice:
+    """``rows`` of a kernel output as a slice when evenly spaced, else as an index tensor."""
+    even = moments.spaced(rows)
+    return even if even is not None else torch.tensor(rows, dtype=torch.int64)
+
+
 def _phase(metrics: Sequence[TensorMetric], chosen: Sequence[Sequence[int]], sites: Sequence[Site],
            rows: Sequence[Sequence[int]]) -> PhasePlan | None:
     """Recipes of ``metrics``: ``chosen[k]`` the indices of the ``sites`` metric ``k`` accepts
@@ -233,7 +241,6 @@ def _phase(metrics: Sequence[TensorMetric], chosen: Sequence[Sequence[int]], sit
     for metric, picked, at in zip(metrics, chosen, rows):
         if not picked:
             return None
-        recipes.append(_Recipe(metric, tuple(at), torch.tensor(at, dtype=torch.int64),  # type: ignore[arg-type]
-                               tuple(sites[i].key for i in picked)))
+        recipes.append(_Recipe(metric, tuple(at), _index(at), tuple(sites[i].key for i in picked)))
         named.update((sites[i].key, sites[i]) for i in picked)
     return PhasePlan(tuple(recipes), named)

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from tmetrics_core.metrics.statistics import Statistic
 
 __all__ = ["FIELDS", "SMALL_TABLE", "Held", "available", "copied", "derivable", "disabled", "moments", "moments_rows",
-           "parts", "rows_of", "row_softmax_sums", "statistic_vectors", "sumsq_suffices", "takes"]
+           "parts", "rows_of", "row_softmax_sums", "spaced", "statistic_vectors", "sumsq_suffices", "takes"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
@@ -402,13 +402,21 @@ def _rows(entries: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
     after and before the step come from one pass), else one gather from it, so no per-site rows
     are made and stacked again."""
     blocks, rows = zip(*entries)
-    block, first = blocks[0], rows[0]
+    block = blocks[0]
     if not all(map(operator.is_, blocks, itertools.repeat(block))):
         return torch.stack([b[j] for b, j in entries])
+    even = spaced(rows)
+    return block[even] if even is not None else block.index_select(0, torch.tensor(rows))
+
+
+def spaced(rows: Sequence[int]) -> slice | None:
+    """``rows`` (indices into a kernel output) as a slice when they are evenly spaced and
+    increasing (every row, or one kind of row of :func:`parts`: a view, no gather), else None."""
+    first = rows[0]
     step = rows[1] - first if len(rows) > 1 else 1
-    if step > 0 and rows == tuple(range(first, first + step * len(rows), step)):
-        return block[first:first + step * (len(rows) - 1) + 1:step]
-    return block.index_select(0, torch.tensor(rows))
+    if step > 0 and list(rows) == list(range(first, first + step * len(rows), step)):
+        return slice(first, first + step * (len(rows) - 1) + 1, step)
+    return None
 
 
 def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[Hashable, Any]
