@@ -132,6 +132,22 @@ def test_sums_of_squares_alone_have_the_bits_of_full_rows(dtype: torch.dtype, th
     assert not any(moments.sumsq_suffices([stat]) for stat in (SUM, MAX, MIN, ZEROS))
 
 
+def test_rows_written_into_a_larger_buffer_equal_fresh_rows() -> None:
+    """``out``: calls write their rows into slices of one buffer (the observer's rows of a step),
+    the same numbers as fresh outputs; a buffer of the wrong shape or dtype is refused."""
+    xs = [_tensor(n, i, torch.float32) for i, n in enumerate((1000, PIECE + 3))]
+    ys = [_tensor(n, 50 + i, torch.float32) for i, n in enumerate((1000, PIECE + 3))]
+    buffer = torch.full((10, 5), -1.0, dtype=torch.float64)
+    moments.parts(xs[:1], ys[:1], out=buffer[1:4])
+    moments.moments(xs[1:], ys[1:], sumsq_only=True, out=buffer[4:5])
+    assert torch.equal(buffer[1:4].nan_to_num(7.0), moments.parts(xs[:1], ys[:1])[0].nan_to_num(7.0))
+    assert torch.equal(buffer[4:5].nan_to_num(7.0), moments.moments(xs[1:], ys[1:], sumsq_only=True).nan_to_num(7.0))
+    assert (buffer[0] == -1.0).all() and (buffer[5:] == -1.0).all()
+    for wrong in (buffer[0:2], buffer[1:4].float(), buffer[1:4, :3]):
+        with pytest.raises(ValueError, match="out must be a contiguous CPU float64 tensor"):
+            moments.parts(xs[:1], ys[:1], out=wrong)
+
+
 def test_parts_need_a_tensor_to_subtract_for_every_tensor() -> None:
     with pytest.raises(ValueError, match="moments\\(\\) for single tensors"):
         moments.parts([torch.ones(3)], [None])  # type: ignore[list-item]

@@ -194,7 +194,7 @@ def derivable(statistics: Sequence[Statistic]) -> bool:
 
 
 def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | None = None, *,
-            sumsq_only: bool = False) -> torch.Tensor:
+            sumsq_only: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[len(tensors), 5]`` float64 rows of :data:`FIELDS`, one read of each tensor.
 
     Args:
@@ -205,6 +205,9 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
         sumsq_only: compute the sum of squares alone (the other columns are NaN), the same
             bits as a full row's, in up to half the time where the pass is bound by arithmetic;
             for calls whose statistics pass :func:`sumsq_suffices`.
+        out: a contiguous float64 ``[len(tensors), 5]`` tensor the rows are written into (and
+            returned), e.g. rows of a larger buffer, so that rows of several calls lie in one
+            tensor; a new one by default.
 
     The sum of squares and sum accumulate in float64; the maximum and minimum skip NaN (a NaN
     shows as a NaN sum of squares); an empty tensor gives ``[0, 0, -inf, inf, 0]``. Calls of
@@ -217,24 +220,26 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
             or was given a non-empty tensor without a data pointer.
     """
     minus = list(minus) if minus is not None else [None] * len(tensors)
-    return _run(_kernel(), _packed(tensors, minus), squares=sumsq_only)
+    return _run(_kernel(), _packed(tensors, minus), squares=sumsq_only, out=out)
 
 
 def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held], *,
-          sumsq_only: bool = False) -> torch.Tensor:
+          sumsq_only: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[len(tensors), 3, 5]`` float64: for each pair ``(x, y)`` of ``tensors`` and ``minus``
     (same dtype and element count; ``y`` a tensor or :data:`Held` memory, such as an update
     snapshot's flat buffer), the :data:`FIELDS` rows of ``x - y``, of ``x`` and of ``y``,
     from one read of each (an optimizer step's update, the parameter after and before it). The
     pass takes what reading ``x - y`` and then ``x`` again takes; ``y``'s row comes free. Each
-    row equals :func:`moments` of that tensor bit for bit (``sumsq_only`` as there).
+    row equals :func:`moments` of that tensor bit for bit (``sumsq_only`` as there; ``out``: a
+    contiguous float64 ``[3 * len(tensors), 5]`` tensor to write into).
 
     Raises:
         ValueError, RuntimeError: as :func:`moments` (a ``minus`` entry may not be None).
     """
     if any(m is None for m in minus):
         raise ValueError("parts() needs a tensor to subtract for every tensor; use moments() for single tensors")
-    return _run(_kernel(), _packed(tensors, minus), rows=3, squares=sumsq_only).view(len(tensors), 3, len(FIELDS))
+    return _run(_kernel(), _packed(tensors, minus), rows=3, squares=sumsq_only, out=out).view(
+        len(tensors), 3, len(FIELDS))
 
 
 Held = tuple[int, int, torch.dtype]
@@ -338,12 +343,22 @@ def _address(values: array.array) -> int:
     return values.buffer_info()[0]
 
 
-def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1, squares: bool = False) -> torch.Tensor:
+def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1, squares: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """``[rows * n, 5]`` for the ``n`` tensors of ``packed``: :func:`moments` (``rows=1``) or
-    :func:`parts` (``rows=3``); ``squares``: their ``sumsq_only``."""
+    :func:`parts` (``rows=3``); ``squares`` and ``out``: their ``sumsq_only`` and ``out``.
+
+    Raises:
+        ValueError: an ``out`` that is not a contiguous CPU float64 tensor of that shape.
+    """
     xs, ys, ns, dtypes = packed
     n = len(xs)
-    out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
+    if out is None:
+        out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
+    elif (out.shape != (rows * n, len(FIELDS)) or out.dtype is not torch.float64 or not out.is_cpu
+          or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous CPU float64 tensor of shape ({rows * n}, {len(FIELDS)}); "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if not n:
         return out
     threads = torch.get_num_threads() if sum(ns) >= _PARALLEL else 1

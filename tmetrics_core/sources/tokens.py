@@ -106,6 +106,8 @@ class TokenObserver:
         self._kept: dict[SiteKey, int] = {}
         self._memos: list[dict] = []
         self._views: list[tuple[Site, torch.Tensor, int]] = []
+        self._row_buffer: torch.Tensor | None = None
+        self._rows_used = 0
 
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
@@ -153,8 +155,9 @@ class TokenObserver:
         part = known.get((module, "", "residual_contribution", None, h.dtype, width, False, self._names))
         if total is None or part is None or not total.rows or not part.rows:
             return False
+        buffer, first = self._row_space(3)
         try:
-            rows = moments.parts([h], [x], sumsq_only=total.squares and part.squares).view(3, len(moments.FIELDS))
+            moments.parts([h], [x], sumsq_only=total.squares and part.squares, out=buffer[first:first + 3])
         except ValueError:  # a tensor the kernel does not take (refused before reading)
             return False
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
@@ -167,8 +170,20 @@ class TokenObserver:
         shape = (h.numel() // width, width)
         for route, row in ((total, 1), (part, 0)):
             self.sites[route.site.key] = route.site
-            self._keep_row(route.site, route.readers, rows, row, shape, h.dtype)
+            self._keep_row(route.site, route.readers, buffer, first + row, shape, h.dtype)
         return True
+
+    def _row_space(self, count: int) -> tuple[torch.Tensor, int]:
+        """Room for ``count`` moments rows in the step's row buffer: ``(buffer, first row)``.
+        The rows of every observation of a step lie in one tensor, so a metric's rows of all
+        layers are a strided view of it at the step's end, not a stack of separate rows."""
+        buffer, used = self._row_buffer, self._rows_used
+        if buffer is None or used + count > buffer.shape[0]:
+            buffer = self._row_buffer = torch.empty((max(_ROW_BUFFER, count), len(moments.FIELDS)),
+                                                    dtype=torch.float64)
+            used = 0
+        self._rows_used = used + count
+        return buffer, used
 
     def _follow(self, route: Route, tensor: torch.Tensor, minus: torch.Tensor | None) -> bool:
         """Observe along ``route``: read the rows, or keep a router output; False (nothing done)
@@ -273,15 +288,16 @@ class TokenObserver:
             # while (moments.disabled()), and then statistics read the tensors themselves.
             return False
         now = [m for m, joint in readers if not joint and m.name not in self.errors]
+        buffer, first = self._row_space(1)
         try:
-            block = moments.moments([x], [y], sumsq_only=squares)
+            moments.moments([x], [y], sumsq_only=squares, out=buffer[first:first + 1])
         except ValueError:  # a tensor the kernel does not take (refused before reading)
             return False
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
             for metric in now:
                 self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
             return True
-        self._keep_row(site, readers, block, 0, shape, x.dtype)
+        self._keep_row(site, readers, buffer, first, shape, x.dtype)
         return True
 
     def _keep_row(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], block: torch.Tensor, row: int,
@@ -415,6 +431,9 @@ class TokenObserver:
 
 
 _NO_AXES: frozenset[str] = frozenset()
+_ROW_BUFFER = 192
+"""Moments rows per chunk of a step's row buffer (a few KiB; rows of 64 blocks' residual pairs)."""
+
 _STANDINS = 256
 """Stand-in shapes kept across steps at most (each is one element; the cache is cleared when full)."""
 
