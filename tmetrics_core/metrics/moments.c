@@ -145,22 +145,21 @@ INLINE void squares_write(const squares_t *a, double *out) {
 
 typedef void (*pass_t)(const void *, const void *, int64_t, int64_t, double *);
 
-DEFINE_PASS(pass_f32, lanes, load_f32, 1, PLAIN)
-DEFINE_PASS(pass_f32_diff, lanes, load_f32, 1, DIFFERENCE)
-DEFINE_PASS(pass_f32_parts, lanes, load_f32, 3, PARTS)
-DEFINE_PASS(pass_bf16, lanes, load_bf16, 1, PLAIN)
-DEFINE_PASS(pass_bf16_diff, lanes, load_bf16, 1, DIFFERENCE)
-DEFINE_PASS(pass_bf16_parts, lanes, load_bf16, 3, PARTS)
-DEFINE_PASS(squares_f32, squares, load_f32, 1, PLAIN)
-DEFINE_PASS(squares_f32_diff, squares, load_f32, 1, DIFFERENCE)
-DEFINE_PASS(squares_f32_parts, squares, load_f32, 3, PARTS)
-DEFINE_PASS(squares_bf16, squares, load_bf16, 1, PLAIN)
-DEFINE_PASS(squares_bf16_diff, squares, load_bf16, 1, DIFFERENCE)
-DEFINE_PASS(squares_bf16_parts, squares, load_bf16, 3, PARTS)
+/* The six passes (float32 and bfloat16; plain, difference, parts) of the accumulators ACC. */
+#define DEFINE_PASSES(ACC)                                      \
+    DEFINE_PASS(ACC##_f32, ACC, load_f32, 1, PLAIN)             \
+    DEFINE_PASS(ACC##_f32_diff, ACC, load_f32, 1, DIFFERENCE)   \
+    DEFINE_PASS(ACC##_f32_parts, ACC, load_f32, 3, PARTS)       \
+    DEFINE_PASS(ACC##_bf16, ACC, load_bf16, 1, PLAIN)           \
+    DEFINE_PASS(ACC##_bf16_diff, ACC, load_bf16, 1, DIFFERENCE) \
+    DEFINE_PASS(ACC##_bf16_parts, ACC, load_bf16, 3, PARTS)
+
+DEFINE_PASSES(lanes)
+DEFINE_PASSES(squares)
 
 /* PASSES[sums of squares only][bfloat16][plain, difference, parts] */
 static const pass_t PASSES[2][2][3] = {
-    {{pass_f32, pass_f32_diff, pass_f32_parts}, {pass_bf16, pass_bf16_diff, pass_bf16_parts}},
+    {{lanes_f32, lanes_f32_diff, lanes_f32_parts}, {lanes_bf16, lanes_bf16_diff, lanes_bf16_parts}},
     {{squares_f32, squares_f32_diff, squares_f32_parts}, {squares_bf16, squares_bf16_diff, squares_bf16_parts}},
 };
 
