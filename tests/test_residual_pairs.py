@@ -2,7 +2,6 @@
 checkpointing, accumulator and contribution metrics due at different intervals; vs float64."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

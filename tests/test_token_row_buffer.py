@@ -12,7 +12,7 @@ import torch
 from tmetrics_core.metrics import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
-from tmetrics_core.metrics.statistics import MAX, MIN, SUM, SUMSQ, COUNT, flagged_value
+from tmetrics_core.metrics.statistics import MAX, SUM, COUNT, flagged_value
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 D = 5
