@@ -118,7 +118,9 @@ class TensorMetric(Protocol):
         ...
 
     def merge(self, a: dict[SiteKey, Any], b: dict[SiteKey, Any]) -> dict[SiteKey, Any]:
-        """Combine the states of two observations of the same step (micro-batches)."""
+        """Combine the states of two observations of the same step (micro-batches) into a new
+        state. Never change ``a`` or ``b`` in place: their tensors may be views of memory that
+        other metrics' states share (the kernel's rows of a step)."""
         ...
 
     def start(self, state: dict[SiteKey, Any], sites: Mapping[SiteKey, Site], topology: Topology) -> Round:
