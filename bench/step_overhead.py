@@ -1,6 +1,6 @@
 """What tmetrics costs a training step of the demo model, next to the usual alternatives.
 
-    python -m bench.step_overhead [--rounds 30] [--steps 5] [--threads 2] [--no-ddp] [--no-memory]
+    python -m bench.step_overhead [--rounds 30] [--steps 5] [--pairs 300] [--threads 2] [--no-ddp] [--no-memory]
 
 Table 1, one process (``--threads`` intra-op threads): the demo model's full step (forward,
 backward, clipping, AdamW) with the standard bundle (``bench.demo_variants.BUNDLE``) every 1,
@@ -9,7 +9,11 @@ backward, clipping, AdamW) with the standard bundle (``bench.demo_variants.BUNDL
 loop. Variants alternate in short rounds (``bench.rounds``); ratios are to the bare loop. One
 more trainer runs with its metrics object switched off and on each round (:data:`SWITCHED`):
 the same pair on one model, free of the few percent that separate model copies differ by
-(shown by a second bare copy, :data:`SECOND_BARE`).
+(shown by a second bare copy, :data:`SECOND_BARE`). The same trainer then runs ``--pairs``
+pairs of single steps, off and on in alternating order (``bench.rounds.alternate``): the mean of
+the paired step differences with its standard error, the sharpest measure of the every-step cost
+(rounds of several steps resolve about 1.5% of a step, several hundred single-step pairs a few
+tenths of a percent).
 Interval rows also give the mean over all their steps and the mean expected from the due
 overhead and the idle one: ``1 + (due + (N - 1) idle) / N``, where the idle cost is the tmetrics
 code a not-due step runs (step scope, optimizer hooks, ``observe_gradients``) timed directly,
@@ -45,7 +49,7 @@ from bench.demo_variants import (
 )
 from bench.due_step_time import DueStepTime, due_step_time
 from bench.peak_memory import HeapPeak, heap_in_use, max_rss_bytes
-from bench.rounds import Rounds, interleave
+from bench.rounds import PairedSteps, Rounds, alternate, interleave
 from tmetrics_core.demo.data import ByteCorpus
 from tmetrics_core.demo.train import NullMetrics, StepMetrics, Trainer
 
@@ -144,27 +148,31 @@ def _ops_of_step(trainer: Trainer, step: int) -> tuple[int, int]:
     return counter.ops, counter.host_reads
 
 
-def single_process(rounds: int, steps: int, bundle: tuple[str, ...], *, alternatives: bool = True) -> list[str]:
+def single_process(rounds: int, steps: int, bundle: tuple[str, ...], *, alternatives: bool = True,
+                   pairs: int = 300) -> list[str]:
     corpus = ByteCorpus.from_stdlib()
     variants = {n: f for n, f in _variants(bundle).items()
                 if alternatives or n in ("bare", SECOND_BARE) or n.startswith("tmetrics")}
     trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in variants.items()}
     runners = {name: _stepper(t) for name, t in trainers.items()}
-    runners.update(_switched(make_trainer(tmetrics_factory(1, bundle), corpus=corpus)))
+    switched = _switched(make_trainer(tmetrics_factory(1, bundle), corpus=corpus))
+    runners.update(switched)
     for run in runners.values():
         run(2)  # warm-up; spends the always-due first step of "not due"
     result = interleave(runners, rounds=rounds, steps=steps)
+    off, on = (switched[name] for name in SWITCHED)
+    stepwise = alternate(lambda: off(1), lambda: on(1), pairs=pairs) if pairs else None
     idle = trainers["tmetrics not due"]
     idle_run = runners["tmetrics not due"]
     due_run = runners["tmetrics every 1"]
     idle_ops = _ops_of_step(idle, idle_run.count[0] + 1)  # type: ignore[attr-defined]
     due_ops = _ops_of_step(trainers["tmetrics every 1"], due_run.count[0] + 1)  # type: ignore[attr-defined]
     idle_us = _idle_code_us(idle, idle_run.count[0] + 2)  # type: ignore[attr-defined]
-    return _single_table(result, rounds, steps, idle_us, idle_ops, due_ops, due_step_time(bundle))
+    return _single_table(result, rounds, steps, idle_us, idle_ops, due_ops, due_step_time(bundle), stepwise)
 
 
 def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: tuple[int, int],
-                  due_ops: tuple[int, int], due_time: DueStepTime) -> list[str]:
+                  due_ops: tuple[int, int], due_time: DueStepTime, stepwise: PairedSteps | None) -> list[str]:
     base = "bare"
     due = r.paired("tmetrics every 1", base) - 1
     idle = idle_us / (r.median_ms(base) * 1e3)  # timed directly: below the noise of paired rounds
@@ -185,6 +193,9 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         f"same model, tmetrics switched off and on each round (bare step {r.median_ms(SWITCHED[0]):.1f} ms): "
         f"every 1 wall x {r.paired(SWITCHED[1], SWITCHED[0]):.3f}, cpu x {r.paired(SWITCHED[1], SWITCHED[0], cpu=True):.3f}, "
         f"mean x {r.mean(SWITCHED[1], SWITCHED[0]):.3f}",
+        *([f"same model, tmetrics switched off and on every step ({len(stepwise.differences)} pairs, order "
+           f"alternating; bare step {stepwise.first_mean * 1e3:.1f} ms): every 1 {stepwise.overhead():+.2%} "
+           f"+- {stepwise.standard_error():.2%} (mean paired step difference +- standard error)"] if stepwise else []),
         f"not-due step, timed directly: {idle_us:.1f} us of tmetrics code per step "
         f"({idle_us / (r.median_ms(base) * 1e3):.4%} of a bare step); torch ops issued by tmetrics: "
         f"{idle_ops[0]}, host reads: {idle_ops[1]}",
@@ -273,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     parser.add_argument("--steps", type=int, default=5, help="steps per variant and round (default 5)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, one process (default 2)")
+    parser.add_argument("--pairs", type=int, default=300,
+                        help="steps switched off and on one at a time on one model, in pairs (default 300; 0 skips)")
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-rank DDP table")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak memory table")
     parser.add_argument("--no-alternatives", action="store_true",
@@ -288,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; "
           f"bundle: {', '.join(bundle)}")
-    for line in single_process(args.rounds, args.steps, bundle, alternatives=not args.no_alternatives):
+    for line in single_process(args.rounds, args.steps, bundle, alternatives=not args.no_alternatives,
+                               pairs=args.pairs):
         print(line)
     if not args.no_ddp:
         print()

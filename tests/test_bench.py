@@ -95,3 +95,26 @@ def test_the_switched_pair_runs_one_trainer_with_tmetrics_off_then_on():
     steps = {r.step for r in metrics.last_records}
     off(1)
     assert trainer.metrics is not metrics and {r.step for r in metrics.last_records} == steps
+
+
+def test_alternate_pairs_single_steps_in_both_orders_and_reports_the_mean_difference(monkeypatch):
+    """Steps of known cost on a fake clock: the overhead is their mean difference over the first's
+    mean, its standard error that of the pairs, and the order alternates so that neither variant
+    always runs first."""
+    import bench.rounds as rounds
+
+    clock = [0.0]
+    monkeypatch.setattr(rounds.time, "perf_counter", lambda: clock[0])
+    order: list[str] = []
+    costs = {"off": iter([4.0, 4.0, 4.0, 4.0]), "on": iter([5.0, 4.0, 6.0, 5.0])}
+
+    def step(name: str):
+        def run() -> None:
+            order.append(name)
+            clock[0] += next(costs[name])
+        return run
+    got = rounds.alternate(step("off"), step("on"), pairs=4)
+    assert order == ["off", "on", "on", "off", "off", "on", "on", "off"]
+    assert got.differences == (1.0, 0.0, 2.0, 1.0) and got.first_mean == 4.0
+    assert got.overhead() == pytest.approx(0.25)
+    assert got.standard_error() == pytest.approx(0.816496580927726 / 2 / 4.0)
