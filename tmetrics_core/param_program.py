@@ -123,8 +123,8 @@ class ParamProgram:
         self.stepped = tuple(i for i, _ in stepped)
         self.names = tuple(name for _, name in stepped)
         # Rows that only sums of squares are read from (L2 norms, update ratios) skip the rest.
-        self._squares = tuple(moments.sumsq_suffices(stat for recipe in plan.recipes for stat in recipe.metric.statistics)
-                              for plan in (pre, post))
+        self._squares = tuple(moments.sumsq_suffices(stat for recipe in plan.recipes
+                                                     for stat in recipe.metric.statistics) for plan in (pre, post))
 
     @classmethod
     def plan(cls, pre: Sequence[TensorMetric], post: Sequence[TensorMetric], before: Sequence[TensorMetric],
