@@ -259,7 +259,7 @@ def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | 
     Raises:
         RuntimeError: the kernel ran out of memory.
     """
-    if not _switch["on"] or _library() is None:
+    if not available():
         return None
     srcs, sizes, offsets = array.array("Q"), array.array("q"), []
     total = 0
