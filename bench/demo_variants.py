@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from tmetrics_core.axes import Topology as Axes
+from tmetrics_core.topology import Topology as Axes
 from tmetrics_core.demo.data import ByteCorpus
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize

@@ -9,7 +9,7 @@ per-tensor and per-observation Python and small torch ops. Timed directly with
 than the same code in a warm loop: the model's kernels evict the caches between calls).
 
 :func:`program_gain` times the same code with and without the parameter-side program
-(``tmetrics_core.param_program``) on two trainers stepping in turn in one process, so the
+(``tmetrics_core.sources.param_program``) on two trainers stepping in turn in one process, so the
 machine's drift cancels: ``python -m bench.due_step_time [--steps N]`` prints both.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 from bench.demo_variants import BUNDLE, make_trainer, tmetrics_factory
 from tmetrics_core import tensor_metrics
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.sources import tokens
 
 __all__ = ["DueStepTime", "due_step_time", "main", "program_gain"]

@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed.harness import run_distributed
 from tests.test_executor import eight_metrics, hundred_sites
-from tmetrics_core.axes import Topology
-from tmetrics_core.evaluation import prepare_states
-from tmetrics_core.executor import Executor
+from tmetrics_core.topology import Topology
+from tmetrics_core.metrics.preparation import prepare_states
+from tmetrics_core.distributed.executor import Executor
 
 
 def _variant(name, metrics, sites, tensors, topology):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from bench.demo_variants import BUNDLE, NEVER, NormLoop, WandbWatch
 from bench.rounds import Rounds
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.demo.model import ModelConfig, Transformer, fixed_shape_dispatch
 from tmetrics_core.demo.train import NullMetrics
 from tmetrics_core.metrics.catalogue import build_metric

@@ -7,7 +7,7 @@ every tensor, shared between metrics through the step memo, no collective) is ti
 ``torch._foreach_norm`` pass over the same tensors, the floor any norm metric pays.
 
 Two paths are timed: the default, where the fused moments kernel
-(``tmetrics_core.metrics.moments``) reads each tensor once for all its statistics, and the torch
+(``tmetrics_core.kernels.moments``) reads each tensor once for all its statistics, and the torch
 kernels alone (``moments.disabled()``: what runs without a C compiler or on tensors the kernel
 does not take), one pass per statistic.
 
@@ -27,9 +27,9 @@ from typing import Callable
 
 import torch
 
-from tmetrics_core.axes import Topology
-from tmetrics_core.evaluation import prepare_states
-from tmetrics_core.metrics import moments
+from tmetrics_core.topology import Topology
+from tmetrics_core.metrics.preparation import prepare_states
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import NonFinite, ZeroFraction
 from tmetrics_core.metrics.statistics import ABSMAX, COUNT, NONFINITE, SUMSQ, ZEROS

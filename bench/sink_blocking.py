@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from tmetrics_core.hub import SinkHub
-from tmetrics_core.keys import MLFLOW_RULES, TENSORBOARD_RULES, WANDB_RULES, render_key
+from tmetrics_core.hub.sink_hub import SinkHub
+from tmetrics_core.sinks.keys import MLFLOW_RULES, TENSORBOARD_RULES, WANDB_RULES, render_key
 from tmetrics_core.records import MetricRecord, RunInfo
 
 __all__ = ["main"]

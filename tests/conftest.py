@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
-from tmetrics_core.keys import PLAIN_RULES, KeyRules
+from tmetrics_core.sinks.keys import PLAIN_RULES, KeyRules
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
 
 LAYERS = 4

@@ -14,10 +14,11 @@ from typing import Any, Sequence
 
 import torch
 
-from tmetrics_core.axes import Topology
-from tmetrics_core.collectives import Collectives
-from tmetrics_core.evaluation import prepare_states, resolve_partials
-from tmetrics_core.executor import Executor
+from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.collectives import Collectives
+from tmetrics_core.metrics.preparation import prepare_states
+from tmetrics_core.distributed.partials import resolve_partials
+from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, Mean, MeanLineL2, Min, NonFinite, Rms
 from tmetrics_core.placements import FlatShard, Owned, Partial, Placement, Replica, Shard, chunk_range
 from tmetrics_core.site import Site

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tmetrics_core.axes import Axis, Topology
+from tmetrics_core.topology import Axis, Topology
 
 __all__ = ["SimCollectives", "SimWorld", "mesh_coords", "run_threaded", "sim_topology"]
 

@@ -71,7 +71,7 @@ def test_due_step_time_splits_the_tmetrics_code_and_restores_what_it_wraps():
 
 def test_program_gain_times_the_program_against_the_general_path(monkeypatch):
     from bench.due_step_time import program_gain
-    from tmetrics_core.param_program import ParamProgram
+    from tmetrics_core.sources.param_program import ParamProgram
 
     read = []
     original = ParamProgram.read_post

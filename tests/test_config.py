@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tmetrics_core.config import (
+from tmetrics_core.config.schema import (
     Config,
     DistributedConfig,
     MetricConfig,
@@ -593,7 +593,7 @@ def test_unreadable_file(tmp_path: Path, kind: str) -> None:
 
 PERMISSION_CHECK = textwrap.dedent("""
     import sys
-    from tmetrics_core.config import load_config
+    from tmetrics_core.config.schema import load_config
     from tmetrics_core.errors import ConfigError
     try:
         load_config(sys.argv[1])

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tmetrics_core.console_sink import ConsoleSink
+from tmetrics_core.sinks.console import ConsoleSink
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo
 

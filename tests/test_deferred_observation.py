@@ -14,10 +14,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.deferred_model import D, Model, Observed, count_routes, replay, row_entropy, token_rows
-from tmetrics_core.axes import Topology
-from tmetrics_core.evaluation import SiteChoices, prepare_states
-from tmetrics_core.executor import Executor
-from tmetrics_core.metrics import moments
+from tmetrics_core.topology import Topology
+from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
+from tmetrics_core.distributed.executor import Executor
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.observe import observe
 from tmetrics_core.site import Site

@@ -12,9 +12,9 @@ from typing import Callable
 import pytest
 
 from tmetrics_core.errors import ConfigError, SinkError
-from tmetrics_core.hub import NullHub, SinkHub
-from tmetrics_core.replay import replay
-from tmetrics_core.spool import SpoolConfig, SpoolReader, spool_path
+from tmetrics_core.hub.sink_hub import NullHub, SinkHub
+from tmetrics_core.hub.replay import replay
+from tmetrics_core.hub.spool import SpoolConfig, SpoolReader, spool_path
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,10 +8,10 @@ import math
 import pytest
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.jsonl_sink import JsonlSink
-from tmetrics_core.keys import PLAIN_RULES, index_widths, render_key
+from tmetrics_core.sinks.jsonl import JsonlSink
+from tmetrics_core.sinks.keys import PLAIN_RULES, index_widths, render_key
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo
-from tmetrics_core.spool import SpoolReader
+from tmetrics_core.hub.spool import SpoolReader
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import (
+from tmetrics_core.sinks.keys import (
     MLFLOW_RULES,
     PLAIN_RULES,
     TENSORBOARD_RULES,

@@ -23,9 +23,9 @@ from transformers import (
 )
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.layouts import LAYOUTS, Rule, component_of
+from tmetrics_core.naming.layouts import LAYOUTS, Rule, component_of
 from tmetrics_core.metrics.catalogue import build_metric
-from tmetrics_core.names import (
+from tmetrics_core.naming.canonical import (
     COMPONENTS,
     KNOWN_LAYOUTS,
     CanonicalName,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.names_table import MANIFEST_KEYS, format_manifest
+from tmetrics_core.cli.names_table import MANIFEST_KEYS, format_manifest
 
 ROWS: list[dict[str, Any]] = [
     {

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.norms import L2Norm, NonFinite, Rms
 from tmetrics_core.observe import _ACTIVE, observe
 from tmetrics_core.tensor_metrics import TensorMetrics

@@ -15,7 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.deferred_model import count_routes
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.statistics import ABSMAX, flagged_value

@@ -1,7 +1,7 @@
 """The parameter-side program prepares the states the general path prepares, bit for bit.
 
 Each case trains the same small MoE transformer twice from the same seed, once with the due
-set's :class:`~tmetrics_core.param_program.ParamProgram` and once with it planned away (every
+set's :class:`~tmetrics_core.sources.param_program.ParamProgram` and once with it planned away (every
 phase then takes the general path), and compares every record of every step exactly. The cases
 cover the metric shapes the program takes (per layer, tensor, family and global scopes; sums of
 squares, absolute maxima, zero counts with element counts, the update ratio's kept sites),
@@ -20,7 +20,7 @@ import torch
 
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.metrics.catalogue import build_metric
-from tmetrics_core.param_program import ParamProgram
+from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, seq_len=16)
@@ -129,7 +129,7 @@ def test_phases_read_sums_of_squares_alone_when_their_statistics_allow(intervals
     """Each phase's kernel call computes only sums of squares when every statistic of that phase
     reads nothing else (L2 norms, the update ratio), and full rows otherwise; the records equal
     the general path's (full rows throughout) bit for bit."""
-    from tmetrics_core.metrics import moments
+    from tmetrics_core.kernels import moments
 
     calls: list[bool] = []
     original = moments._run

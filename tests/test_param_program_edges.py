@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_distributed
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Rms
@@ -49,7 +49,7 @@ from tmetrics_core.metrics.statistics import (
     ZEROS,
     Statistic,
 )
-from tmetrics_core.param_program import ParamProgram
+from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 VOCAB, WIDTH = 16, 8
@@ -581,7 +581,7 @@ DP_METRICS = {"layer-param-l2": 1, "layer-grad-l2": 1, "layer-grad-absmax": 1, "
 def train_data_parallel(rank: int, world: int, program: bool) -> tuple[list[dict], list, tuple[int, int]]:
     """Three steps of the demo model under DDP on ``dp``; on rank 1 at step 2 one gradient is
     made non-contiguous (same values), so that rank's pre phase takes the general path."""
-    from tmetrics_core.axes import Topology
+    from tmetrics_core.topology import Topology
     from tmetrics_core.demo.model import ModelConfig
     from tmetrics_core.demo.parallel import parallelize
     from tmetrics_core.demo.topology import Topology as DemoTopology

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.statistics import COUNT, Statistic

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tmetrics_core.config import load_config
-from tmetrics_core.redact import MASK, is_secret_key, mask_secrets, redact, redacted_environment
+from tmetrics_core.config.schema import load_config
+from tmetrics_core.config.redact import MASK, is_secret_key, mask_secrets, redact, redacted_environment
 
 WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"
 HF_TOKEN = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.demo.model import ModelConfig, Transformer
-from tmetrics_core.evaluation import prepare_states
-from tmetrics_core.executor import Executor
+from tmetrics_core.metrics.preparation import prepare_states
+from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.observe import observing
 from tmetrics_core.sources.modules import ModuleIndex

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from tmetrics_core.console_sink import ConsoleSink
+from tmetrics_core.sinks.console import ConsoleSink
 from tmetrics_core.errors import ConfigError, SinkError
-from tmetrics_core.jsonl_sink import JsonlSink
-from tmetrics_core.sinks import MetricSink, available_sinks, build_sinks, load_sink_class
+from tmetrics_core.sinks.jsonl import JsonlSink
+from tmetrics_core.sinks.registry import MetricSink, available_sinks, build_sinks, load_sink_class
 
 pytestmark = pytest.mark.timeout(60)
 
 _SINK_BODY = """
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import PLAIN_RULES
+from tmetrics_core.sinks.keys import PLAIN_RULES
 
 class {cls}:
     name = {name!r}

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tmetrics_core.manifest import Manifest
-from tmetrics_core.metrics import moments
+from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.kernels import moments
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 
 

@@ -20,7 +20,7 @@ import torch
 # (so the update is written in place into the snapshot, after the deferred metrics read it).
 from tests.test_update_paths import UpdateMeanRowL2, _Resizing
 from tmetrics_core.demo.model import ModelConfig, Transformer
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import NonFinite
 from tmetrics_core.tensor_metrics import TensorMetrics

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo
-from tmetrics_core.spool import SpoolConfig, SpoolReader, SpoolWriter, spool_path
+from tmetrics_core.hub.spool import SpoolConfig, SpoolReader, SpoolWriter, spool_path
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tmetrics_core.demo.model import ModelConfig, Transformer
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.statistics import RowL2

@@ -9,10 +9,10 @@ The public surface is this module only::
 
 from __future__ import annotations
 
-from tmetrics_core.axes import Axis
-from tmetrics_core.axes import Topology
-from tmetrics_core.config import Config
-from tmetrics_core.config import load_config
+from tmetrics_core.topology import Axis
+from tmetrics_core.topology import Topology
+from tmetrics_core.config.schema import Config
+from tmetrics_core.config.schema import load_config
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.errors import PlacementError
 from tmetrics_core.errors import PlanMismatchError
@@ -30,7 +30,7 @@ from tmetrics_core.placements import Shard
 from tmetrics_core.records import Histogram
 from tmetrics_core.records import MetricRecord
 from tmetrics_core.records import RunInfo
-from tmetrics_core.sinks import MetricSink
+from tmetrics_core.sinks.registry import MetricSink
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.site import Site
 from tmetrics_core.tensor_metrics import TensorMetrics

@@ -37,19 +37,20 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, MutableMapping, S
 import torch
 import torch.distributed as dist
 
-from tmetrics_core.axes import Topology
-from tmetrics_core.collectives import Collectives
+from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.collectives import Collectives
 from tmetrics_core.errors import ConfigError, PlacementError, TMetricsError
-from tmetrics_core.evaluation import SiteChoices, prepare_states, resolve_partials
-from tmetrics_core.executor import Executor, MetricFailure
-from tmetrics_core.hub import NullHub
-from tmetrics_core.keys import KeyRules, check_collisions, index_widths
-from tmetrics_core.manifest import Manifest, dtensor_placements
-from tmetrics_core.metrics import moments
+from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
+from tmetrics_core.distributed.partials import resolve_partials
+from tmetrics_core.distributed.executor import Executor, MetricFailure
+from tmetrics_core.hub.sink_hub import NullHub
+from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
+from tmetrics_core.naming.manifest import Manifest, dtensor_placements
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
-from tmetrics_core.param_program import ParamProgram
+from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer
@@ -57,7 +58,7 @@ from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
-from tmetrics_core.token_plan import TokenPlan
+from tmetrics_core.sources.token_plan import TokenPlan
 
 __all__ = ["TensorMetrics"]
 
@@ -163,7 +164,7 @@ class TensorMetrics:
         ``run_dir`` overrides ``run.dir``. Raises ``ConfigError`` for every invalid input,
         before any step runs.
         """
-        from tmetrics_core.run_setup import build_from_config
+        from tmetrics_core.build import build_from_config
 
         return build_from_config(cls, source, model=model, optimizer=optimizer, mesh=mesh, axes=axes,
                                  sinks=sinks, run_dir=run_dir, **kwargs)

@@ -3,7 +3,7 @@
 Reads any tracking store ``MlflowClient`` can open (a ``sqlite:///`` file or a tracking server)
 and prints one table per metric: a row per layer (or expert, tensor, ...), a column per run and
 the ratio of every later run to the first. Keys are parsed back from the tmetrics key scheme
-(:mod:`tmetrics_core.keys`):
+(:mod:`tmetrics_core.sinks.keys`):
 
 ===========================================  ===========================  ==================
 key                                          table                        row

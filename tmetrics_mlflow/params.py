@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import MLFLOW_RULES
-from tmetrics_core.redact import redact
+from tmetrics_core.sinks.keys import MLFLOW_RULES
+from tmetrics_core.config.redact import redact
 
 __all__ = ["PARAM_KEY_LIMIT", "PARAM_VALUE_LIMIT", "flatten_params"]
 

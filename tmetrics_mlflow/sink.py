@@ -4,7 +4,7 @@ Every call uses ``MlflowClient`` with the run id this sink created: the sink run
 worker thread, and MLflow's fluent "active run" is per thread. Metrics go in ``log_batch``
 chunks of at most ``batch_size`` (MLflow accepts 1,000 per call), synchronously.
 
-Keys are those of :mod:`tmetrics_core.keys` under :data:`~tmetrics_core.keys.MLFLOW_RULES`.
+Keys are those of :mod:`tmetrics_core.sinks.keys` under :data:`~tmetrics_core.sinks.keys.MLFLOW_RULES`.
 Values:
 
 - scalar: one metric (NaN is stored; MLflow stores +-Inf as +-1.797e308);
@@ -28,9 +28,9 @@ from typing import Any, Sequence
 from urllib.parse import urlparse
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import MLFLOW_RULES, KeyBook, KeyRules, index_widths
+from tmetrics_core.sinks.keys import MLFLOW_RULES, KeyBook, KeyRules, index_widths
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
-from tmetrics_core.redact import redact
+from tmetrics_core.config.redact import redact
 from tmetrics_mlflow.params import flatten_params
 
 __all__ = ["MlflowSink", "check_tracking_uri"]
@@ -179,7 +179,7 @@ class MlflowSink:
         transaction across calls), so a retried step may hold a value twice, identically.
 
         Raises:
-            ConfigError: two label sets render to one key (see :class:`~tmetrics_core.keys.KeyBook`).
+            ConfigError: two label sets render to one key (see :class:`~tmetrics_core.sinks.keys.KeyBook`).
             RuntimeError: the sink is not open.
             mlflow.exceptions.MlflowException: the store refused a chunk.
         """

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-from tmetrics_core.keys import TENSORBOARD_RULES, LabelTuple
+from tmetrics_core.sinks.keys import TENSORBOARD_RULES, LabelTuple
 
 __all__ = ["CONFIG_TAG", "ScalarLayout"]
 

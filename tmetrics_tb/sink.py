@@ -5,7 +5,7 @@ Everything goes into one event file in one directory (``<run.dir>/tb`` by defaul
 the step, written by :class:`~tmetrics_tb.event_file.EventFile`: for 18k scalars about 20 ms
 of worker time against about 1 s for one ``SummaryWriter.add_scalar`` call per value.
 
-Tags are the keys of :mod:`tmetrics_core.keys` under :data:`~tmetrics_core.keys.TENSORBOARD_RULES`
+Tags are the keys of :mod:`tmetrics_core.sinks.keys` under :data:`~tmetrics_core.sinks.keys.TENSORBOARD_RULES`
 (``layer-grad-l2/layer_03``), so TensorBoard groups them by metric family. Values:
 
 - scalar: a scalar series (NaN and infinities kept as such);
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import yaml
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import TENSORBOARD_RULES, KeyBook, KeyRules, index_widths
+from tmetrics_core.sinks.keys import TENSORBOARD_RULES, KeyBook, KeyRules, index_widths
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
 from tmetrics_tb.event_file import EventFile
 from tmetrics_tb.layout import CONFIG_TAG, ScalarLayout
@@ -115,7 +115,7 @@ class TensorBoardSink:
         """Write every record of one step as a single event.
 
         Raises:
-            ConfigError: two label sets render to one tag (see :class:`~tmetrics_core.keys.KeyBook`).
+            ConfigError: two label sets render to one tag (see :class:`~tmetrics_core.sinks.keys.KeyBook`).
             RuntimeError: the sink is not open.
         """
         from tensorboard.compat.proto import summary_pb2

@@ -1,6 +1,6 @@
 """``WandbSink``: records as one W&B ``log`` call per step, with sections, histograms and heatmaps.
 
-Keys are those of :mod:`tmetrics_core.keys` under :data:`~tmetrics_core.keys.WANDB_RULES`; W&B
+Keys are those of :mod:`tmetrics_core.sinks.keys` under :data:`~tmetrics_core.sinks.keys.WANDB_RULES`; W&B
 makes a section of the text before the first ``/``, so each metric family is one section with
 one chart per layer (``layer-grad-l2/layer_03``).
 
@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from urllib.parse import urlparse
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import WANDB_RULES, KeyBook, KeyRules, index_widths
+from tmetrics_core.sinks.keys import WANDB_RULES, KeyBook, KeyRules, index_widths
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
 from tmetrics_wandb.heatmap import LayerHeatmap
 
@@ -192,7 +192,7 @@ class WandbSink:
         """Log every record of one step with exactly one ``run.log`` call.
 
         Raises:
-            ConfigError: two label sets render to one key (see :class:`~tmetrics_core.keys.KeyBook`).
+            ConfigError: two label sets render to one key (see :class:`~tmetrics_core.sinks.keys.KeyBook`).
             RuntimeError: the sink is not open.
         """
         import wandb

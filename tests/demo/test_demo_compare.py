@@ -9,7 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tmetrics_core.cli import main
+from tmetrics_core.cli.main import main
 from tmetrics_core.demo.instrument import make_metrics
 from tmetrics_core.demo.launch import DemoArgs, run_demo
 

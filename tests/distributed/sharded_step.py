@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
 from tmetrics_core.demo.topology import Topology as DemoTopology

@@ -19,8 +19,8 @@ from tests.metrics.test_drift import expected as drift_expected
 from tests.metrics.test_router import ALL as ROUTER_SPECS
 from tests.metrics.test_router import router_sites
 from tests.metrics.test_sketches import reference_counts
-from tmetrics_core.axes import Topology
-from tmetrics_core.collectives import TorchCollectives
+from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.collectives import TorchCollectives
 from tmetrics_core.metrics.sketches import LogBins
 
 MESHES = {1: [((1,), ("dp",))], 2: [((2,), ("dp",)), ((2,), ("tp",))],

@@ -29,7 +29,7 @@ def _micro_batches(seq: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _steps(rank: int | None, world: int) -> dict[int, dict[tuple, object]]:
     """Every step's records; ``rank`` None: one process with all sequences."""
-    from tmetrics_core.axes import Topology
+    from tmetrics_core.topology import Topology
     from tmetrics_core.metrics.catalogue import build_metric
     from tmetrics_core.tensor_metrics import TensorMetrics
 

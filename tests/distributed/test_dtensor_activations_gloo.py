@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Shard, distribute_tensor, DTensor
 
 from tests.distributed.harness import run_distributed
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.norms import L2Norm, Max
 from tmetrics_core.observe import observe
 from tmetrics_core.tensor_metrics import TensorMetrics

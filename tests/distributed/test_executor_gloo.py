@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from tests import test_executor as cases
 from tests.distributed.harness import run_distributed
-from tmetrics_core.axes import Axis, Topology
-from tmetrics_core.collectives import TorchCollectives
+from tmetrics_core.topology import Axis, Topology
+from tmetrics_core.distributed.collectives import TorchCollectives
 
 
 def _topology_dp(rank, world):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_distributed
-from tmetrics_core.axes import Axis, Topology
+from tmetrics_core.topology import Axis, Topology
 from tmetrics_core.metrics.norms import L2Norm, MeanLineL2, Rms
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.tensor_metrics import TensorMetrics

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.harness import run_distributed
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.tensor_metrics import TensorMetrics

@@ -14,7 +14,7 @@ def _rank(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from tmetrics_core.axes import Topology
+    from tmetrics_core.topology import Topology
     from tmetrics_core.metrics.catalogue import build_metric
     from tmetrics_core.tensor_metrics import TensorMetrics
 

@@ -45,7 +45,7 @@ def _reference():
 def _pp_rank(rank, world):
     import torch.distributed as dist
 
-    from tmetrics_core.axes import Topology
+    from tmetrics_core.topology import Topology
     from tmetrics_core.metrics.catalogue import build_metric
     from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -71,7 +71,7 @@ def _avg_rank(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
 
-    from tmetrics_core.axes import Topology
+    from tmetrics_core.topology import Topology
     from tmetrics_core.metrics.catalogue import build_metric
     from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -106,7 +106,7 @@ class HeadStage(Stage):
 def _head_rank(rank, world):
     import torch.distributed as dist
 
-    from tmetrics_core.axes import Topology
+    from tmetrics_core.topology import Topology
     from tmetrics_core.metrics.catalogue import build_metric
     from tmetrics_core.tensor_metrics import TensorMetrics
 

@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed.harness import run_distributed
 from tests.placement_cases import Case, TensorCase, assert_matches, mean_scale, reference, run_case
-from tmetrics_core.axes import Topology
-from tmetrics_core.collectives import TorchCollectives
+from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.collectives import TorchCollectives
 
 
 def _case(shape, names) -> Case:

@@ -20,7 +20,7 @@ def _model():
 
 
 def _steps(rank, world):
-    from tmetrics_core.axes import Topology
+    from tmetrics_core.topology import Topology
     from tmetrics_core.metrics.catalogue import build_metric
     from tmetrics_core.tensor_metrics import TensorMetrics
 

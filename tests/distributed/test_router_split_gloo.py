@@ -38,7 +38,7 @@ def _run(model, logits, topology=None, shard_dim=None):
 def _rank(rank, world):
     import torch.distributed as dist
 
-    from tmetrics_core.axes import Topology
+    from tmetrics_core.topology import Topology
 
     topology = Topology.from_groups({"tp": dist.group.WORLD})
     return _run(_model(2), LOGITS[:, 2 * rank:2 * rank + 2], topology, shard_dim=1)

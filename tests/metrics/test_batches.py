@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.simulation import run_threaded, sim_topology
-from tmetrics_core.axes import Topology
-from tmetrics_core.evaluation import prepare_states
-from tmetrics_core.executor import Executor
+from tmetrics_core.topology import Topology
+from tmetrics_core.metrics.preparation import prepare_states
+from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.metrics.batches import Batch, BatchPlan, canonical
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, MeanLineL2, Rms
 from tmetrics_core.metrics.statistics import SUMSQ, Stage

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tmetrics_core.axes import Topology
-from tmetrics_core.metrics import moments
+from tmetrics_core.topology import Topology
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.batches import _Cut
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.metrics.catalogue import build_metric
@@ -59,7 +59,7 @@ def test_membership_and_the_token_plan_keep_a_block_state_whole() -> None:
     """``key in state`` makes no per-site vector, and a token metric's block state in plan
     order goes to the executor as it is; out of order or incomplete, as per-site vectors in plan
     order (values the same either way)."""
-    from tmetrics_core.token_plan import TokenPlan
+    from tmetrics_core.sources.token_plan import TokenPlan
 
     topology = Topology.single_process()
     metric = build_metric("layer-residual-accumulator-rms")

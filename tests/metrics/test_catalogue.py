@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tmetrics_core.config import check_names, load_config
+from tmetrics_core.config.schema import check_names, load_config
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.catalogue import (

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from tmetrics_core.axes import Topology
-from tmetrics_core.metrics import moments
+from tmetrics_core.topology import Topology
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.statistics import ABSMAX, MAX, MIN, NONFINITE, SUM, SUMSQ, ZEROS
 from tmetrics_core.site import Site
 
@@ -212,8 +212,8 @@ def test_without_a_compiler_statistics_fall_back_and_say_so(tmp_path) -> None:
     script = textwrap.dedent("""
         import logging, torch
         logging.basicConfig(level=logging.WARNING)
-        from tmetrics_core.axes import Topology
-        from tmetrics_core.metrics import moments
+        from tmetrics_core.topology import Topology
+        from tmetrics_core.kernels import moments
         from tmetrics_core.metrics.statistics import SUMSQ
         from tmetrics_core.site import Site
         t = torch.arange(10.0)

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 
 pytestmark = pytest.mark.skipif(not moments.available(), reason="no C compiler for the fused kernel")
 
@@ -149,7 +149,7 @@ def test_a_forked_child_on_one_thread_runs_the_kernel_after_threaded_calls_in_th
     SIGALRM rather than hang."""
     script = textwrap.dedent("""
         import os, signal, sys, torch
-        from tmetrics_core.metrics import moments
+        from tmetrics_core.kernels import moments
         torch.set_num_threads(2)
         t = torch.randn(4 * (1 << 16) + 3, generator=torch.Generator().manual_seed(0))
         want = moments.moments([t])

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from tests.metrics.cases import MESHES, Case, MetricSpec, SiteCase, assert_results, run_case, tensor_specs
 from tests.simulation import run_threaded, sim_topology
-from tmetrics_core.axes import Topology
-from tmetrics_core.collectives import TorchCollectives
+from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.collectives import TorchCollectives
 from tmetrics_core.site import Site
 
 SPECS = [MetricSpec(n) for n in (

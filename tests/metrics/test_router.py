@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from tests.metrics.cases import MESHES, Case, MetricSpec, SiteCase, assert_results, run_case
 from tests.metrics.router_reference import Layer, family_results, simple_results
 from tests.simulation import run_threaded, sim_topology
-from tmetrics_core.axes import Topology
-from tmetrics_core.collectives import TorchCollectives
+from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.collectives import TorchCollectives
 from tmetrics_core.errors import PlacementError
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.router import ExpertCounts

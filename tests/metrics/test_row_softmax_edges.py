@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.softmax import (
     _finished,
     _probability_rows,

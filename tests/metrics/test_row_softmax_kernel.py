@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from tmetrics_core.axes import Topology
-from tmetrics_core.metrics import moments
+from tmetrics_core.topology import Topology
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.softmax import RowSoftmax, _finished, _probability_rows, _row_parts, _summed
 from tmetrics_core.site import Site
 

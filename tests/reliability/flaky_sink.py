@@ -11,8 +11,8 @@ import random
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from tmetrics_core.jsonl_sink import JsonlSink
-from tmetrics_core.keys import PLAIN_RULES, KeyRules
+from tmetrics_core.sinks.jsonl import JsonlSink
+from tmetrics_core.sinks.keys import PLAIN_RULES, KeyRules
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 
 __all__ = ["FlakySink"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tmetrics_core.keys import PLAIN_RULES, KeyRules
+from tmetrics_core.sinks.keys import PLAIN_RULES, KeyRules
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 
 __all__ = ["KeyedSink"]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tmetrics_core.axes import Axis, Topology
+from tmetrics_core.topology import Axis, Topology
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
 from tmetrics_core.demo.topology import Topology as DemoTopology

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from tests.reliability.flaky_sink import FlakySink
 from tests.reliability.layered_model import LayeredModel, catalogue_metrics
-from tmetrics_core.axes import Topology
-from tmetrics_core.hub import NullHub, SinkHub
+from tmetrics_core.topology import Topology
+from tmetrics_core.hub.sink_hub import NullHub, SinkHub
 from tmetrics_core.records import RunInfo
 from tmetrics_core.tensor_metrics import TensorMetrics
 

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
-from tmetrics_core.cli import main
-from tmetrics_core.config import load_config
+from tmetrics_core.cli.main import main
+from tmetrics_core.config.schema import load_config
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.tensor_metrics import TensorMetrics

@@ -30,9 +30,9 @@ from tests.metrics.cases import (
 )
 from tests.metrics.test_router import router_sites
 from tests.simulation import SimCollectives, SimWorld, mesh_coords, sim_topology
-from tmetrics_core import executor
-from tmetrics_core.axes import Topology
-from tmetrics_core.collectives import TorchCollectives
+from tmetrics_core.distributed import executor
+from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.collectives import TorchCollectives
 
 ROUTER_SPECS = [MetricSpec(n) for n in ("layer-router-health", "layer-router-routing-balance",
                                         "layer-router-seq-aux-decomposition", "layer-router-logits-max")]

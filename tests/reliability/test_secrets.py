@@ -13,7 +13,7 @@ import importlib.metadata
 import pytest
 import torch
 
-import tmetrics_core.sinks as sinks_module
+import tmetrics_core.sinks.registry as sinks_module
 from tests.reliability.layered_model import LayeredModel, train_steps
 from tmetrics_core.tensor_metrics import TensorMetrics
 

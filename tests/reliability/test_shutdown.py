@@ -19,7 +19,7 @@ import torch
 from tests.conftest import rows
 from tests.reliability.layered_model import LayeredModel, train_steps
 from tmetrics_core.records import MetricRecord
-from tmetrics_core.spool import SpoolReader, spool_path
+from tmetrics_core.hub.spool import SpoolReader, spool_path
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 pytestmark = pytest.mark.timeout(120)

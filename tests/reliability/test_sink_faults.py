@@ -16,10 +16,10 @@ import torch
 
 from tests.conftest import RecordingSink, rows
 from tests.reliability.layered_model import LayeredModel, catalogue_metrics, train_steps
-from tmetrics_core.hub import SinkHub
+from tmetrics_core.hub.sink_hub import SinkHub
 from tmetrics_core.records import RunInfo
-from tmetrics_core.replay import replay
-from tmetrics_core.spool import spool_path
+from tmetrics_core.hub.replay import replay
+from tmetrics_core.hub.spool import spool_path
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 pytestmark = pytest.mark.timeout(60)

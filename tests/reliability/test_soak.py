@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import rows
-from tmetrics_core.jsonl_sink import JsonlSink
+from tmetrics_core.sinks.jsonl import JsonlSink
 from tmetrics_core.records import MetricRecord
-from tmetrics_core.replay import replay
-from tmetrics_core.spool import SpoolReader, spool_path
+from tmetrics_core.hub.replay import replay
+from tmetrics_core.hub.spool import SpoolReader, spool_path
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,7 +9,7 @@ import pytest
 from tests.sinks.conftest import EXPERTS, make_records
 from tests.sinks.readback_mlflow import artifact_json, histories, run_by_id
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import MLFLOW_RULES, render_key
+from tmetrics_core.sinks.keys import MLFLOW_RULES, render_key
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo
 from tmetrics_mlflow import MlflowSink, check_tracking_uri, flatten_params
 

@@ -9,7 +9,7 @@ import pytest
 from tests.sinks.conftest import EXPERTS, LAYERS, make_records
 from tests.sinks.readback_tensorboard import read_log
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import TENSORBOARD_RULES, render_key
+from tmetrics_core.sinks.keys import TENSORBOARD_RULES, render_key
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo
 from tmetrics_tb import TensorBoardSink
 

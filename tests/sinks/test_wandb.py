@@ -9,7 +9,7 @@ import pytest
 from tests.sinks.conftest import LAYERS, make_records
 from tests.sinks.readback_wandb import find_run_file, read_run
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.keys import WANDB_RULES, render_key
+from tmetrics_core.sinks.keys import WANDB_RULES, render_key
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo
 from tmetrics_wandb import STEP_KEY, LayerHeatmap, WandbSink
 

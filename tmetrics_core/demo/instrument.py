@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from tmetrics_core.config import load_config
+from tmetrics_core.config.schema import load_config
 from tmetrics_core.demo.launch import DemoArgs, run_demo
 from tmetrics_core.tensor_metrics import TensorMetrics
 

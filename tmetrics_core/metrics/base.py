@@ -20,10 +20,10 @@ from typing import Any, Hashable, Literal, Mapping, Protocol, Sequence, runtime_
 
 import torch
 
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.batches import Batch, BatchPlan, advance, canonical, merged_outputs, next_stage
 from tmetrics_core.metrics.block_state import BlockState
-from tmetrics_core.metrics.moments import derivable, moments_rows, statistic_vectors
+from tmetrics_core.kernels.moments import derivable, moments_rows, statistic_vectors
 from tmetrics_core.metrics.statistics import Statistic, neutral
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Value

@@ -23,7 +23,7 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.metrics.statistics import Stage, Statistic
 from tmetrics_core.placements import ReduceOpName

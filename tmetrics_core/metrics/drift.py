@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.statistics import Stage, Statistic, flagged_value
 from tmetrics_core.site import Site

@@ -14,7 +14,7 @@ import math
 import torch
 
 from tmetrics_core.metrics.base import StatMetric
-from tmetrics_core.metrics.moments import statistic_vectors
+from tmetrics_core.kernels.moments import statistic_vectors
 from tmetrics_core.metrics.statistics import (
     ABSMAX,
     COUNT,

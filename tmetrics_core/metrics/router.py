@@ -52,7 +52,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.errors import PlacementError
 from tmetrics_core.metrics.base import MetricResult, StatMetric
 from tmetrics_core.metrics.softmax import RowSoftmax, RowSoftmaxMetric

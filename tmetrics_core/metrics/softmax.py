@@ -16,7 +16,7 @@ that cut rows); one SUM over those axes hands every rank all parts, which combin
 ``lse = M + log S``, ``H = log S - T / S``. A second stage sums the row summaries over the axes
 that split the row population (tokens across ``dp``, ``Owned`` on ``pp``).
 All arithmetic is float64, in chunks of rows; whole rows of small CPU tables (router logits)
-go through one call of the C kernel (:func:`tmetrics_core.metrics.moments.row_softmax_sums`).
+go through one call of the C kernel (:func:`tmetrics_core.kernels.moments.row_softmax_sums`).
 
 Local vectors start with a header: 0 for finished row sums, the slot count for a slot table.
 Micro-batches merge by adding finished sums and by appending the rows of slot tables
@@ -30,9 +30,9 @@ import math
 
 import torch
 
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.errors import PlacementError
-from tmetrics_core.metrics import moments
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.statistics import Stage, Statistic
 from tmetrics_core.site import Site

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from tmetrics_core.axes import Topology
+from tmetrics_core.topology import Topology
 from tmetrics_core.errors import PlacementError
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.site import Site
@@ -94,7 +94,7 @@ class Statistic:
     A count, a sum of squares or an absolute maximum is not: of a partial tensor they are wrong."""
     moments: bool = False
     """True when :meth:`from_moments` derives the vectors from the fused one-pass moments
-    (``tmetrics_core.metrics.moments``), so statistics of one tensor share a single read."""
+    (``tmetrics_core.kernels.moments``), so statistics of one tensor share a single read."""
     shape_only: bool = False
     """True when the vectors depend on the tensor's shape alone (no element is read)."""
     reads_elements: bool = False
@@ -103,7 +103,7 @@ class Statistic:
     reads_sumsq_only: bool = False
     """True when :meth:`from_moments` reads the sum-of-squares column of the moments rows and no
     other: kernel calls whose statistics all read at most that column compute it alone (see
-    :func:`tmetrics_core.metrics.moments.sumsq_suffices`)."""
+    :func:`tmetrics_core.kernels.moments.sumsq_suffices`)."""
 
     def stages(self, site: Site, topology: Topology) -> tuple[Stage, ...]:
         """The reductions of this statistic for ``site``: a single stage by default."""

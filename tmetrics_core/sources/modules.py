@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tmetrics_core.names import strip_wrappers
+from tmetrics_core.naming.canonical import strip_wrappers
 
 __all__ = ["ModuleIndex"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tmetrics_core.manifest import Manifest
+from tmetrics_core.naming.manifest import Manifest
 
 __all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "local_view", "read_kind", "update_pairs"]
 

@@ -15,8 +15,8 @@ from typing import Iterator, MutableMapping, Sequence
 
 import torch
 
-from tmetrics_core.manifest import Manifest
-from tmetrics_core.metrics import moments
+from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.kernels import moments
 from tmetrics_core.sources.params import local_view
 
 __all__ = ["Snapshot", "snapshot"]

@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from tmetrics_core.axes import Topology
-from tmetrics_core.metrics import moments
+from tmetrics_core.topology import Topology
+from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
@@ -56,7 +56,7 @@ class TokenSites:
     each with whether it is prepared at the step's end (:func:`_joint`)."""
     from_rows: dict[tuple, bool] = field(default_factory=dict)
     """The same key -> whether every metric prepared at once derives all it reads from the
-    moments rows (:func:`tmetrics_core.metrics.moments.derivable`)."""
+    moments rows (:func:`tmetrics_core.kernels.moments.derivable`)."""
     standins: dict[tuple, torch.Tensor] = field(default_factory=dict)
     """``(shape, dtype)`` -> a one-element NaN tensor of that shape (zero strides) that stands in
     for an observation whose moments rows are in the memo: its statistics never read elements

@@ -1,0 +1,155 @@
+"""The ``tmetrics`` command: ``demo``, ``metrics``, ``names``, ``validate``, ``compare``, ``replay``.
+
+Each command is a thin shell over a library function; errors of tmetrics (``TMetricsError``)
+print as one clear line and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from tmetrics_core.errors import TMetricsError
+
+__all__ = ["main"]
+
+
+def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except TMetricsError as exc:
+            click.echo(f"tmetrics: error: {exc}", err=True)
+            sys.exit(2)
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tmetrics")
+def main() -> None:
+    """Training-time tensor metrics for sharded PyTorch models, per layer and per expert."""
+
+
+def _demo_command() -> click.Command:
+    from tmetrics_core.demo.launch import demo_options
+
+    @main.command("demo")
+    @demo_options
+    @_friendly
+    def demo(**kwargs: Any) -> None:
+        """Train the demo MoE transformer on Python's standard library and fill every tracker.
+
+        Runs on one process by default; --nproc 4 --dp 2 --tp 2 (or --ep, --fsdp, --pp) launches
+        gloo ranks on 127.0.0.1. Ends by printing where the run is and how to open it.
+        """
+        from tmetrics_core.demo.instrument import run_instrumented_demo
+
+        run_instrumented_demo(kwargs)
+
+    return demo
+
+
+_demo_command()
+
+
+@main.command("metrics")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_friendly
+def metrics_command(as_json: bool) -> None:
+    """List the metric catalogue: name, source kinds, scope, formula, healthy baseline."""
+    from tmetrics_core.metrics.catalogue import describe_catalogue
+
+    click.echo(describe_catalogue(fmt="json" if as_json else "table"))
+
+
+@main.command("names")
+@click.option("--hf", "hf", metavar="ARCH", help="A tiny Hugging Face model built from its config class "
+              "(llama, mistral, mixtral, qwen2_moe, gpt2); nothing is downloaded.")
+@click.option("--factory", metavar="MODULE:FUNCTION", help="Import FUNCTION from MODULE and call it with no "
+              "arguments to get the model.")
+@click.option("--run-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Print the manifest a run wrote (<run dir>/manifest.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_friendly
+def names_command(hf: str | None, factory: str | None, run_dir: Path | None, as_json: bool) -> None:
+    """Print a model's manifest: canonical and original names, layer, expert, shape, placements.
+
+    Without options: the demo model on one process.
+    """
+    from tmetrics_core.cli.model_zoo import load_model
+    from tmetrics_core.cli.names_table import format_manifest
+
+    if run_dir is not None:
+        rows = json.loads((run_dir / "manifest.json").read_text())
+    else:
+        from tmetrics_core.topology import Topology
+        from tmetrics_core.naming.manifest import Manifest
+
+        model = load_model(hf=hf, factory=factory)
+        rows = Manifest.build(model, Topology.single_process()).rows(1)
+    click.echo(format_manifest(rows, fmt="json" if as_json else "table"))
+
+
+@main.command("validate")
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@_friendly
+def validate_command(config: Path) -> None:
+    """Check CONFIG (YAML, TOML or JSON) as a run would at start-up, without a model."""
+    from tmetrics_core.config.schema import check_names, load_config
+    from tmetrics_core.metrics.catalogue import build_metric, metric_names, resolve_metric
+    from tmetrics_core.sinks.registry import available_sinks, build_sinks
+
+    loaded = check_names(load_config(config), resolve_metric=resolve_metric, metric_names=metric_names(),
+                         sink_names=[name for name, _ in available_sinks()])
+    for mc in loaded.metrics:
+        build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins, sample=mc.sample)
+    build_sinks(loaded.sinks)
+    click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
+               f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "
+               f"sinks {', '.join(loaded.sinks) or 'none'}; run dir {loaded.run.dir}")
+
+
+@main.command("compare")
+@click.argument("runs", nargs=-1, required=True)
+@click.option("--tracking-uri", required=True, help="sqlite:///path/mlflow.db or http://127.0.0.1:5000")
+@click.option("--metric", "metric_patterns", multiple=True, help="Metric name or glob (repeatable).")
+@click.option("--step", type=int, default=None, help="Compare values at this step (default: last).")
+@click.option("--out", "out_png", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write a PNG plot, one panel per per-layer metric.")
+@_friendly
+def compare_command(runs: tuple[str, ...], tracking_uri: str, metric_patterns: tuple[str, ...], step: int | None,
+                    out_png: Path | None) -> None:
+    """Show RUNS (MLflow run ids or names) side by side, per metric and layer."""
+    from tmetrics_mlflow.compare import compare_runs
+
+    click.echo(compare_runs(runs, tracking_uri=tracking_uri, metrics=list(metric_patterns) or None, step=step,
+                            out_png=out_png))
+    if out_png is not None:
+        click.echo(f"plot written to {out_png}")
+
+
+@main.command("replay")
+@click.argument("spool", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--sink", "sink", required=True, help="Entry-point name of the sink to load the spool into.")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="A sink option (repeatable), e.g. --option tracking_uri=sqlite:///runs/demo/mlflow.db")
+@_friendly
+def replay_command(spool: Path, sink: str, options: tuple[str, ...]) -> None:
+    """Write every record of SPOOL (a sink's spool or a metrics.jsonl) to the sink NAME."""
+    from tmetrics_core.errors import ConfigError
+    from tmetrics_core.hub.replay import replay
+
+    parsed: dict[str, Any] = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--option {item!r}: need KEY=VALUE")
+        parsed[key] = value
+    count = replay(spool, sink, options=parsed)
+    click.echo(f"replayed {count} records from {spool} into {sink}")

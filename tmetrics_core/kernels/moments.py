@@ -1,0 +1,491 @@
+"""Fused moments: one read of each CPU tensor for all its elementwise statistics (and the
+row softmax sums of small tables, :func:`row_softmax_sums`).
+
+The parameter and gradient metrics of a step need, per tensor, a sum of squares (L2, RMS,
+update ratio), an absolute maximum, non-finite counts and a zero count. Stock torch kernels
+read the tensor once per statistic (four passes, about 6x one ``torch._foreach_norm`` on CPU).
+The C kernel ``moments.c`` reads it once and writes five float64 numbers per tensor
+(``FIELDS``): sum of squares and sum (float64 accumulation), largest and smallest element
+(NaN skipped), and the count of zeros. Statistics that derive from them set
+``Statistic.moments`` and implement ``from_moments``; a NaN or infinity shows in the sum of
+squares, so exact non-finite counts run only for the tensors that have one.
+
+The kernel is compiled with the system C compiler (``$CC``, else ``cc``) on first use and cached
+under ``$TMETRICS_CACHE`` (default ``$XDG_CACHE_HOME/tmetrics`` or ``~/.cache/tmetrics``), keyed by
+the source, the compiler and the CPU's instruction sets. Without a compiler, with
+``TMETRICS_FUSED_KERNEL=0``, and for tensors it does not take (accelerator, float64, float16,
+non-contiguous), statistics use their torch kernels: the same numbers, one pass each.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import ctypes
+import functools
+import hashlib
+import itertools
+import logging
+import operator
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence
+
+import torch
+
+from tmetrics_core.site import Site, SiteKey
+
+if TYPE_CHECKING:
+    from tmetrics_core.topology import Topology
+    from tmetrics_core.metrics.statistics import Statistic
+
+__all__ = ["FIELDS", "SMALL_TABLE", "Held", "available", "copied", "derivable", "disabled", "moments", "moments_rows",
+           "parts", "rows_of", "row_softmax_sums", "spaced", "statistic_vectors", "sumsq_suffices", "takes"]
+
+FIELDS = ("sumsq", "sum", "max", "min", "zeros")
+"""The columns of a moments row."""
+
+_ROWS = ("moments rows",)
+"""The memo key of :func:`rows_of`'s table."""
+_KEY = operator.attrgetter("key")
+_MISSING = object()
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
+_ARCH = (("-march=native",), ())
+_PARALLEL = 1 << 17
+"""Elements from which a :func:`moments` call spreads its pieces (``1 << 16`` elements each)
+over ``torch.get_num_threads()`` threads: torch's own OpenMP workers (see :func:`_openmp`),
+which cost a few microseconds to wake right after the model's kernels. Row softmax tables cost
+about 16x more per element, so they go parallel from ``_PARALLEL // 16`` elements."""
+SMALL_TABLE = 1 << 16
+"""Elements up to which :func:`row_softmax_sums` takes a table (router logits of a few thousand
+tokens): there one kernel call replaces some twenty small torch ops per table."""
+_SOURCE = Path(__file__).with_name("moments.c")
+_log = logging.getLogger("tmetrics.kernel")
+_switch = {"on": os.environ.get("TMETRICS_FUSED_KERNEL", "1") != "0"}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TMETRICS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tmetrics")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _openmp() -> tuple[str, ...]:
+    """``("-fopenmp",)`` where this process's OpenMP runtime is GNU ``libgomp.so.1`` (torch's
+    Linux wheels): the kernel, linked against the same soname, then shares torch's thread pool.
+    Else ``()``: a second runtime's threads would fight torch's spinning workers for the cores
+    (measured slower than one thread), so the kernel stays on one thread. As for torch's own
+    parallel ops, a ``fork()``-ed child must set ``torch.set_num_threads(1)`` before using the
+    kernel (GNU OpenMP's pool does not survive a fork; torch's DataLoader workers do so)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ()
+    loaded = {line.rsplit("/", 1)[-1] for line in maps.splitlines() if "libgomp" in line}
+    return ("-fopenmp",) if "libgomp.so.1" in loaded else ()
+
+
+def _compile(cc: list[str], target: Path) -> None:
+    """Build the shared library at ``target`` (atomically: ranks of one node may race)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        # -march=native vectorizes the lanes for this CPU (2.7x faster than the baseline ISA);
+        # compilers or architectures without it get the portable build, and compilers without
+        # OpenMP (clang without libomp) the single-threaded one.
+        openmp = _openmp()
+        variants = [(*omp, *arch) for arch in _ARCH for omp in dict.fromkeys((openmp, ()))]
+        for flags in variants:
+            done = subprocess.run([*cc, *_FLAGS, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True, timeout=120)
+            if done.returncode == 0 and os.path.getsize(tmp) > 0:
+                os.replace(tmp, target)
+                return
+        raise OSError(f"{' '.join(cc)} failed: {done.stderr.strip()[-500:] or 'no library written'}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not found:
+        _log.warning("no C compiler found: tmetrics reads each CPU tensor once per statistic instead of once for "
+                     "all (same numbers, slower). Install one (e.g. gcc) or set CC; TMETRICS_FUSED_KERNEL=0 "
+                     "silences this")
+        return None
+    cc = shlex.split(found)  # CC may carry flags ("gcc -O2"), as make allows
+    try:
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(cc), version, repr((_FLAGS, _ARCH, _openmp())),
+                                        platform.machine(), _cpu_flags())).encode()).hexdigest()[:20]
+        path = _cache_dir() / f"moments-{key}.so"
+        if not path.exists():
+            _compile(cc, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        _log.warning("fused moments kernel unavailable (%s; compiler %s, cache %s): tmetrics reads each CPU tensor "
+                     "once per statistic instead of once for all; results are the same. Fix the compiler (CC) or "
+                     "the cache directory (TMETRICS_CACHE); TMETRICS_FUSED_KERNEL=0 silences this",
+                     exc, " ".join(cc), _cache_dir())
+        return None
+    lib.tm_moments.restype = ctypes.c_int
+    lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 3 + [ctypes.c_void_p]
+    lib.tm_copy.restype = ctypes.c_int
+    lib.tm_copy.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int32]
+    lib.tm_row_softmax.restype = ctypes.c_int
+    lib.tm_row_softmax.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int32, ctypes.c_void_p]
+    return lib
+
+
+def available() -> bool:
+    """Whether the fused kernel is switched on and compiled (compiles it on first call)."""
+    return _switch["on"] and _library() is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block, statistics use their torch kernels (for comparisons and benchmarks)."""
+    before = _switch["on"]
+    _switch["on"] = False
+    try:
+        yield
+    finally:
+        _switch["on"] = before
+
+
+def takes(t: torch.Tensor) -> bool:
+    """Whether the kernel reads ``t``: a plain (not a subclass: wrapper tensors such as float8
+    or NF4 weights have no data pointer of their own), contiguous, strided CPU float32 or
+    bfloat16 tensor without a lazy negation, whose memory the pointer addresses."""
+    # Cheapest refusals first: this runs for every tensor of every due step (``is_cpu`` and
+    # ``layout is`` build no device or layout object).
+    return (type(t) in _PLAIN and t.is_cpu and t.dtype in _DTYPES and t.layout is torch.strided
+            and t.is_contiguous() and not t.is_neg() and (t.data_ptr() != 0 or t.numel() == 0))
+
+
+def derivable(statistics: Sequence[Statistic]) -> bool:
+    """Whether every statistic derives from moments rows (or the shape) without reading an
+    element, and the kernel is on: then moments rows put in a memo stand for the tensors
+    themselves, and a tensor of the same shape (even one not holding those values) stands in
+    for each."""
+    return (bool(statistics) and all((s.moments and not s.reads_elements) or s.shape_only for s in statistics)
+            and _switch["on"] and _library() is not None)
+
+
+def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | None = None, *,
+            sumsq_only: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[len(tensors), 5]`` float64 rows of :data:`FIELDS`, one read of each tensor.
+
+    Args:
+        tensors: contiguous CPU float32 or bfloat16 tensors, any shape (empty included).
+        minus: optional tensors of the same dtype and element count subtracted elementwise
+            before the moments are taken, without materializing the difference (in float32:
+            bfloat16 inputs are widened first, so their difference is not rounded to bfloat16).
+        sumsq_only: compute the sum of squares alone (the other columns are NaN), the same
+            bits as a full row's, in up to half the time where the pass is bound by arithmetic;
+            for calls whose statistics pass :func:`sumsq_suffices`.
+        out: a contiguous float64 ``[len(tensors), 5]`` tensor the rows are written into (and
+            returned), e.g. rows of a larger buffer, so that rows of several calls lie in one
+            tensor; a new one by default.
+
+    The sum of squares and sum accumulate in float64; the maximum and minimum skip NaN (a NaN
+    shows as a NaN sum of squares); an empty tensor gives ``[0, 0, -inf, inf, 0]``. Calls of
+    at least ``_PARALLEL`` elements run on ``torch.get_num_threads()`` threads where the kernel
+    shares torch's OpenMP pool (the numbers do not depend on the thread count).
+
+    Raises:
+        ValueError: a tensor the kernel does not take, or a ``minus`` that does not match.
+        RuntimeError: the kernel is unavailable (see :func:`available`), ran out of memory,
+            or was given a non-empty tensor without a data pointer.
+    """
+    minus = list(minus) if minus is not None else [None] * len(tensors)
+    return _run(_kernel(), _packed(tensors, minus), squares=sumsq_only, out=out)
+
+
+def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held], *,
+          sumsq_only: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[len(tensors), 3, 5]`` float64: for each pair ``(x, y)`` of ``tensors`` and ``minus``
+    (same dtype and element count; ``y`` a tensor or :data:`Held` memory, such as an update
+    snapshot's flat buffer), the :data:`FIELDS` rows of ``x - y``, of ``x`` and of ``y``,
+    from one read of each (an optimizer step's update, the parameter after and before it). The
+    pass takes what reading ``x - y`` and then ``x`` again takes; ``y``'s row comes free. Each
+    row equals :func:`moments` of that tensor bit for bit (``sumsq_only`` as there; ``out``: a
+    contiguous float64 ``[3 * len(tensors), 5]`` tensor to write into).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`moments` (a ``minus`` entry may not be None).
+    """
+    if any(m is None for m in minus):
+        raise ValueError("parts() needs a tensor to subtract for every tensor; use moments() for single tensors")
+    return _run(_kernel(), _packed(tensors, minus), rows=3, squares=sumsq_only, out=out).view(
+        len(tensors), 3, len(FIELDS))
+
+
+Held = tuple[int, int, torch.dtype]
+"""Elements a caller keeps outside any tensor object, given to :func:`parts` as a ``minus``
+entry: ``(address, elements, dtype)`` of contiguous values, alive during the call (a plain
+tuple: an update snapshot describes one per parameter on every due step)."""
+
+
+def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """One flat byte buffer holding exact copies of ``tensors`` (every bit: -0.0, NaN payloads),
+    each at its byte offset (aligned to 64 bytes), made by one kernel call over
+    ``torch.get_num_threads()`` threads: the update snapshot of the parameters, about 0.6x the
+    time of ``torch._foreach_mul(tensors, 1.0)`` on CPU, which launches a kernel and makes a
+    tensor object per copy. None (nothing copied) when the kernel is off or does not take a
+    tensor (:func:`takes`).
+
+    Raises:
+        RuntimeError: the kernel ran out of memory.
+    """
+    if not available():
+        return None
+    srcs, sizes, offsets = array.array("Q"), array.array("q"), []
+    total = 0
+    for t in tensors:
+        if not takes(t):
+            return None
+        size = t.numel() * t.element_size()
+        srcs.append(t.data_ptr())
+        sizes.append(size)
+        offsets.append(total)
+        total += -(-size // 64) * 64
+    buffer = torch.empty(total, dtype=torch.uint8)
+    base = buffer.data_ptr()
+    dsts = array.array("Q", [base + offset for offset in offsets])
+    threads = torch.get_num_threads() if total >= 4 * _PARALLEL else 1
+    if _library().tm_copy(len(offsets), _address(srcs), _address(dsts), _address(sizes), threads):
+        raise RuntimeError("the kernel's copy ran out of memory")
+    return buffer, offsets
+
+
+def sumsq_suffices(statistics: Iterable[Statistic]) -> bool:
+    """Whether the moments rows of ``statistics`` may be computed with ``sumsq_only``: each
+    reads at most the sum-of-squares column (``Statistic.reads_sumsq_only``, or ``shape_only``:
+    no column)."""
+    return all(s.reads_sumsq_only or s.shape_only for s in statistics)
+
+
+def _kernel() -> ctypes.CDLL:
+    """The kernel library.
+
+    Raises:
+        RuntimeError: it is unavailable (see :func:`available`).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the fused moments kernel is unavailable; see tmetrics_core.kernels.moments")
+    return lib
+
+
+_Packed = tuple[array.array, array.array, array.array, array.array]
+"""Kernel arguments: data pointers of the tensors and of what they subtract (0: nothing), element
+counts and dtype codes."""
+
+
+def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held | None], *, taken: bool = False
+            ) -> _Packed:
+    """The kernel's arguments for ``tensors`` minus ``minus``, each checked while packed (one
+    pass over the tensors: this runs for every tensor of every due step); ``taken``: the
+    tensors are known to pass :func:`takes` (only ``minus`` is checked).
+
+    Raises:
+        ValueError: a tensor the kernel does not take (:func:`takes`), or a ``minus`` entry
+            whose dtype or element count differs from its tensor's.
+    """
+    # Python arrays, not torch tensors: no torch op per call (this runs once per observation),
+    # and about half the cost of ctypes arrays built from the same lists.
+    xs, ys, ns, codes = array.array("Q"), array.array("Q"), array.array("q"), array.array("i")
+    for t, m in zip(tensors, minus):
+        if not taken and not takes(t):
+            raise ValueError(f"moments takes contiguous CPU float32/bfloat16 tensors; got {t.dtype} on "
+                             f"{t.device}, contiguous={t.is_contiguous()}")
+        n = t.numel()
+        if m is None:
+            ys.append(0)
+        elif type(m) is tuple:
+            if m[2] is not t.dtype or m[1] != n:
+                raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {n} elements)")
+            ys.append(m[0])
+        elif m.dtype is not t.dtype or m.numel() != n or not takes(m):
+            raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {n} elements, contiguous CPU)")
+        else:
+            ys.append(m.data_ptr())
+        xs.append(t.data_ptr())
+        ns.append(n)
+        codes.append(_DTYPES[t.dtype])
+    return xs, ys, ns, codes
+
+
+def _address(values: array.array) -> int:
+    """Where an array's items start (the array must outlive the call that reads them)."""
+    return values.buffer_info()[0]
+
+
+def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1, squares: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[rows * n, 5]`` for the ``n`` tensors of ``packed``: :func:`moments` (``rows=1``) or
+    :func:`parts` (``rows=3``); ``squares`` and ``out``: their ``sumsq_only`` and ``out``.
+
+    Raises:
+        ValueError: an ``out`` that is not a contiguous CPU float64 tensor of that shape.
+    """
+    xs, ys, ns, dtypes = packed
+    n = len(xs)
+    if out is None:
+        out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
+    elif (out.shape != (rows * n, len(FIELDS)) or out.dtype is not torch.float64 or not out.is_cpu
+          or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous CPU float64 tensor of shape ({rows * n}, {len(FIELDS)}); "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if not n:
+        return out
+    threads = torch.get_num_threads() if sum(ns) >= _PARALLEL else 1
+    status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, rows, squares,
+                            out.data_ptr())
+    if status:
+        raise RuntimeError("the fused moments kernel " + ("ran out of memory" if status == -1 else
+                                                          "was given a tensor without data (null pointer)"))
+    return out
+
+
+def row_softmax_sums(tables: Sequence[torch.Tensor], classes: Sequence[int], probabilities: Sequence[bool]
+                     ) -> torch.Tensor | None:
+    """Row softmax sums of small ``[rows, cols]`` tables in one kernel call: ``[len(tables), 6]``
+    float64 rows ``[0, sum H, sum H / log classes, sum lse, sum lse**2, rows]``, the finished
+    vector of :mod:`tmetrics_core.metrics.softmax` (same formulas, float64, one pass per row;
+    ``probabilities[i]``: rows are probabilities, else logits). None when the kernel is off or
+    unavailable, or a table is not a 2-D tensor it takes with at most :data:`SMALL_TABLE`
+    elements: above that torch's vectorized exp beats the kernel's scalar one.
+
+    Raises:
+        RuntimeError: a non-empty table without a data pointer.
+    """
+    if not _switch["on"] or not all(t.dim() == 2 and t.numel() <= SMALL_TABLE and takes(t) for t in tables):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    n = len(tables)
+    out = torch.empty((n, 6), dtype=torch.float64)
+    if not n:
+        return out
+    arrays = (array.array("Q", [t.data_ptr() for t in tables]), array.array("q", [t.shape[0] for t in tables]),
+              array.array("q", [t.shape[1] for t in tables]), array.array("q", classes),
+              array.array("i", [_DTYPES[t.dtype] for t in tables]), array.array("i", map(int, probabilities)))
+    threads = torch.get_num_threads() if sum(t.numel() for t in tables) >= _PARALLEL // 16 else 1
+    status = lib.tm_row_softmax(n, *map(_address, arrays), threads, out.data_ptr())
+    if status:
+        raise RuntimeError("the row softmax kernel was given a table without data (null pointer)")
+    return out
+
+
+def rows_of(memo: dict[Hashable, Any]) -> dict[SiteKey, tuple[torch.Tensor, int] | None]:
+    """The step memo's moments rows by site key: ``(kernel output, row index)``, or None for a
+    tensor the kernel does not take (one table, so a metric's sites are looked up in C loops)."""
+    table = memo.get(_ROWS)
+    if table is None:
+        table = memo[_ROWS] = {}
+    return table
+
+
+def _rows(entries: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The moments rows of memo entries ``(kernel output, row)``: a slice of the output when the
+    entries are evenly spaced rows of it, as they are when one statistic asks for the sites of
+    the kernel call that read them (every row, or every third row where updates and parameters
+    after and before the step come from one pass), else one gather from it, so no per-site rows
+    are made and stacked again."""
+    blocks, rows = zip(*entries)
+    block = blocks[0]
+    if not all(map(operator.is_, blocks, itertools.repeat(block))):
+        return torch.stack([b[j] for b, j in entries])
+    even = spaced(rows)
+    return block[even] if even is not None else block.index_select(0, torch.tensor(rows))
+
+
+def spaced(rows: Sequence[int]) -> slice | None:
+    """``rows`` (indices into a kernel output) as a slice when they are evenly spaced and
+    increasing (every row, or one kind of row of :func:`parts`: a view, no gather), else None."""
+    first = rows[0]
+    step = rows[1] - first if len(rows) > 1 else 1
+    if step > 0 and list(rows) == list(range(first, first + step * len(rows), step)):
+        return slice(first, first + step * (len(rows) - 1) + 1, step)
+    return None
+
+
+def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[Hashable, Any]
+             ) -> list[tuple[torch.Tensor, int] | None]:
+    """The memo entries of the sites' moments rows, the missing ones read in one kernel call."""
+    table = rows_of(memo)
+    keys = list(map(_KEY, sites))
+    entries = list(map(table.get, keys, itertools.repeat(_MISSING)))
+    if _MISSING in entries:
+        missing = [i for i, entry in enumerate(entries) if entry is _MISSING]
+        # A tensor the kernel does not take is remembered as None: checked once per step. The
+        # library is only looked for when some tensor needs it (not on accelerator-only runs).
+        taken = [i for i in missing if takes(tensors[i])]
+        lib = _library() if taken else None
+        taken = taken if lib is not None else []
+        table.update((keys[i], None) for i in missing)
+        if taken:
+            block = _run(lib, _packed([tensors[i] for i in taken], [None] * len(taken), taken=True))
+            table.update((keys[i], (block, j)) for j, i in enumerate(taken))
+        entries = list(map(table.__getitem__, keys))
+    return entries
+
+
+def moments_rows(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[Hashable, Any]
+                 ) -> torch.Tensor | None:
+    """``[len(sites), 5]`` moments rows of the sites (from ``memo``, the missing ones read in one
+    kernel call and remembered), or None when the kernel is off or does not take every tensor
+    (nothing is read then beyond what the memo gets)."""
+    if not _switch["on"] or not sites:
+        return None
+    entries = _entries(tensors, sites, memo)
+    if None in entries:
+        return None
+    return _rows(entries)  # type: ignore[arg-type]
+
+
+def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: Sequence[Site],
+                      topology: Topology, memo: dict[Hashable, torch.Tensor]) -> list[torch.Tensor]:
+    """``stat``'s local vectors of ``tensors`` (as :meth:`Statistic.compute`), through the fused
+    kernel where it applies: one moments row per site, kept in the memo's :func:`rows_of` table
+    as ``(kernel output, row)`` (None for a tensor the kernel does not take) so every statistic
+    of the step reuses the same read."""
+    if not stat.moments or not _switch["on"]:
+        return stat.compute(tensors, sites, topology)
+    entries = _entries(tensors, sites, memo)
+    fused = [i for i, entry in enumerate(entries) if entry is not None]
+    if len(fused) == len(tensors):
+        return stat.from_moments(_rows([entries[i] for i in fused]), tensors)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    if fused:
+        rows = _rows([entries[i] for i in fused])
+        for i, vec in zip(fused, stat.from_moments(rows, [tensors[i] for i in fused])):
+            out[i] = vec
+    rest = [i for i in range(len(tensors)) if out[i] is None]
+    for i, vec in zip(rest, stat.compute([tensors[i] for i in rest], [sites[i] for i in rest], topology)):
+        out[i] = vec
+    return out  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""Naming: canonical tensor names, the per-framework layout tables and the manifest of a model."""

@@ -1,0 +1,383 @@
+"""Canonical tensor names: one scheme for every framework, so runs from different codebases
+compare (DESIGN.md section 5).
+
+===========================================  ============================================
+canonical name                               what it is
+===========================================  ============================================
+``embed.weight``, ``pos_embed.weight``       token and learned position embeddings
+``layers.{i}.attn_norm.weight``              norm before attention
+``layers.{i}.attn.{q,k,v,qkv,o}.weight``     attention projections (``qkv`` when fused)
+``layers.{i}.attn.{q,k,kv}_norm.weight``     query/key norms; MLA latent norms
+``layers.{i}.attn.{q,kv}_{down,up}.weight``  multi-head latent attention projections
+``layers.{i}.mlp_norm.weight``               norm before the MLP or MoE
+``layers.{i}.mlp.{gate,up,down}.weight``     gated MLP; ``fc1``/``fc2`` when not split
+``layers.{i}.moe.router.weight``             router; ``.expert_bias`` its balancing bias
+``layers.{i}.moe.experts.{e}.{...}.weight``  routed expert ``e`` (``gate,up,down,fc1,fc2``)
+``layers.{i}.moe.shared.{...}.weight``       shared experts; ``moe.shared_gate`` their gate
+``final_norm.weight``, ``head.weight``       final norm and output projection
+===========================================  ============================================
+
+Layer ``i`` and expert ``e`` are global: ``layer_offset`` (the pipeline stage's first layer)
+and ``expert_offset`` (the expert-parallel rank's first expert) are added to the numbers in
+the framework's names. Wrapper prefixes are dropped first: ``module.`` at the front (DDP,
+Megatron's ``Float16Module``) and ``_orig_mod.``, ``_fsdp_wrapped_module.``,
+``_checkpoint_wrapped_module.`` anywhere. Names no layout knows keep their cleaned path; inside
+a known block they keep their path below it, under ``layers.{i}.``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.naming.layouts import LAYOUTS, Layout, RuleMatch, component_of
+
+__all__ = [
+    "COMPONENTS",
+    "KNOWN_LAYOUTS",
+    "CanonicalName",
+    "canonical_name",
+    "canonicalize",
+    "detect_layout",
+    "strip_wrappers",
+]
+
+KNOWN_LAYOUTS: tuple[str, ...] = tuple(LAYOUTS)
+"""Layout names accepted by ``layout=``, in the order detection breaks ties."""
+
+_PROJECTIONS = ("gate", "up", "down", "fc1", "fc2")
+COMPONENTS: frozenset[str] = frozenset(
+    {"embed", "pos_embed", "final_norm", "head", "attn_norm", "mlp_norm"}
+    | {f"attn.{p}" for p in ("q", "k", "v", "qkv", "o", "q_norm", "k_norm", "kv_norm")}
+    | {f"attn.{p}" for p in ("q_down", "q_up", "kv_down", "kv_up")}
+    | {f"mlp.{p}" for p in (*_PROJECTIONS, "gate_up")}
+    | {"moe.router", "moe.shared_gate"}
+    | {f"moe.experts.{p}" for p in (*_PROJECTIONS, "gate_up")}
+    | {f"moe.shared.{p}" for p in _PROJECTIONS}
+)
+"""Every component a layout table can produce (the canonical vocabulary)."""
+
+_WRAPPERS_ANYWHERE = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_WRAPPER_AT_FRONT = "module"
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalName:
+    """The canonical name of one stored tensor, or of one logical slice of it.
+
+    - ``name``: the canonical name, e.g. ``"layers.3.attn.q.weight"``.
+    - ``original``: the name ``named_parameters()`` gave, wrappers included.
+    - ``layer``: global layer index (pipeline offset applied), None outside blocks.
+    - ``expert``: global expert index (expert-parallel offset applied), None when the tensor
+      is not one expert's (a stacked tensor of all experts has None).
+    - ``component``: the module path without layer, expert and leaf: ``"attn.q"``,
+      ``"moe.experts.up"``, ``"embed"``; for unknown names their module path.
+    - ``family``: ``name`` with layer and expert indices replaced by ``*``:
+      ``"layers.*.moe.experts.*.up.weight"``; it groups the same tensor across layers.
+    - ``part``: for a slice of a fused tensor, the index of its part in storage order
+      (Hugging Face ``gate_up_proj``: 0 gate, 1 up); None otherwise.
+    - ``transposed``: the weight is stored ``[in, out]`` (GPT-2 ``Conv1D``); ``view``
+      returns the logical ``[out, in]`` orientation.
+    - ``expert_dim``: the dim of the stored tensor that indexes experts (torchtitan and
+      transformers 5.x stack all experts of a layer into one tensor: dim 0), else None.
+    - ``region``: for a slice, ``(dim, start, stop)`` ranges of the stored tensor that hold
+      it, in the coordinates of the tensor passed in (global ones for a DTensor); empty for
+      a whole tensor.
+    - ``tied``: original names of parameters sharing this tensor, dropped from the list.
+    - ``layout``: the layout that named it, None for unknown names.
+    """
+
+    name: str
+    original: str
+    layer: int | None
+    expert: int | None
+    component: str
+    family: str
+    part: int | None = None
+    transposed: bool = False
+    expert_dim: int | None = None
+    region: tuple[tuple[int, int, int], ...] = ()
+    tied: tuple[str, ...] = ()
+    layout: str | None = None
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The logical tensor this entry names, as a view of the stored ``tensor`` (no copy).
+
+        Narrows to ``region``, drops the expert dim of an expert slice, and transposes the last
+        two dims when ``transposed``. ``tensor`` must be the stored tensor this entry was made
+        from (same shape); a 1-D weight is returned as is.
+        """
+        out = tensor
+        for dim, start, stop in self.region:
+            out = out.narrow(dim, start, stop - start)
+        if self.region and self.expert is not None and self.expert_dim is not None:
+            out = out.squeeze(self.expert_dim)
+        if self.transposed and out.dim() >= 2:
+            out = out.transpose(-2, -1)
+        return out
+
+
+def strip_wrappers(original: str) -> str:
+    """``original`` without wrapper path pieces.
+
+    ``module`` is dropped at the front only (DDP, nested ``module.module.``), since a user
+    module may be called ``module``; ``_orig_mod`` (``torch.compile``),
+    ``_fsdp_wrapped_module`` (FSDP1) and ``_checkpoint_wrapped_module`` (checkpoint wrapper)
+    anywhere, since they wrap inner blocks too.
+    """
+    if _WRAPPER_AT_FRONT not in original and "_orig_mod" not in original:
+        return original
+    kept: list[str] = []
+    for piece in original.split("."):
+        if piece in _WRAPPERS_ANYWHERE or (piece == _WRAPPER_AT_FRONT and not kept):
+            continue
+        kept.append(piece)
+    return ".".join(kept) if kept else original
+
+
+def detect_layout(names: Iterable[str]) -> str | None:
+    """The layout whose rules match the most of ``names`` (wrappers stripped first).
+
+    Ties go to the layout listed first in `KNOWN_LAYOUTS`. When no rule matches any name, the
+    first layout (canonical first) that recognises a block path (``layers.{i}.``...) in some
+    name; else None.
+    """
+    cleaned = [strip_wrappers(name) for name in names]
+    best, best_count = None, 0
+    for layout in LAYOUTS.values():
+        count = sum(1 for clean in cleaned if layout.match(clean) is not None)
+        if count > best_count:
+            best, best_count = layout.name, count
+    if best is None:
+        # No known tensor name (a model of plain blocks, e.g. layers.3.fc.weight): the first
+        # layout that recognises the block path still gives every tensor its layer.
+        plain_first = sorted(LAYOUTS.values(), key=lambda layout: layout.name != "canonical")
+        best = next((layout.name for layout in plain_first
+                     if any(layout.match_block(clean) is not None for clean in cleaned)), None)
+    return best
+
+
+def canonical_name(
+    original: str, *, layer_offset: int = 0, expert_offset: int = 0, layout: str | None = None
+) -> CanonicalName:
+    """The canonical name of the parameter called ``original``.
+
+    Args:
+        original: a name from ``named_parameters()`` (or ``named_buffers()``).
+        layer_offset: global index of the first layer this process holds (pipeline stage).
+        expert_offset: global index of the first expert this process holds (expert parallel).
+        layout: one of `KNOWN_LAYOUTS`, or None to use the first layout with a rule for this
+            name. A whole model is better named with `canonicalize`, which detects the layout
+            from every name at once.
+
+    Stacked tensors are named whole here (``expert`` None, ``expert_dim`` set); see
+    `canonicalize` with ``split_stacked=True`` for one entry per expert.
+
+    Raises:
+        ConfigError: an unknown ``layout`` or a negative offset.
+    """
+    _check_offsets(layer_offset, expert_offset)
+    clean = strip_wrappers(original)
+    chosen = _layout(layout) if layout is not None else _layout_of(clean)
+    found = chosen.match(clean) if chosen is not None else None
+    return _entry(original, clean, chosen, found, layer_offset, expert_offset)
+
+
+def canonicalize(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    *,
+    layer_offset: int = 0,
+    expert_offset: int = 0,
+    layout: str | None = None,
+    split_stacked: bool = False,
+) -> list[CanonicalName]:
+    """Canonical names for a whole model, in input order, each stored tensor once.
+
+    Args:
+        named_params: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()``; DTensor
+            parameters are fine (their global shape is used).
+        layer_offset, expert_offset: as in `canonical_name`.
+        layout: one of `KNOWN_LAYOUTS`, or None to detect it with `detect_layout`.
+        split_stacked: name each expert (and each fused part) of a stacked tensor separately:
+            one entry per slice, with ``region`` set and ``view`` giving the slice. Expert
+            ``j`` of the stored tensor gets global index ``j + expert_offset`` (keep the offset
+            0 for a DTensor, whose shape is already global).
+
+    Tied parameters (the same tensor object, or the same storage, offset, shape, stride and
+    dtype) appear once, under the first name seen; the later names go to ``tied``.
+
+    Raises:
+        ConfigError: two parameters map to one canonical name (both originals are named; pass
+            ``layout=`` when detection chose wrongly, or rename one of them); an unknown
+            ``layout``; a negative offset; a fused tensor whose size does not split evenly.
+    """
+    _check_offsets(layer_offset, expert_offset)
+    kept: list[tuple[str, torch.Tensor]] = []
+    tied: dict[int, list[str]] = {}
+    seen: dict[tuple[object, ...], int] = {}
+    for original, tensor in named_params:
+        keys = _identity_keys(tensor)
+        first = next((seen[key] for key in keys if key in seen), None)
+        if first is not None:
+            tied.setdefault(first, []).append(original)
+            continue
+        for key in keys:
+            seen[key] = len(kept)
+        kept.append((original, tensor))
+
+    cleaned = [strip_wrappers(original) for original, _ in kept]
+    chosen = _layout(layout) if layout is not None else _layout(detect_layout(cleaned))
+    owners: dict[str, str] = {}
+    entries: list[CanonicalName] = []
+    for index, ((original, tensor), clean) in enumerate(zip(kept, cleaned)):
+        found = chosen.match(clean) if chosen is not None else None
+        entry = _entry(original, clean, chosen, found, layer_offset, expert_offset)
+        if index in tied:
+            entry = replace(entry, tied=tuple(tied[index]))
+        pieces = [entry]
+        if split_stacked and found is not None and found.rule.each:
+            pieces = _slices(entry, found, tuple(tensor.shape), expert_offset)
+        for piece in pieces:
+            if piece.name in owners:
+                raise ConfigError(
+                    f"parameters {owners[piece.name]!r} and {piece.original!r} both map to the canonical name "
+                    f"{piece.name!r} (layout {entry.layout!r}). Pass layout= with the right one of "
+                    f"{list(KNOWN_LAYOUTS)} if detection chose wrongly, or rename one of the parameters."
+                )
+            owners[piece.name] = piece.original
+            entries.append(piece)
+    return entries
+
+
+def _check_offsets(layer_offset: int, expert_offset: int) -> None:
+    for label, value in (("layer_offset", layer_offset), ("expert_offset", expert_offset)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"got {value!r}; need an integer >= 0 (the first global index held here)", path=label)
+
+
+def _layout(name: str | None) -> Layout | None:
+    if name is None:
+        return None
+    if name not in LAYOUTS:
+        raise ConfigError(
+            f"unknown layout {name!r}; valid: {list(KNOWN_LAYOUTS)}, or None to detect it from the names",
+            path="layout",
+        )
+    return LAYOUTS[name]
+
+
+def _layout_of(clean: str) -> Layout | None:
+    return next((layout for layout in LAYOUTS.values() if layout.match(clean) is not None), None)
+
+
+def _identity_keys(tensor: torch.Tensor) -> list[tuple[object, ...]]:
+    """Keys under which two entries are one tensor: the object, and for plain tensors with
+    real memory the exact storage view (meta and empty tensors all share address 0)."""
+    keys: list[tuple[object, ...]] = [("object", id(tensor))]
+    plain = type(tensor) in (torch.Tensor, torch.nn.Parameter)
+    if plain and tensor.device.type != "meta" and tensor.numel() > 0:
+        storage = tensor.untyped_storage().data_ptr()
+        keys.append(("storage", storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype))
+    return keys
+
+
+def _entry(
+    original: str,
+    clean: str,
+    layout: Layout | None,
+    found: RuleMatch | None,
+    layer_offset: int,
+    expert_offset: int,
+) -> CanonicalName:
+    """The entry for ``clean`` given what ``layout`` matched (``found``), offsets applied."""
+    if layout is None:
+        return _unknown(original, clean)
+    if found is not None:
+        rule = found.rule
+        layer = None if found.layer is None else found.layer + layer_offset
+        expert = None if found.expert is None else found.expert + expert_offset
+        name = rule.target.format(L=layer, E=expert, P=found.leaf)
+        return CanonicalName(
+            name=name,
+            original=original,
+            layer=layer,
+            expert=expert,
+            component=component_of(rule.target),
+            family=rule.target.format(L="*", E="*", P=found.leaf),
+            transposed=rule.transposed and name.endswith(".weight"),
+            expert_dim=rule.expert_dim,
+            layout=layout.name,
+        )
+    inside = layout.match_block(clean)
+    if inside is None:
+        return _unknown(original, clean)
+    layer, rest = inside
+    layer += layer_offset
+    return CanonicalName(
+        name=f"layers.{layer}.{rest}",
+        original=original,
+        layer=layer,
+        expert=None,
+        component=component_of(rest),
+        family=f"layers.*.{rest}",
+        layout=layout.name,
+    )
+
+
+def _unknown(original: str, clean: str) -> CanonicalName:
+    return CanonicalName(
+        name=clean,
+        original=original,
+        layer=None,
+        expert=None,
+        component=component_of(clean),
+        family=clean,
+    )
+
+
+def _slices(whole: CanonicalName, found: RuleMatch, shape: Sequence[int], expert_offset: int) -> list[CanonicalName]:
+    """One entry per expert and fused part of a stacked tensor, in storage order."""
+    rule = found.rule
+    needed = max(d for d in (rule.expert_dim, rule.part_dim) if d is not None)
+    if len(shape) <= needed:
+        raise ConfigError(
+            f"{whole.original!r} has shape {list(shape)}; layout {whole.layout!r} needs at least "
+            f"{needed + 1} dims to split it (experts on dim {rule.expert_dim}, fused parts on dim "
+            f"{rule.part_dim}). Pass the stored tensor, or split_stacked=False."
+        )
+    experts: Sequence[int | None] = range(shape[rule.expert_dim]) if rule.expert_dim is not None else (None,)
+    parts: Sequence[tuple[int | None, str]] = tuple(enumerate(rule.parts)) or ((None, ""),)
+    chunk = 0
+    if rule.part_dim is not None:
+        chunk, left = divmod(shape[rule.part_dim], len(rule.parts))
+        if left:
+            raise ConfigError(
+                f"{whole.original!r} has shape {list(shape)}; dim {rule.part_dim} holds the fused parts "
+                f"{list(rule.parts)} and must split into {len(rule.parts)} equal pieces."
+            )
+    layer = whole.layer
+    pieces = []
+    for local in experts:
+        for part, part_name in parts:
+            region: list[tuple[int, int, int]] = []
+            if local is not None and rule.expert_dim is not None:
+                region.append((rule.expert_dim, local, local + 1))
+            if part is not None and rule.part_dim is not None:
+                region.append((rule.part_dim, part * chunk, (part + 1) * chunk))
+            expert = None if local is None else local + expert_offset
+            template = rule.each.replace("{S}", part_name)
+            pieces.append(
+                replace(
+                    whole,
+                    name=template.format(L=layer, E=expert, P=found.leaf),
+                    expert=expert,
+                    component=component_of(template),
+                    family=template.format(L="*", E="*", P=found.leaf),
+                    part=part,
+                    region=tuple(region),
+                )
+            )
+    return pieces

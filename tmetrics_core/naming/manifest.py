@@ -1,0 +1,262 @@
+"""The manifest: every model tensor under its canonical name, with placements and owners.
+
+Built once per run. Each rank lists the parameters it holds (canonical name, logical shape,
+dtype, DTensor placements, its axis coordinates); one ``all_gather_object`` shares the lists,
+and every rank derives the same table. Placements come from DTensor where the parameter is one
+(mesh dim names become axes) and are inferred from who holds the name on the other axes:
+
+* held on every coordinate of an axis -> ``Replica`` (DDP, or a tensor outside a stage's
+  ownership split);
+* held on one coordinate only -> ``Owned(coordinate)`` (an expert under expert parallelism, a
+  layer under pipeline parallelism, both with global indices in the canonical name);
+* anything else is ambiguous and must be declared in the config's ``placements:``.
+
+Every rank then knows every tensor, including those held elsewhere, and joins their collectives
+with placeholders: the plan is the same on every rank of an axis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from tmetrics_core.topology import Topology
+from tmetrics_core.errors import ConfigError, PlacementError
+from tmetrics_core.naming.canonical import canonicalize
+from tmetrics_core.placements import Owned, Partial, Placement, Replica, Shard, parse_placement
+from tmetrics_core.site import Site
+
+__all__ = ["Manifest", "TensorEntry", "dtensor_placements"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One logical model tensor as every rank sees it (no tensor data)."""
+
+    name: str
+    original: str
+    layer: int | None
+    expert: int | None
+    component: str
+    family: str
+    shape: tuple[int, ...]
+    dtype: str
+    placements: tuple[tuple[str, Placement], ...]
+    owners: tuple[int, ...]
+
+    def site(self, kind: str) -> Site:
+        """The site of this tensor for source ``kind`` (``param``, ``grad``, ``exp_avg``...)."""
+        return Site(name=self.name, kind=kind, logical_shape=self.shape, dtype=self.dtype,
+                    placements=self.placements, layer=self.layer, expert=self.expert, family=self.family)
+
+    def row(self, world_size: int) -> dict[str, Any]:
+        """The ``tmetrics names`` row (keys of ``names_table.MANIFEST_KEYS``)."""
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return {
+            "name": self.name, "original": self.original, "layer": self.layer, "expert": self.expert,
+            "component": self.component, "shape": list(self.shape), "dtype": self.dtype, "numel": numel,
+            "placements": {a: str(p) for a, p in self.placements},
+            "owners": "all" if len(self.owners) == world_size else list(self.owners),
+        }
+
+
+def dtensor_placements(tensor: torch.Tensor) -> tuple[tuple[str, Placement], ...] | None:
+    """``(axis, placement)`` pairs of a DTensor (mesh dim names as axes), or None for a plain
+    tensor. DTensor ``Shard``/``Replicate``/``Partial`` map to Shard/Replica/Partial."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return None
+    names = tensor.device_mesh.mesh_dim_names
+    if not names:
+        raise ConfigError(
+            "a DTensor parameter lives on a DeviceMesh without dim names; build the mesh with "
+            "init_device_mesh(..., mesh_dim_names=(...)) so tmetrics can map its dims to axes"
+        )
+    out = []
+    for axis, p in zip(names, tensor.placements):
+        if p.is_shard():
+            out.append((axis, Shard(p.dim)))
+        elif p.is_partial():
+            op = str(getattr(p, "reduce_op", "sum"))
+            out.append((axis, Partial(op if op in ("sum", "avg", "max", "min") else "sum")))
+        else:
+            out.append((axis, Replica()))
+    return tuple(out)
+
+
+@dataclass
+class Manifest:
+    """Every tensor of the model by canonical name, identical on every rank.
+
+    ``entries`` holds every tensor of every rank; ``local`` maps canonical names to this rank's
+    parameter objects (absent for tensors held elsewhere).
+    """
+
+    entries: list[TensorEntry]
+    local: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, topology: Topology, *,
+              overrides: Mapping[str, Mapping[str, str]] | None = None,
+              layer_offset: int = 0, expert_offset: int = 0, layout: str | None = None) -> "Manifest":
+        """Canonicalize ``model``'s parameters, gather them across ranks and infer placements.
+
+        Raises:
+            ConfigError: a DTensor axis that is not in ``topology``; an override naming an
+                unknown axis or an unreadable placement; a tensor held on some but not all
+                coordinates of an axis without an override saying how.
+        """
+        params = dict(model.named_parameters())
+        names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset, layout=layout)
+        coords = topology.coords()
+        local_rows = []
+        local: dict[str, torch.nn.Parameter] = {}
+        for cn in names:
+            p = params[cn.original]
+            placements = dtensor_placements(p) or ()
+            for axis, _ in placements:
+                if axis not in topology.axes:
+                    raise ConfigError(
+                        f"parameter {cn.original!r} is a DTensor on mesh dim {axis!r}, which is not an axis "
+                        f"of the topology {list(topology.names)}; pass mesh= with the full DeviceMesh"
+                    )
+            local[cn.name] = p
+            local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
+                               tuple(p.shape), str(p.dtype).replace("torch.", ""),
+                               tuple((a, repr(pl)) for a, pl in placements)))
+        everything = _gather((topology.global_rank, coords, local_rows), topology)
+        entries = _merge(everything, topology, overrides or {})
+        return cls(entries, local)
+
+    def sites(self, kind: str) -> list[Site]:
+        """One site per tensor for ``kind``, in manifest order (sorted by canonical name)."""
+        return [e.site(kind) for e in self.entries]
+
+    def rows(self, world_size: int) -> list[dict[str, Any]]:
+        """Rows for ``tmetrics names`` and the manifest artifact."""
+        return [e.row(world_size) for e in self.entries]
+
+    @property
+    def num_layers(self) -> int:
+        """Highest global layer index + 1 (0 without layers)."""
+        return 1 + max((e.layer for e in self.entries if e.layer is not None), default=-1)
+
+    @property
+    def num_experts(self) -> int:
+        """Highest global expert index + 1 (0 without experts)."""
+        return 1 + max((e.expert for e in self.entries if e.expert is not None), default=-1)
+
+
+def _gather(mine: Any, topology: Topology) -> list[Any]:
+    if topology.world_size == 1 or not dist.is_initialized():
+        return [mine]
+    out: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _merge(everything: Iterable[Any], topology: Topology,
+           overrides: Mapping[str, Mapping[str, str]]) -> list[TensorEntry]:
+    held: dict[str, list[tuple[int, dict[str, int], tuple]]] = {}
+    for rank, coords, rows in everything:
+        for row in rows:
+            held.setdefault(row[0], []).append((rank, coords, row))
+    entries = []
+    for name in sorted(held):
+        holders = held[name]
+        row = holders[0][2]
+        from_dtensor = {a: parse_placement(p) for a, p in row[8]}
+        override = _override(name, tuple(row[6]), overrides, topology)
+        if not from_dtensor and not override:
+            _same_everywhere(name, holders, topology)
+        placements = []
+        for axis in topology.names:
+            size = topology.axes[axis].size
+            if axis in override:
+                placements.append((axis, override[axis]))
+            elif axis in from_dtensor:
+                placements.append((axis, from_dtensor[axis]))
+            elif size > 1:
+                placements.append((axis, _infer(name, axis, size, holders)))
+        entries.append(TensorEntry(
+            name=name, original=row[1], layer=row[2], expert=row[3], component=row[4], family=row[5],
+            shape=tuple(row[6]), dtype=row[7], placements=tuple(p for p in placements if not p[1].is_replica()),
+            owners=tuple(sorted(r for r, _, _ in holders)),
+        ))
+    return entries
+
+
+def _same_everywhere(name: str, holders: list, topology: Topology) -> None:
+    """A plain tensor without declared placements is a replica or owned: the same shape and
+    dtype wherever it is held. Different ones mean a tensor split by hand (tensor parallel
+    without DTensor), which inferring Replica would measure from one shard per rank.
+
+    Raises:
+        ConfigError: naming the tensor, two ranks that disagree and the placements to declare.
+    """
+    first_rank, _, first = holders[0]
+    for rank, _, row in holders[1:]:
+        if row[6] == first[6] and row[7] != first[7]:
+            raise ConfigError(
+                f"tensor {name!r} is {first[7]} on rank {first_rank} but {row[7]} on rank {rank} (same shape "
+                f"{list(row[6])}): every rank must hold the model in the same dtype. Cast the model on every "
+                "rank (or on none) before creating TensorMetrics",
+            )
+        if row[6] != first[6]:
+            split = [a for a in topology.names if topology.axes[a].size > 1] or ["tp"]
+            raise ConfigError(
+                f"tensor {name!r} is {first[7]} {list(first[6])} on rank {first_rank} but {row[7]} "
+                f"{list(row[6])} on rank {rank}: a plain tensor (not a DTensor) split by hand across ranks. "
+                "tmetrics cannot tell how it is split; declare its placement in the config, e.g. "
+                f"placements: {{'{name}': {{'{split[-1]}': 'S0'}}}} (Shard along dim 0 of the full tensor)",
+                path="placements",
+            )
+
+
+def _infer(name: str, axis: str, size: int, holders: list) -> Placement:
+    seen = sorted({coords.get(axis, 0) for _, coords, _ in holders})
+    if len(seen) == size:
+        return Replica()
+    if len(seen) == 1:
+        return Owned(seen[0])
+    raise ConfigError(
+        f"tensor {name!r} is held on coordinates {seen} of axis {axis!r} (size {size}): neither all of "
+        "them (Replica) nor one (Owned). Declare its placement in the config, e.g. placements: "
+        f"{{'{name}': {{'{axis}': 'S0'}}}}",
+        path="placements",
+    )
+
+
+def _override(name: str, shape: tuple[int, ...], overrides: Mapping[str, Mapping[str, str]],
+              topology: Topology) -> dict[str, Placement]:
+    """The config's placements for tensor ``name``, each checked against its shape and axis."""
+    out: dict[str, Placement] = {}
+    for pattern, spec in overrides.items():
+        if not fnmatchcase(name, pattern):
+            continue
+        for axis, text in spec.items():
+            if axis not in topology.axes:
+                raise ConfigError(f"axis {axis!r} is not in the topology {list(topology.names)}",
+                                  path=f"placements.{pattern}")
+            try:
+                placement = parse_placement(text)
+            except PlacementError as exc:
+                raise ConfigError(str(exc), path=f"placements.{pattern}.{axis}") from exc
+            where = f"placements.{pattern}.{axis}"
+            size = topology.axes[axis].size
+            dim = getattr(placement, "dim", None) if placement.is_shard() else None
+            if dim is not None and dim >= len(shape):
+                raise ConfigError(f"{placement} on tensor {name!r} of shape {shape}: a {len(shape)}-dim tensor "
+                                  f"has dims 0..{len(shape) - 1}; fix the dim or the glob", path=where)
+            if placement.is_owned() and getattr(placement, "rank") >= size:
+                raise ConfigError(f"{placement} on tensor {name!r}: axis {axis!r} has {size} rank(s), "
+                                  f"0..{size - 1}; fix the rank or the glob", path=where)
+            out[axis] = placement
+    return out

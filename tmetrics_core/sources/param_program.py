@@ -1,0 +1,246 @@
+"""The parameter side of a due step, planned once per due set: kernel rows straight to states.
+
+On a due step the metrics of parameters, gradients and updates turn fused moments rows into one
+matrix per statistic (a :class:`~tmetrics_core.metrics.block_state.BlockState`). Which tensors
+they read, which kernel row holds each tensor and the keys of each state depend only on the due
+set (the manifest and its sites do not change). The general path finds them again every step,
+per tensor and per metric: site lookups, a memo table of rows, input lists per metric. On the
+demo model that Python costs more than the kernel passes themselves, and most of it runs with
+cold caches, right after the backward pass.
+
+A :class:`ParamProgram` finds them once. A due step then runs one kernel call per phase (the
+gradients and parameters read before the optimizer step; the ``parts`` pass over each parameter
+and its snapshot after it) and, per metric, one row gather and its statistics' arithmetic. The
+states are those the general path prepares, bit for bit: the same kernel, the same rows, the
+same statistic code. :meth:`ParamProgram.plan` says when it applies; otherwise, and on a step
+where the kernel refuses a tensor, ``TensorMetrics`` takes the general path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence, overload
+
+import torch
+
+from tmetrics_core.kernels import moments
+from tmetrics_core.metrics.base import StatMetric, TensorMetric, reads_only_moments
+from tmetrics_core.metrics.block_state import BlockState
+from tmetrics_core.site import Site, SiteKey
+
+__all__ = ["ParamProgram", "PhasePlan"]
+
+_PRE_KINDS = frozenset({"param", "grad"})
+_POST_KINDS = frozenset({"param", "update"})
+
+_UPDATE, _AFTER, _BEFORE = 0, 1, 2
+"""Rows of one tensor in the ``parts`` pass: ``p - snapshot``, ``p`` after the step, the snapshot."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Recipe:
+    """One metric of a phase: the kernel rows of its sites in site order (as a list and as an
+    index tensor) and its state keys."""
+
+    metric: StatMetric
+    rows: tuple[int, ...]
+    index: torch.Tensor | slice
+    """The rows as a slice where they are evenly spaced (a view: no gather), else a tensor."""
+    keys: tuple[SiteKey, ...]
+
+
+class _Inputs(Sequence[torch.Tensor]):
+    """The tensors a metric's rows were read from, in site order, made only when a statistic
+    reads them (element counts, shapes): ``inputs(row)`` gives each."""
+
+    __slots__ = ("_rows", "_inputs")
+
+    def __init__(self, rows: tuple[int, ...], inputs: Callable[[int], torch.Tensor]) -> None:
+        self._rows = rows
+        self._inputs = inputs
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._inputs(r) for r in self._rows[i]]
+        return self._inputs(self._rows[i])
+
+
+@dataclass(frozen=True, slots=True)
+class PhasePlan:
+    """The metrics of one phase with their recipes, and the sites their states name."""
+
+    recipes: tuple[_Recipe, ...]
+    sites: dict[SiteKey, Site]
+
+    def states(self, rows: torch.Tensor, inputs: Callable[[int], torch.Tensor]
+               ) -> list[tuple[StatMetric, BlockState]]:
+        """Each metric's state from ``rows`` (the phase's kernel output, float64 ``[n, 5]``);
+        ``inputs(i)`` is the tensor row ``i`` was read from (or one of its shape: the general path's
+        stand-in), for statistics that read shapes."""
+        out = []
+        for recipe in self.recipes:
+            index = recipe.index
+            picked = rows[index] if type(index) is slice else rows.index_select(0, index)
+            tensors = _Inputs(recipe.rows, inputs)
+            out.append((recipe.metric, BlockState(recipe.keys, [stat.moments_matrix(picked, tensors)
+                                                                for stat in recipe.metric.statistics])))
+        return out
+
+
+def _eligible(metric: TensorMetric, kinds: frozenset[str]) -> bool:
+    """Whether the general path prepares ``metric`` as a block of moments rows of ``kinds``."""
+    return (isinstance(metric, StatMetric) and type(metric).prepare is StatMetric.prepare
+            and type(metric)._block is StatMetric._block
+            and bool(metric.source_kinds) and metric.source_kinds <= kinds and reads_only_moments(metric)
+            and any(stat.moments for stat in metric.statistics))
+
+
+class ParamProgram:
+    """The parameter-side metrics of one due set, planned (see the module docstring).
+
+    Args:
+        pre: the metrics prepared before the optimizer step (parameters and gradients, read in
+            one kernel call); ``reads``: ``(kind, manifest entry)`` of each row of that call.
+        post: the metrics prepared after it, from the ``parts`` pass over the parameters of
+            ``stepped`` (``(manifest entry, name)`` of those with a snapshot, in manifest order)
+            and their snapshots.
+    """
+
+    def __init__(self, pre: PhasePlan, reads: Sequence[tuple[str, int]], post: PhasePlan,
+                 stepped: Sequence[tuple[int, str]]) -> None:
+        self.pre = pre
+        self.reads = tuple(reads)
+        self.post = post
+        self.stepped = tuple(i for i, _ in stepped)
+        self.names = tuple(name for _, name in stepped)
+        # Rows that only sums of squares are read from (L2 norms, update ratios) skip the rest.
+        self._squares = tuple(moments.sumsq_suffices(stat for recipe in plan.recipes
+                                                     for stat in recipe.metric.statistics) for plan in (pre, post))
+
+    @classmethod
+    def plan(cls, pre: Sequence[TensorMetric], post: Sequence[TensorMetric], before: Sequence[TensorMetric],
+             sites_of: Callable[[str], list[Site]], picks: Callable[[Sequence[TensorMetric], list[Site]], list[list[int]]],
+             snapshot: frozenset[str], num_entries: int) -> ParamProgram | None:
+        """The program of a due set, or None where the general path must run.
+
+        Args:
+            pre, post: the due metrics of the two phases; ``before``: those prepared after the
+                step on the snapshot (the parameters as they were before it).
+            sites_of: the manifest's sites of a kind (plain: no Partial, flat or DTensor
+                placement the general path would change), one per manifest entry.
+            picks: per metric, the indices of the sites it accepts (``SiteChoices.of``).
+            snapshot: names of the parameters the snapshot holds.
+            num_entries: manifest entries (every one held here, as a local tensor).
+
+        Returns None unless every metric is prepared by ``StatMetric`` as a block of moments
+        rows, reads only parameters and gradients before the step and parameters and updates
+        after it, and accepts at least one site whose rows the program has.
+        """
+        if not pre and not post and not before:
+            return None
+        if not all(_eligible(m, _PRE_KINDS) for m in pre):
+            return None
+        if not all(_eligible(m, _POST_KINDS) for m in post) or not all(_eligible(m, frozenset({"param"}))
+                                                                       for m in before):
+            return None
+        if any(len(sites_of(kind)) != num_entries for kind in ("param", "grad", "update")):
+            return None  # rows are found by manifest entry: one site per entry and kind
+        kinds = sorted({k for m in pre for k in m.source_kinds})
+        sites = [s for kind in kinds for s in sites_of(kind)]
+        chosen = [_kept(m, p, sites) for m, p in zip(pre, picks(pre, sites))] if pre else []
+        union = sorted({i for p in chosen for i in p})
+        position = {i: n for n, i in enumerate(union)}
+        pre_rows = [[position[i] for i in p] for p in chosen]
+        pre_plan = _phase(pre, chosen, sites, pre_rows) if pre else PhasePlan((), {})
+        if pre_plan is None:
+            return None
+        names = [s.name for s in sites_of("param")] if post or before else []
+        stepped = [i for i, name in enumerate(names) if name in snapshot]
+        slot = {i: n for n, i in enumerate(stepped)}
+        recipes: list[_Recipe] = []
+        post_sites: dict[SiteKey, Site] = {}
+        for metric, after in [*((m, True) for m in post), *((m, False) for m in before)]:
+            # The general path lists a phase's sites by kind in sorted order (param, update);
+            # the metrics of the snapshot read the parameters' "before" rows.
+            listed = [s for kind in (sorted(metric.source_kinds) if after else ["param"]) for s in sites_of(kind)]
+            picked = _kept(metric, picks([metric], listed)[0], listed)
+            entries = [i % num_entries for i in picked]
+            if any(e not in slot for e in entries):
+                return None
+            kinds_read = [listed[i].kind for i in picked]
+            rows = [3 * slot[e] + (_UPDATE if kind == "update" else _AFTER if after else _BEFORE)
+                    for e, kind in zip(entries, kinds_read)]
+            plan = _phase([metric], [picked], listed, [rows])
+            if plan is None:
+                return None
+            recipes.extend(plan.recipes)
+            post_sites.update(plan.sites)
+        return cls(pre_plan, [(sites[i].kind, i % num_entries) for i in union],
+                   PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped])
+
+    def read_pre(self, params: Sequence[torch.Tensor]) -> list[tuple[StatMetric, BlockState]] | None:
+        """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
+        entry, plain tensors) and their gradients (zeros for a None gradient, as ``read_kind``),
+        in one kernel call; None (nothing read) when the kernel does not take a tensor."""
+        tensors = []
+        for kind, i in self.reads:
+            p = params[i]
+            if kind == "grad":
+                grad = p.grad
+                p = grad if grad is not None else torch.zeros_like(p)
+            tensors.append(p)
+        try:
+            rows = moments.moments(tensors, sumsq_only=self._squares[0])
+        except ValueError:
+            return None
+        return self.pre.states(rows, tensors.__getitem__)
+
+    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[moments.Held]
+                  ) -> list[tuple[StatMetric, BlockState]] | None:
+        """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
+        ``params``, as in :meth:`read_pre`) and their snapshots (``then``: where each copy lies,
+        in the same order), in one ``parts`` pass; None (nothing read) when the kernel does not
+        take a parameter with its snapshot (the optimizer replaced or resized it)."""
+        now = [params[i] for i in self.stepped]
+        try:
+            block = moments.parts(now, then, sumsq_only=self._squares[1]).flatten(0, 1)
+        except ValueError:
+            return None
+        # A statistic that reads shapes gets the parameter for every row: the update and the
+        # snapshot have its shape (the parts pass checked their sizes).
+        return self.post.states(block, lambda r: now[r // 3])
+
+
+def _kept(metric: StatMetric, picked: list[int], sites: Sequence[Site]) -> list[int]:
+    """The picked sites that ``metric`` prepares (see :meth:`StatMetric.kept`)."""
+    kept = metric.kept([sites[i] for i in picked])
+    return picked if kept is None else [picked[k] for k in kept]
+
+
+def _index(rows: Sequence[int]) -> torch.Tensor | slice:
+    """``rows`` of a kernel output as a slice when evenly spaced, else as an index tensor."""
+    even = moments.spaced(rows)
+    return even if even is not None else torch.tensor(rows, dtype=torch.int64)
+
+
+def _phase(metrics: Sequence[TensorMetric], chosen: Sequence[Sequence[int]], sites: Sequence[Site],
+           rows: Sequence[Sequence[int]]) -> PhasePlan | None:
+    """Recipes of ``metrics``: ``chosen[k]`` the indices of the ``sites`` metric ``k`` accepts
+    and ``rows[k]`` their kernel rows; None when a metric accepts no site."""
+    recipes = []
+    named: dict[SiteKey, Site] = {}
+    for metric, picked, at in zip(metrics, chosen, rows):
+        if not picked:
+            return None
+        recipes.append(_Recipe(metric, tuple(at), _index(at), tuple(sites[i].key for i in picked)))
+        named.update((sites[i].key, sites[i]) for i in picked)
+    return PhasePlan(tuple(recipes), named)

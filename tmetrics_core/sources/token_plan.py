@@ -1,0 +1,81 @@
+"""The token-site plan: which activation and router sites exist on which ranks.
+
+Token sites appear while the model runs, so unlike parameters they are not in the manifest.
+At the end of each due step every rank says (one tiny world collective) whether it saw a site
+not yet in the plan; if any did, all ranks exchange their site lists once and extend the plan.
+Sites held by one coordinate of a non-population axis (a layer on one pipeline stage) become
+``Owned`` there. Ranks that did not see a planned site this step join with placeholders, so a
+stage without experts or a rank whose batch was all padding never stalls the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.executor import Executor
+from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.metrics.block_state import BlockState
+from tmetrics_core.placements import Owned, Placement
+from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.tokens import TokenObserver
+
+__all__ = ["TokenPlan"]
+
+
+class TokenPlan:
+    """Token sites known to every rank, in a rank-independent order."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.sites: dict[SiteKey, Site] = {}
+
+    def sync(self, observer: TokenObserver, executor: Executor) -> bool:
+        """Extend the plan with sites any rank saw; True when the plan changed (on every rank)."""
+        unplanned = [k for k in observer.sites if k not in self.sites]
+        if not executor.any_rank(bool(unplanned)):
+            return False
+        coords = self.topology.coords()
+        everything = executor.gather_objects((coords, list(observer.sites.values())))
+        holders: dict[SiteKey, list[tuple[dict[str, int], Site]]] = {}
+        for rank_coords, sites in everything:
+            for site in sites:
+                holders.setdefault(site.key, []).append((rank_coords, site))
+        for key in sorted(holders):
+            if key not in self.sites:
+                self.sites[key] = self._merge(holders[key])
+        return True
+
+    def _merge(self, seen: list[tuple[dict[str, int], Site]]) -> Site:
+        site = seen[0][1]
+        placements: list[tuple[str, Placement]] = list(site.placements)
+        present = {a for a, _ in placements}
+        for axis in self.topology.names:
+            size = self.topology.axes[axis].size
+            if size == 1 or axis in present:
+                continue
+            coords = sorted({c.get(axis, 0) for c, _ in seen})
+            if len(coords) == 1:
+                placements.append((axis, Owned(coords[0])))
+        order = {a: i for i, a in enumerate(self.topology.names)}
+        placements.sort(key=lambda ap: order[ap[0]])
+        return dataclasses.replace(site, placements=tuple(placements))
+
+    def state_for(self, metric: TensorMetric, observer: TokenObserver) -> tuple[Mapping[SiteKey, Any], str | None]:
+        """The metric's prepared state over every planned site it accepts, placeholders for
+        the sites this rank did not see; or its local error."""
+        if metric.name in observer.errors:
+            return {}, observer.errors[metric.name]
+        prepared = observer.states.get(metric.name, {})
+        missing = [s for k, s in self.sites.items() if k not in prepared and metric.accepts(s)]
+        if (not missing and isinstance(prepared, BlockState) and all(k in self.sites for k in prepared)
+                and list(prepared) == sorted(prepared)):
+            return prepared, None  # already in plan order: kept as matrices, no vector per site
+        state = dict(prepared)
+        try:
+            if missing:
+                state.update(metric.prepare(missing, [None] * len(missing), self.topology, {}))
+        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
+            return {}, f"{type(exc).__name__}: {exc}"
+        return {k: state[k] for k in sorted(state) if k in self.sites}, None
