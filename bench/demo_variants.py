@@ -31,7 +31,7 @@ from tmetrics_core.topology import Topology as Axes
 from tmetrics_core.demo.data import ByteCorpus
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
-from tmetrics_core.demo.topology import Topology
+from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.demo.train import MetricsFactory, StepMetrics, TrainConfig, Trainer
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.tensor_metrics import TensorMetrics
@@ -53,7 +53,7 @@ NEVER = 10**9
 
 def make_trainer(metrics: MetricsFactory | None, *, dp: int = 1, corpus: ByteCorpus | None = None) -> Trainer:
     """The demo trainer (default model, global batch 8) on one process or ``dp`` DDP ranks."""
-    topology = Topology(dp=dp)
+    topology = ParallelDegrees(dp=dp)
     config = TrainConfig(steps=10**6)
     parallel = parallelize(ModelConfig(), topology, seed=config.seed, batch_size=config.batch_size)
     return Trainer(parallel, corpus or ByteCorpus.from_stdlib(), config, metrics=metrics)

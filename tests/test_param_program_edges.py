@@ -584,7 +584,7 @@ def train_data_parallel(rank: int, world: int, program: bool) -> tuple[list[dict
     from tmetrics_core.topology import Topology
     from tmetrics_core.demo.model import ModelConfig
     from tmetrics_core.demo.parallel import parallelize
-    from tmetrics_core.demo.topology import Topology as DemoTopology
+    from tmetrics_core.demo.degrees import ParallelDegrees as DemoTopology
 
     if not program:
         TensorMetrics._plan_program = lambda self: None

@@ -17,7 +17,7 @@ from bench.demo_variants import BUNDLE
 from tmetrics_core.demo.data import ByteCorpus, stdlib_files
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.demo.parallel import parallelize
-from tmetrics_core.demo.topology import Topology
+from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.demo.train import TrainConfig, Trainer
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.tensor_metrics import TensorMetrics
@@ -53,7 +53,7 @@ def _trainer(corpus: ByteCorpus, names: tuple[str, ...], interval: int) -> Train
     def metrics(model, optimizer, mesh):
         return TensorMetrics(model, metrics=[(build_metric(n), interval) for n in names], optimizer=optimizer)
     config = TrainConfig(steps=100, batch_size=4, warmup_steps=2)
-    return Trainer(parallelize(SMALL, Topology(), seed=0, batch_size=4), corpus, config, metrics=metrics)
+    return Trainer(parallelize(SMALL, ParallelDegrees(), seed=0, batch_size=4), corpus, config, metrics=metrics)
 
 
 def test_not_due_step_runs_no_tmetrics_tensor_op(corpus):

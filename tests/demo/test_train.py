@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from tmetrics_core.demo.data import ByteCorpus, stdlib_files
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import ParallelModel, parallelize
-from tmetrics_core.demo.topology import Topology
+from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.demo.train import Injection, TrainConfig, Trainer
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.observe import observing
@@ -32,7 +32,7 @@ def corpus() -> ByteCorpus:
 
 def _trainer(corpus: ByteCorpus, metrics: object = None, **train: object) -> Trainer:
     config = TrainConfig(**{"steps": 10, "batch_size": 4, "warmup_steps": 2, **train})  # type: ignore[arg-type]
-    parallel = parallelize(SMALL, Topology(), seed=config.seed, batch_size=config.batch_size)
+    parallel = parallelize(SMALL, ParallelDegrees(), seed=config.seed, batch_size=config.batch_size)
     return Trainer(parallel, corpus, config, metrics=metrics)  # type: ignore[arg-type]
 
 

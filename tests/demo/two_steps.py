@@ -13,7 +13,7 @@ import torch
 from tmetrics_core.demo.data import ByteCorpus, stdlib_files
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
-from tmetrics_core.demo.topology import Topology
+from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.demo.train import TrainConfig, Trainer
 
 __all__ = ["EVEN", "UNEVEN", "TwoSteps", "run_topologies", "two_steps"]
@@ -43,7 +43,7 @@ def two_steps(topology: dict[str, Any], config: dict[str, Any]) -> TwoSteps:
     """Train 2 steps (lr 1e-2, no warm-up, clipping at 0.05 so it is active) on stdlib bytes."""
     model_config = ModelConfig(**config)
     train_config = TrainConfig(steps=2, batch_size=8, lr=1e-2, warmup_steps=0, grad_clip=0.05, seed=3)
-    parallel = parallelize(model_config, Topology(**topology), seed=train_config.seed,
+    parallel = parallelize(model_config, ParallelDegrees(**topology), seed=train_config.seed,
                            batch_size=train_config.batch_size)
     corpus = ByteCorpus.from_files(stdlib_files()[:5], source="first five stdlib files")
     trainer = Trainer(parallel, corpus, train_config)

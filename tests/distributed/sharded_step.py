@@ -13,7 +13,7 @@ import torch
 from tmetrics_core.topology import Topology
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
-from tmetrics_core.demo.topology import Topology as DemoTopology
+from tmetrics_core.demo.degrees import ParallelDegrees as DemoTopology
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Rms
 from tmetrics_core.tensor_metrics import TensorMetrics
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from tmetrics_core.topology import Axis, Topology
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
-from tmetrics_core.demo.topology import Topology as DemoTopology
+from tmetrics_core.demo.degrees import ParallelDegrees as DemoTopology
 from tmetrics_core.errors import PlanMismatchError
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import L2Norm

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tmetrics_core.demo.data import ByteCorpus
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
-from tmetrics_core.demo.topology import Topology
+from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.demo.train import INJECTIONS, Injection, MetricsFactory, TrainConfig, Trainer
 from tmetrics_core.errors import ConfigError
 
@@ -148,7 +148,7 @@ def _run_rank(args: DemoArgs, metrics: MetricsFactory | None) -> DemoSummary:
     if created:
         dist.init_process_group("gloo", timeout=_COLLECTIVE_TIMEOUT)
     try:
-        topology = Topology.for_world(world, dp=args.dp, tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp)
+        topology = ParallelDegrees.for_world(world, dp=args.dp, tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp)
         model_config = ModelConfig()
         train_config = TrainConfig(
             steps=args.steps, lr=args.lr, seed=args.seed,
@@ -207,7 +207,7 @@ def run_demo(args: DemoArgs, *, metrics: MetricsFactory | None = None) -> DemoSu
         return _run_rank(args, metrics)
     if args.nproc == 1:
         return _run_rank(args, metrics)
-    Topology.for_world(args.nproc, dp=args.dp, tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp)
+    ParallelDegrees.for_world(args.nproc, dp=args.dp, tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     port = _free_port()

@@ -1,4 +1,4 @@
-"""Apply a :class:`Topology` to the demo model, and run one exact forward/backward on it.
+"""Apply a :class:`ParallelDegrees` to the demo model, and run one exact forward/backward on it.
 
 What each rank holds, and how gradients come to equal single-process training on the global
 batch (loss = mean cross-entropy over all tokens of the global batch):
@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tmetrics_core.demo.expert_collectives import all_gather, reduce_scatter
 from tmetrics_core.demo.model import ModelConfig, MoE, Transformer, fixed_shape_dispatch
-from tmetrics_core.demo.topology import Topology
+from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.errors import ConfigError
 
 __all__ = ["ExpertParallelDispatch", "FullTensors", "ParallelModel", "parallelize"]
@@ -126,7 +126,7 @@ def _apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> list[str]
     return names
 
 
-def _apply_data_parallel(model: Transformer, topology: Topology, mesh: DeviceMesh,
+def _apply_data_parallel(model: Transformer, topology: ParallelDegrees, mesh: DeviceMesh,
                          expert_names: list[str]) -> nn.Module:
     if topology.fsdp:
         dp_mesh = mesh[topology.dp_axes]                                  # 1-D, or 2-D for HSDP
@@ -148,7 +148,7 @@ def _apply_data_parallel(model: Transformer, topology: Topology, mesh: DeviceMes
     return DistributedDataParallel(model, process_group=mesh[data_axis].get_group())
 
 
-def parallelize(config: ModelConfig, topology: Topology, *, seed: int, batch_size: int) -> ParallelModel:
+def parallelize(config: ModelConfig, topology: ParallelDegrees, *, seed: int, batch_size: int) -> ParallelModel:
     """Build this rank's part of the demo model and apply ``topology`` to it.
 
     Every rank builds its own layers and experts from ``seed`` (values depend only on the seed
@@ -157,7 +157,7 @@ def parallelize(config: ModelConfig, topology: Topology, *, seed: int, batch_siz
 
     Raises:
         ConfigError: the topology does not fit the world size, model or batch (see
-            :meth:`Topology.check`).
+            :meth:`ParallelDegrees.check`).
     """
     topology.check(config, batch_size=batch_size)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -191,7 +191,7 @@ class ParallelModel:
         topology, mesh: the degrees and their DeviceMesh (``None`` for one process).
     """
 
-    def __init__(self, *, model: Transformer, module: nn.Module, topology: Topology,
+    def __init__(self, *, model: Transformer, module: nn.Module, topology: ParallelDegrees,
                  mesh: DeviceMesh | None, batch_size: int, seq_len: int) -> None:
         self.model = model
         self.module = module

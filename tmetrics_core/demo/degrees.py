@@ -24,11 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.errors import ConfigError
 
-__all__ = ["Topology"]
+__all__ = ["ParallelDegrees"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Topology:
+class ParallelDegrees:
     """Degrees of parallelism; their product is the world size. Defaults: one process."""
 
     dp: int = 1
@@ -61,7 +61,7 @@ class Topology:
 
     @classmethod
     def for_world(cls, world_size: int, *, dp: int | None = None, tp: int = 1, ep: int = 1, pp: int = 1,
-                  fsdp: bool = False, dp_replicate: int = 1) -> Topology:
+                  fsdp: bool = False, dp_replicate: int = 1) -> ParallelDegrees:
         """The topology for ``world_size`` ranks; ``dp`` defaults to what the other degrees leave.
 
         Raises:
