@@ -22,12 +22,11 @@ Only dicts (any mapping), lists and tuples are walked; other objects are returne
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MASK", "is_secret_key", "mask_secrets", "redact", "redacted_environment"]
+__all__ = ["MASK", "is_secret_key", "mask_secrets", "redact"]
 
 MASK = "***"
 """What a secret is replaced by."""
@@ -87,16 +86,6 @@ def redact(data: Any) -> Any:
     if isinstance(data, tuple):
         return tuple(redact(item) for item in data)
     return data
-
-
-def redacted_environment(env: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The environment variables (``os.environ`` by default) with secrets replaced by ``***``.
-
-    ``WANDB_API_KEY``, ``MLFLOW_TRACKING_PASSWORD``, ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY`` and
-    the like are masked whole; secret-looking parts of other values (``DATABASE_URL`` with a
-    password) are masked in place.
-    """
-    return {name: MASK if is_secret_key(name) and value else mask_secrets(value) for name, value in env.items()}
 
 
 def _redact_item(key: Any, value: Any) -> Any:

@@ -172,15 +172,6 @@ class Executor:
                                               f"{type(exc).__name__}: {exc}"))
         return out, failures
 
-    def check_plan(self, due: Sequence[tuple[TensorMetric, dict[SiteKey, Any]]], sites: Mapping[SiteKey, Site]) -> None:
-        """On demand: build the first round of ``due`` and compare it across ranks (raises
-        :class:`PlanMismatchError` on every rank when they differ)."""
-        items = [_Due(m, s) for m, s in due]
-        for item in items:
-            item.round = item.metric.start(item.state, sites, self.topology)
-        pending = [i for i in items if not i.round.done]
-        self._check_plan(self._dedup(pending), pending)
-
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on any rank (one tiny world collective)."""
         if not self._distributed:

@@ -147,10 +147,6 @@ class Statistic:
         return f"<statistic {self.name}>"
 
 
-def _f64(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [v.reshape(1).to(torch.float64) for v in values]
-
-
 class _SumSq(Statistic):
     """Sum of squares of the elements, carried in float64: through the fused moments kernel
     (float64 accumulation) where it applies; else per chunk of a tensor with torch kernels in
