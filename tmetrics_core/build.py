@@ -71,7 +71,7 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
             raise ConfigError(str(exc), path=f"metrics[{i}]") from exc
         metrics.append((metric, mc.interval))
     built = build_sinks(config.sinks)
-    logging_rank = topology.global_rank == config.distributed.log_rank
+    logging_rank = topology.logs(config.distributed.log_rank)
     run_path = Path(config.run.dir)
     if logging_rank and (run_path / "manifest.json").exists():
         _log.warning("run directory %s already holds a run (its manifest.json): file sinks add to it (jsonl lines "
@@ -86,4 +86,5 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     return cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
                check_plan=config.distributed.check_plan, placements=config.placements,
                timeout_s=config.distributed.collective_timeout_s, modules=modules,
-               key_rules={sink.name: sink.key_rules for sink in built}, **kwargs)
+               key_rules={sink.name: sink.key_rules for sink in built}, log_rank=config.distributed.log_rank,
+               **kwargs)

@@ -88,6 +88,7 @@ class TensorMetrics:
             state) instead of the parameters (see :class:`~tmetrics_core.sources.flat.FlatBuffer`).
         key_rules: sink name -> that sink's key rules, for every configured sink (on every rank,
             logging or not), so tensor names that render to one key are refused before the first step.
+        log_rank: the global rank that prints tmetrics' warnings (config ``distributed.log_rank``).
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
@@ -102,10 +103,12 @@ class TensorMetrics:
                  check_plan: str = "first", placements: Mapping[str, Mapping[str, str]] | None = None,
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
-                 flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None) -> None:
+                 flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None,
+                 log_rank: int = 0) -> None:
         self.model = model
         self.optimizer = optimizer
         self.topology = topology or Topology.single_process()
+        self.logs = self.topology.logs(log_rank)
         self.metrics = list(metrics)
         self.hub = hub
         self.check_plan = check_plan
@@ -665,7 +668,7 @@ class TensorMetrics:
         self.last_records = records
         self.failures.extend(failures)
         for failure in failures:
-            if failure.metric not in self._warned and self.topology.global_rank == 0:
+            if failure.metric not in self._warned and self.logs:
                 self._warned.add(failure.metric)
                 log.warning("tmetrics: metric %r skipped at step %d on every rank (raised on ranks %s): %s. "
                             "Further failures of this metric are counted silently.", failure.metric, step,

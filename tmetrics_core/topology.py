@@ -149,6 +149,12 @@ class Topology:
         """Axis names in reduction order."""
         return tuple(self.axes)
 
+    def logs(self, log_rank: int) -> bool:
+        """Whether this rank is the logging rank: global rank ``log_rank`` (config
+        ``distributed.log_rank``, default 0) writes records to the sinks and prints tmetrics'
+        warnings; every other rank keeps quiet. The one place this is decided."""
+        return self.global_rank == log_rank
+
     def coords(self) -> dict[str, int]:
         """This rank's axis rank on every axis."""
         return {a.name: a.rank for a in self.axes.values()}

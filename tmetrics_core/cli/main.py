@@ -1,4 +1,6 @@
-"""The ``tmetrics`` command: ``demo``, ``metrics``, ``names``, ``validate``, ``compare``, ``replay``.
+"""The ``tmetrics`` command: ``demo``, ``metrics``, ``names``, ``validate``, ``replay``, and the
+commands plugins register under the entry-point group ``tmetrics.commands`` (``compare``, from
+``tmetrics_mlflow``).
 
 Each command is a thin shell over a library function; errors of tmetrics (``TMetricsError``)
 print as one clear line and exit with status 2, without a traceback.
@@ -6,31 +8,19 @@ print as one clear line and exit with status 2, without a traceback.
 
 from __future__ import annotations
 
-import functools
 import json
-import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
-from tmetrics_core.errors import TMetricsError
+from tmetrics_core.cli.friendly import friendly as _friendly
+from tmetrics_core.cli.plugins import PluginGroup
 
 __all__ = ["main"]
 
 
-def _friendly(func: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except TMetricsError as exc:
-            click.echo(f"tmetrics: error: {exc}", err=True)
-            sys.exit(2)
-    return wrapper
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tmetrics")
 def main() -> None:
     """Training-time tensor metrics for sharded PyTorch models, per layer and per expert."""
@@ -113,25 +103,6 @@ def validate_command(config: Path) -> None:
     click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
                f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "
                f"sinks {', '.join(loaded.sinks) or 'none'}; run dir {loaded.run.dir}")
-
-
-@main.command("compare")
-@click.argument("runs", nargs=-1, required=True)
-@click.option("--tracking-uri", required=True, help="sqlite:///path/mlflow.db or http://127.0.0.1:5000")
-@click.option("--metric", "metric_patterns", multiple=True, help="Metric name or glob (repeatable).")
-@click.option("--step", type=int, default=None, help="Compare values at this step (default: last).")
-@click.option("--out", "out_png", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write a PNG plot, one panel per per-layer metric.")
-@_friendly
-def compare_command(runs: tuple[str, ...], tracking_uri: str, metric_patterns: tuple[str, ...], step: int | None,
-                    out_png: Path | None) -> None:
-    """Show RUNS (MLflow run ids or names) side by side, per metric and layer."""
-    from tmetrics_mlflow.compare import compare_runs
-
-    click.echo(compare_runs(runs, tracking_uri=tracking_uri, metrics=list(metric_patterns) or None, step=step,
-                            out_png=out_png))
-    if out_png is not None:
-        click.echo(f"plot written to {out_png}")
 
 
 @main.command("replay")
