@@ -25,7 +25,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.distributed.harness import run_distributed
-from tests.test_executor import eight_metrics, hundred_sites
+from tests.distributed.test_executor import eight_metrics, hundred_sites
 from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.preparation import prepare_states
 from tmetrics_core.distributed.executor import Executor

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tests import test_executor as cases
+from tests.distributed import test_executor as cases
 from tests.distributed.harness import run_distributed
 from tmetrics_core.topology import Axis, Topology
 from tmetrics_core.distributed.collectives import TorchCollectives

@@ -15,7 +15,7 @@ D = 5
 
 
 def _model():
-    from tests.test_token_row_buffer import Net
+    from tests.sources.test_token_row_buffer import Net
     return Net(3)
 
 

@@ -18,7 +18,7 @@ import torch
 
 # A plain SGD that then enlarges one parameter; an update statistic outside the fused moments
 # (so the update is written in place into the snapshot, after the deferred metrics read it).
-from tests.test_update_paths import UpdateMeanRowL2, _Resizing
+from tests.sources.test_update_paths import UpdateMeanRowL2, _Resizing
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric

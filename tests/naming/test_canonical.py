@@ -38,7 +38,7 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 
 transformers.logging.set_verbosity_error()
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 LAYERS, EXPERTS, HIDDEN, FFN = 2, 4, 32, 48
 
 
