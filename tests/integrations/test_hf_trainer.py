@@ -1,0 +1,62 @@
+"""``tmetrics_core.integrations.hf.TMetricsCallback`` in a real ``transformers.Trainer`` on the CPU:
+a tiny Llama, gradient accumulation 2 and ``max_grad_norm`` small enough to clip every step.
+
+References: the ``grad_norm`` the Trainer logs, and float64 norms of the gradients and
+parameters copied just before the Trainer clips (its ``accelerator.clip_grad_norm_`` wrapped by
+the test, not by the product)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+from tests.integrations.tiny import by_step, config, grads64, hand_norms, params64, read_jsonl, tiny_llama, token_rows  # noqa: E402
+from tmetrics_core.integrations.hf import TMetricsCallback  # noqa: E402
+
+STEPS = 3
+MAX_GRAD_NORM = 0.05
+
+
+def _train(tmp_path):
+    model = tiny_llama()
+    callback = TMetricsCallback(config(tmp_path / "run"))
+    args = TrainingArguments(str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_grad_norm=MAX_GRAD_NORM, learning_rate=1e-2,
+                             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                             disable_tqdm=True, lr_scheduler_type="constant")
+    trainer = Trainer(model=model, args=args, train_dataset=token_rows(4 * STEPS), callbacks=[callback])
+    seen: list[tuple[dict, dict]] = []
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def clip_and_record(parameters, max_norm, *a, **kw):
+        seen.append((grads64(model), params64(model)))
+        return clip(parameters, max_norm, *a, **kw)
+
+    trainer.accelerator.clip_grad_norm_ = clip_and_record
+    trainer.train()
+    logged = {e["step"]: e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e}
+    return seen, logged
+
+
+def test_trainer_pre_clip_norms_one_record_per_step(tmp_path):
+    seen, logged = _train(tmp_path)
+    steps = by_step(read_jsonl(tmp_path / "run"))
+    assert sorted(steps) == list(range(1, STEPS + 1)) == sorted(logged)
+    assert len(seen) == STEPS
+    for step, (grads, params) in zip(range(1, STEPS + 1), seen):
+        got = steps[step]
+        assert logged[step] > 2 * MAX_GRAD_NORM  # the Trainer clipped: post-clip norms would differ
+        assert got[("global-grad-l2", None)] == pytest.approx(logged[step], rel=1e-5)
+        total, layer_grads = hand_norms(grads)
+        assert got[("global-grad-l2", None)] == pytest.approx(total, rel=1e-6)
+        _, layer_params = hand_norms(params)
+        for layer in range(2):
+            assert got[("layer-grad-l2", layer)] == pytest.approx(layer_grads[layer], rel=1e-6)
+            assert got[("layer-param-l2", layer)] == pytest.approx(layer_params[layer], rel=1e-6)
+        assert len(got) == 1 + 2 + 2
+        assert all(math.isfinite(v) for v in got.values())

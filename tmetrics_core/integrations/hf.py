@@ -1,0 +1,100 @@
+"""tmetrics in the Hugging Face ``Trainer``: :class:`TMetricsCallback`.
+
+Usage::
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[TMetricsCallback("tmetrics.yaml")])
+    trainer.train()
+
+The callback builds :class:`~tmetrics_core.tensor_metrics.TensorMetrics` at ``on_train_begin``
+from the Trainer's model and its torch optimizer (inside accelerate's ``AcceleratedOptimizer``),
+opens one step scope per optimizer step (``on_step_begin`` of the first micro-batch to
+``on_step_end``), numbered as the Trainer numbers it (``state.global_step`` after the step, the
+step its ``grad_norm`` is logged at), and closes the run at ``on_train_end``.
+
+Gradients are read before clipping: the Trainer clips right after the last micro-batch's
+backward and calls ``on_pre_optimizer_step`` only after clipping, so the callback reads them at
+the end of that backward (:class:`~tmetrics_core.integrations.backward.AfterBackward`). Hence
+``global-grad-l2`` equals the ``grad_norm`` the Trainer logs, with or without ``max_grad_norm``.
+Under DDP (the Trainer started torch.distributed) the topology is ``{"dp": WORLD}`` unless
+``mesh=`` or ``axes=`` say otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+from transformers import TrainerCallback
+
+from tmetrics_core.integrations.accelerate import unwrap_optimizer
+from tmetrics_core.integrations.axes import default_axes
+from tmetrics_core.integrations.backward import AfterBackward
+from tmetrics_core.integrations.scope import OpenScope
+from tmetrics_core.tensor_metrics import TensorMetrics
+
+__all__ = ["TMetricsCallback"]
+
+
+class TMetricsCallback(TrainerCallback):
+    """Measure a Hugging Face ``Trainer`` run with the metrics and sinks of ``config``.
+
+    Args:
+        config: as :meth:`TensorMetrics.from_config` takes it (path, dict or ``Config``).
+        mesh, axes: the topology; by default ``{"dp": WORLD}`` when the Trainer runs DDP.
+        sinks, run_dir: overrides, as in :meth:`TensorMetrics.from_config`.
+
+    Attributes:
+        metrics: the :class:`TensorMetrics` of the latest ``train()`` (None before the first).
+
+    Raises:
+        ConfigError: at ``on_train_begin``, everything :meth:`TensorMetrics.from_config` refuses.
+    """
+
+    def __init__(self, config: Any, *, mesh: Any = None, axes: Mapping[str, Any] | None = None,
+                 sinks: str | Sequence[str] | None = None, run_dir: str | os.PathLike[str] | None = None) -> None:
+        self.config = config
+        self.metrics: TensorMetrics | None = None
+        self._options = {"mesh": mesh, "axes": axes, "sinks": sinks, "run_dir": run_dir}
+        self._scope: OpenScope | None = None
+        self._backward: AfterBackward | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        if self._scope is not None:
+            return
+        options = dict(self._options)
+        options["axes"] = default_axes(options["mesh"], options["axes"])
+        metrics = TensorMetrics.from_config(self.config, model=model, optimizer=unwrap_optimizer(optimizer),
+                                            **options)
+        scope = OpenScope(metrics)
+        gradient_state = getattr(optimizer, "gradient_state", None)
+
+        def ends_accumulation() -> bool:
+            return scope.is_open and (gradient_state is None or bool(gradient_state.sync_gradients))
+
+        self.metrics, self._scope = metrics, scope
+        self._backward = AfterBackward(model, when=ends_accumulation, then=metrics.observe_gradients)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._scope is not None:
+            self._scope.open(state.global_step + 1)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._scope is not None:
+            self._scope.close()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def close(self) -> Any:
+        """End the run (``on_train_end`` calls it): hooks come off, sinks flush and close.
+        Returns the hub's report. Idempotent; call it yourself when ``train()`` raised. A later
+        ``train()`` starts a new run."""
+        if self._backward is not None:
+            self._backward.remove()
+            self._backward = None
+        scope, self._scope = self._scope, None
+        if scope is not None and scope.is_open:
+            scope.abandon(RuntimeError("the run closed inside a step"))
+        return self.metrics.close() if self.metrics is not None else None
