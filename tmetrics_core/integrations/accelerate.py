@@ -3,15 +3,14 @@
 Usage::
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    metrics = attach(accelerator, model, optimizer, "tmetrics.yaml")
-    for batch in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(**batch).loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-    metrics.close()
+    with attach(accelerator, model, optimizer, "tmetrics.yaml"):   # or attached = attach(...); attached.close()
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
 
 The loop stays as it is. One step scope spans the micro-batches of one optimizer step: it opens
 at the first training forward (grad enabled, model in train mode) after the previous optimizer
@@ -32,6 +31,7 @@ import torch
 from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.backward import AfterBackward
 from tmetrics_core.integrations.scope import OpenScope
+from tmetrics_core.records import RunStatus
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = ["Attached", "attach", "unwrap_optimizer"]
@@ -51,7 +51,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
 class Attached:
     """What :func:`attach` returns: the :class:`TensorMetrics` (``.metrics``) driven by the loop's
-    own forward, backward and optimizer step; :meth:`close` ends the run."""
+    own forward, backward and optimizer step; :meth:`close` (or leaving a ``with`` block) ends the run."""
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  metrics: TensorMetrics, *, first_step: int) -> None:
@@ -75,16 +75,26 @@ class Attached:
             self._scope.close()
             self.next_step += 1
 
-    def close(self) -> Any:
-        """End the run: a step still open (forward without an optimizer step) is left without
-        records; hooks come off; sinks flush and close. Returns the hub's report. Idempotent."""
+    def close(self, status: RunStatus = "finished") -> Any:
+        """End the run with ``status``: a step still open (forward without an optimizer step) is
+        left without records; hooks come off; sinks flush and close. Returns the hub's report.
+        Idempotent."""
         if self._scope.is_open:
             self._scope.abandon(RuntimeError("the run closed before this step's optimizer step"))
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         self._backward.remove()
-        return self.metrics.close()
+        return self.metrics.close(status)
+
+    def __enter__(self) -> "Attached":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close("finished")
+        else:
+            self.close("killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
 
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, config: Any, *, mesh: Any = None,
