@@ -41,7 +41,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` wrappers (its ``.optimizer``);
     any other optimizer as it is. tmetrics hooks the torch optimizer's own ``step()``."""
     try:
-        from accelerate.optimizer import AcceleratedOptimizer
+        from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
     except ImportError:
         return optimizer
     while isinstance(optimizer, AcceleratedOptimizer):
