@@ -11,6 +11,8 @@ import math
 
 import pytest
 
+from tmetrics_core.errors import ConfigError
+
 pytest.importorskip("transformers")
 
 from transformers import Trainer, TrainingArguments  # noqa: E402
@@ -22,12 +24,12 @@ STEPS = 3
 MAX_GRAD_NORM = 0.05
 
 
-def _train(tmp_path):
+def _train(tmp_path, report_to="none"):
     model = tiny_llama()
-    callback = TMetricsCallback(config(tmp_path / "run"))
+    callback = TMetricsCallback(config(tmp_path / "run"), report_to=report_to != "none")
     args = TrainingArguments(str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_grad_norm=MAX_GRAD_NORM, learning_rate=1e-2,
-                             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                             logging_steps=1, report_to=report_to, save_strategy="no", use_cpu=True,
                              disable_tqdm=True, lr_scheduler_type="constant")
     trainer = Trainer(model=model, args=args, train_dataset=token_rows(4 * STEPS), callbacks=[callback])
     seen: list[tuple[dict, dict]] = []
@@ -60,3 +62,29 @@ def test_trainer_pre_clip_norms_one_record_per_step(tmp_path):
             assert got[("layer-param-l2", layer)] == pytest.approx(layer_params[layer], rel=1e-6)
         assert len(got) == 1 + 2 + 2
         assert all(math.isfinite(v) for v in got.values())
+
+
+def test_report_to_writes_into_the_trainers_mlflow_run(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(tmp_path)  # the Trainer's experiment keeps artifacts under ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "trainer")
+    _, logged = _train(tmp_path, report_to="mlflow")
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("trainer").experiment_id])
+    assert len(runs) == 1  # one run: the Trainer's, with tmetrics' records in it
+    run_id = runs[0].info.run_id
+    ours = {m.step: m.value for m in client.get_metric_history(run_id, "global-grad-l2")}
+    theirs = {m.step: m.value for m in client.get_metric_history(run_id, "grad_norm")}
+    assert sorted(ours) == sorted(theirs) == sorted(logged) == list(range(1, STEPS + 1))
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-5)
+    assert runs[0].info.status == "FINISHED"
+
+
+def test_report_to_refuses_a_tracker_it_cannot_join(tmp_path):
+    with pytest.raises(ConfigError, match="report_to.*tensorboard"):
+        _train(tmp_path, report_to="tensorboard")

@@ -18,15 +18,22 @@ the end of that backward (:class:`~tmetrics_core.integrations.backward.AfterBack
 ``global-grad-l2`` equals the ``grad_norm`` the Trainer logs, with or without ``max_grad_norm``.
 Under DDP (the Trainer started torch.distributed) the topology is ``{"dp": WORLD}`` unless
 ``mesh=`` or ``axes=`` say otherwise.
+
+``report_to=True`` also writes the records into the tracker run the Trainer itself reports to
+(its ``report_to``), instead of a second run: MLflow only, for now (the run its
+``MLflowCallback`` started, through the ``mlflow`` sink's ``run_id`` option).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Mapping, Sequence
 
 from transformers import TrainerCallback
 
+from tmetrics_core.config.schema import Config, load_config
+from tmetrics_core.errors import ConfigError
 from tmetrics_core.integrations.accelerate import unwrap_optimizer
 from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.backward import AfterBackward
@@ -43,17 +50,21 @@ class TMetricsCallback(TrainerCallback):
         config: as :meth:`TensorMetrics.from_config` takes it (path, dict or ``Config``).
         mesh, axes: the topology; by default ``{"dp": WORLD}`` when the Trainer runs DDP.
         sinks, run_dir: overrides, as in :meth:`TensorMetrics.from_config`.
+        report_to: also write into the Trainer's own tracker run (see the module docstring).
 
     Attributes:
         metrics: the :class:`TensorMetrics` of the latest ``train()`` (None before the first).
 
     Raises:
-        ConfigError: at ``on_train_begin``, everything :meth:`TensorMetrics.from_config` refuses.
+        ConfigError: at ``on_train_begin``, everything :meth:`TensorMetrics.from_config` refuses;
+            with ``report_to=True``, a Trainer tracker whose run tmetrics cannot join (path ``report_to``).
     """
 
     def __init__(self, config: Any, *, mesh: Any = None, axes: Mapping[str, Any] | None = None,
-                 sinks: str | Sequence[str] | None = None, run_dir: str | os.PathLike[str] | None = None) -> None:
+                 sinks: str | Sequence[str] | None = None, run_dir: str | os.PathLike[str] | None = None,
+                 report_to: bool = False) -> None:
         self.config = config
+        self.report_to = report_to
         self.metrics: TensorMetrics | None = None
         self._options = {"mesh": mesh, "axes": axes, "sinks": sinks, "run_dir": run_dir}
         self._scope: OpenScope | None = None
@@ -65,7 +76,8 @@ class TMetricsCallback(TrainerCallback):
             return
         options = dict(self._options)
         options["axes"] = default_axes(options["mesh"], options["axes"])
-        metrics = TensorMetrics.from_config(self.config, model=model, optimizer=unwrap_optimizer(optimizer),
+        config = _join_trainer_runs(self.config, args.report_to) if self.report_to else self.config
+        metrics = TensorMetrics.from_config(config, model=model, optimizer=unwrap_optimizer(optimizer),
                                             **options)
         scope = OpenScope(metrics)
         gradient_state = getattr(optimizer, "gradient_state", None)
@@ -98,3 +110,27 @@ class TMetricsCallback(TrainerCallback):
         if scope is not None and scope.is_open:
             scope.abandon(RuntimeError("the run closed inside a step"))
         return self.metrics.close() if self.metrics is not None else None
+
+
+def _join_trainer_runs(source: Any, report_to: Sequence[str] | str | None) -> Config:
+    """The config with a sink for each tracker in the Trainer's ``report_to``, set to write
+    into the run the Trainer's callback started (which ran ``on_train_begin`` before this one)."""
+    config = source if isinstance(source, Config) else load_config(source)
+    names = [report_to] if isinstance(report_to, str) else list(report_to or ())
+    names = [n for n in names if n != "none"]
+    unsupported = [n for n in names if n != "mlflow"]
+    if unsupported:
+        raise ConfigError(f"the Trainer reports to {unsupported}, whose runs tmetrics cannot join yet (MLflow only); "
+                          "pass report_to=False and configure those trackers under sinks: (a run of their own)",
+                          path="report_to")
+    sinks = dict(config.sinks)
+    if "mlflow" in names:
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is None:
+            raise ConfigError("the Trainer reports to MLflow but no MLflow run is active at on_train_begin; "
+                              "keep transformers' MLflowCallback in the Trainer's callbacks", path="report_to")
+        sinks["mlflow"] = {**(sinks.get("mlflow") or {}), "tracking_uri": mlflow.get_tracking_uri(),
+                           "run_id": active.info.run_id}
+    return dataclasses.replace(config, sinks=sinks)
