@@ -8,7 +8,9 @@ trainable parameter; the first hook that fires in a backward pass where ``when()
 autograd engine to call back when the pass ends. That callback queues the reader once more, so
 it runs after every callback the pass queued, DDP's gradient all-reduce finalization among
 them: the reader sees the all-reduced gradients, exactly what ``clip_grad_norm_`` sees next.
-The engine's final-callback queue is what DDP and FSDP themselves use for this.
+The engine's final-callback queue is what DDP and FSDP themselves use for this. Each forward of
+the model re-arms the reader, so a backward that raised (a skipped out-of-memory batch) does not
+leave it waiting for a callback that never comes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ __all__ = ["AfterBackward"]
 
 class AfterBackward:
     """Call ``then()`` after each backward pass of ``model``'s parameters during which ``when()``
-    is true (checked at the pass's first accumulated gradient). :meth:`remove` takes the hooks off.
+    is true (checked at the pass's first accumulated gradient), once per pass.
+    :meth:`remove` takes the hooks off.
 
     Args:
         model: whose trainable parameters (``requires_grad``) are watched.
@@ -37,6 +40,10 @@ class AfterBackward:
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
                          for p in model.parameters() if p.requires_grad]
+        self._handles.append(model.register_forward_pre_hook(self._rearm))
+
+    def _rearm(self, module: torch.nn.Module, args: object) -> None:
+        self._queued = False
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._queued or not self._when():
