@@ -88,3 +88,31 @@ def test_report_to_writes_into_the_trainers_mlflow_run(tmp_path, monkeypatch):
 def test_report_to_refuses_a_tracker_it_cannot_join(tmp_path):
     with pytest.raises(ConfigError, match="report_to.*tensorboard"):
         _train(tmp_path, report_to="tensorboard")
+
+
+def test_report_to_writes_into_the_trainers_wandb_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import wandb
+
+    from tests.sinks.readback_wandb import find_run_file, read_run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+                        "WANDB_PROJECT": "trainer", "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+                        "WANDB_CONFIG_DIR": str(tmp_path / "config"), "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        _, logged = _train(tmp_path, report_to="wandb")
+    finally:
+        wandb.finish()
+    run = read_run(find_run_file(tmp_path / "wandb"))  # one run file: the Trainer's
+    ours = {row["tmetrics/step"]: row["global-grad-l2"] for row in run.history if "global-grad-l2" in row}
+    theirs = {row["train/global_step"]: row["train/grad_norm"] for row in run.history if "train/grad_norm" in row}
+    assert sorted(ours) == sorted(theirs) == sorted(logged) == list(range(1, STEPS + 1))
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-5)
+    axes = {m.name or m.glob_name: m.step_metric for m in run.metrics if m.step_metric}
+    assert axes["global-grad-l2"] == axes["layer-grad-l2/*"] == "tmetrics/step"
+    assert axes["*"] == "train/global_step"  # the Trainer's own keys keep the Trainer's x axis
+    assert run.config["tmetrics"]["metrics"]

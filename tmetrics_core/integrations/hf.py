@@ -19,9 +19,10 @@ the end of that backward (:class:`~tmetrics_core.integrations.backward.AfterBack
 Under DDP (the Trainer started torch.distributed) the topology is ``{"dp": WORLD}`` unless
 ``mesh=`` or ``axes=`` say otherwise.
 
-``report_to=True`` also writes the records into the tracker run the Trainer itself reports to
-(its ``report_to``), instead of a second run: MLflow only, for now (the run its
-``MLflowCallback`` started, through the ``mlflow`` sink's ``run_id`` option).
+``report_to=True`` also writes the records into the tracker runs the Trainer itself reports to
+(its ``report_to``), instead of second runs: the MLflow run its ``MLflowCallback`` started (the
+``mlflow`` sink's ``run_id`` option) and the W&B run its ``WandbCallback`` started (the ``wandb``
+sink's ``reuse_run``); other trackers are refused (TensorBoard: configure it under ``sinks:``).
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ def _join_trainer_runs(source: Any, report_to: Sequence[str] | str | None) -> Co
     config = source if isinstance(source, Config) else load_config(source)
     names = [report_to] if isinstance(report_to, str) else list(report_to or ())
     names = [n for n in names if n != "none"]
-    unsupported = [n for n in names if n != "mlflow"]
+    unsupported = [n for n in names if n not in ("mlflow", "wandb")]
     if unsupported:
-        raise ConfigError(f"the Trainer reports to {unsupported}, whose runs tmetrics cannot join yet (MLflow only); "
+        raise ConfigError(f"the Trainer reports to {unsupported}, whose runs tmetrics cannot join (only mlflow, wandb); "
                           "pass report_to=False and configure those trackers under sinks: (a run of their own)",
                           path="report_to")
     sinks = dict(config.sinks)
@@ -133,4 +134,12 @@ def _join_trainer_runs(source: Any, report_to: Sequence[str] | str | None) -> Co
                               "keep transformers' MLflowCallback in the Trainer's callbacks", path="report_to")
         sinks["mlflow"] = {**(sinks.get("mlflow") or {}), "tracking_uri": mlflow.get_tracking_uri(),
                            "run_id": active.info.run_id}
+    if "wandb" in names:
+        import wandb
+
+        if wandb.run is None:
+            raise ConfigError("the Trainer reports to W&B but no W&B run is active at on_train_begin; keep "
+                              "transformers' WandbCallback in the Trainer's callbacks", path="report_to")
+        heatmaps = {k: v for k, v in (sinks.get("wandb") or {}).items() if k.startswith("heatmap")}
+        sinks["wandb"] = {**heatmaps, "reuse_run": True}
     return dataclasses.replace(config, sinks=sinks)
