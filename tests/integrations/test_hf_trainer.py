@@ -85,9 +85,24 @@ def test_report_to_writes_into_the_trainers_mlflow_run(tmp_path, monkeypatch):
     assert runs[0].info.status == "FINISHED"
 
 
-def test_report_to_refuses_a_tracker_it_cannot_join(tmp_path):
-    with pytest.raises(ConfigError, match="report_to.*tensorboard"):
+def test_report_to_refuses_a_run_it_cannot_find(tmp_path, monkeypatch):
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    with pytest.raises(ConfigError, match="report_to.*TENSORBOARD_LOGGING_DIR"):
         _train(tmp_path, report_to="tensorboard")
+
+
+def test_report_to_writes_into_the_trainers_tensorboard_directory(tmp_path, monkeypatch):
+    from tests.sinks.readback_tensorboard import read_log
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    _, logged = _train(tmp_path, report_to="tensorboard")
+    assert len(list((tmp_path / "tb").glob("*tfevents*"))) == 2  # the Trainer's and tmetrics'
+    tb = read_log(tmp_path / "tb")
+    ours = dict(tb.scalars("global-grad-l2"))
+    theirs = dict(tb.scalars("train/grad_norm"))
+    assert sorted(ours) == sorted(theirs) == sorted(logged) == list(range(1, STEPS + 1))
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-5)
 
 
 def test_report_to_writes_into_the_trainers_wandb_run(tmp_path, monkeypatch):

@@ -22,7 +22,9 @@ Under DDP (the Trainer started torch.distributed) the topology is ``{"dp": WORLD
 ``report_to=True`` also writes the records into the tracker runs the Trainer itself reports to
 (its ``report_to``), instead of second runs: the MLflow run its ``MLflowCallback`` started (the
 ``mlflow`` sink's ``run_id`` option) and the W&B run its ``WandbCallback`` started (the ``wandb``
-sink's ``reuse_run``); other trackers are refused (TensorBoard: configure it under ``sinks:``).
+sink's ``reuse_run``), and the TensorBoard directory its ``TensorBoardCallback`` writes when
+``TENSORBOARD_LOGGING_DIR`` names it (the ``tensorboard`` sink's ``log_dir``; TensorBoard shows
+the two event files as one run). Other trackers are refused.
 """
 
 from __future__ import annotations
@@ -119,9 +121,10 @@ def _join_trainer_runs(source: Any, report_to: Sequence[str] | str | None) -> Co
     config = source if isinstance(source, Config) else load_config(source)
     names = [report_to] if isinstance(report_to, str) else list(report_to or ())
     names = [n for n in names if n != "none"]
-    unsupported = [n for n in names if n not in ("mlflow", "wandb")]
+    unsupported = [n for n in names if n not in ("mlflow", "wandb", "tensorboard")]
     if unsupported:
-        raise ConfigError(f"the Trainer reports to {unsupported}, whose runs tmetrics cannot join (only mlflow, wandb); "
+        raise ConfigError(f"the Trainer reports to {unsupported}, whose runs tmetrics cannot join (only mlflow, wandb, "
+                          "tensorboard); "
                           "pass report_to=False and configure those trackers under sinks: (a run of their own)",
                           path="report_to")
     sinks = dict(config.sinks)
@@ -142,4 +145,12 @@ def _join_trainer_runs(source: Any, report_to: Sequence[str] | str | None) -> Co
                               "transformers' WandbCallback in the Trainer's callbacks", path="report_to")
         heatmaps = {k: v for k, v in (sinks.get("wandb") or {}).items() if k.startswith("heatmap")}
         sinks["wandb"] = {**heatmaps, "reuse_run": True}
+    if "tensorboard" in names:
+        # Without the variable the Trainer's directory name holds the second it was made in.
+        log_dir = os.environ.get("TENSORBOARD_LOGGING_DIR")
+        if not log_dir:
+            raise ConfigError("the Trainer reports to TensorBoard in a directory named by the time it started; set "
+                              "TENSORBOARD_LOGGING_DIR so tmetrics can write into the same directory",
+                              path="report_to")
+        sinks["tensorboard"] = {**(sinks.get("tensorboard") or {}), "log_dir": os.path.expanduser(log_dir)}
     return dataclasses.replace(config, sinks=sinks)
