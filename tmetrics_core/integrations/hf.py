@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 from transformers import TrainerCallback
 
-from tmetrics_core.config.schema import Config, load_config
+from tmetrics_core.config.schema import Config, load_config, override_sinks
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.integrations.accelerate import unwrap_optimizer
 from tmetrics_core.integrations.axes import default_axes
@@ -79,7 +79,9 @@ class TMetricsCallback(TrainerCallback):
             return
         options = dict(self._options)
         options["axes"] = default_axes(options["mesh"], options["axes"])
-        config = _join_trainer_runs(self.config, args.report_to) if self.report_to else self.config
+        config = self.config
+        if self.report_to:  # the sinks override first, so it cannot drop the Trainer's trackers
+            config = _join_trainer_runs(config, options.pop("sinks"), args.report_to)
         metrics = TensorMetrics.from_config(config, model=model, optimizer=unwrap_optimizer(optimizer),
                                             **options)
         scope = OpenScope(metrics)
@@ -115,10 +117,14 @@ class TMetricsCallback(TrainerCallback):
         return self.metrics.close() if self.metrics is not None else None
 
 
-def _join_trainer_runs(source: Any, report_to: Sequence[str] | str | None) -> Config:
-    """The config with a sink for each tracker in the Trainer's ``report_to``, set to write
-    into the run the Trainer's callback started (which ran ``on_train_begin`` before this one)."""
+def _join_trainer_runs(source: Any, sinks_override: str | Sequence[str] | None,
+                       report_to: Sequence[str] | str | None) -> Config:
+    """The config (its sinks overridden by ``sinks_override`` when given) with a sink for each
+    tracker in the Trainer's ``report_to``, set to write into the run the Trainer's callback
+    started (which ran ``on_train_begin`` before this one)."""
     config = source if isinstance(source, Config) else load_config(source)
+    if sinks_override:
+        config = override_sinks(config, sinks_override)
     names = [report_to] if isinstance(report_to, str) else list(report_to or ())
     names = [n for n in names if n != "none"]
     unsupported = [n for n in names if n not in ("mlflow", "wandb", "tensorboard")]

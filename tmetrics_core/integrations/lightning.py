@@ -13,7 +13,8 @@ drives the step scope itself: it opens at ``on_train_batch_start`` of the first 
 an optimizer step (numbered ``trainer.global_step + 1``), reads gradients and parameters at
 ``on_before_optimizer_step`` (after the closure's backward and DDP's all-reduce, before
 clipping and the update: tmetrics' step pre-hook is run from there, not when ``step()`` is
-entered), and closes at ``on_train_batch_end`` of the micro-batch whose optimizer step ran.
+entered), and closes at ``on_train_batch_end`` of the micro-batch that stepped (or tried to: a
+step that mixed precision skips is reported as a step without an update).
 Under ``strategy="ddp"`` the topology is ``{"dp": WORLD}`` unless ``mesh=`` or ``axes=`` say
 otherwise. One optimizer per run. A LightningModule that keeps its network in one attribute is
 measured as that network (:func:`measured_model`), so its tensors get canonical names.
@@ -93,7 +94,6 @@ class TMetricsCallback(Callback):
         self._scope: OpenScope | None = None
         self._view: _PreHooksAfterClosure | None = None
         self._stepped = False
-        self._handle: RemovableHandle | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = trainer.optimizers
@@ -106,10 +106,6 @@ class TMetricsCallback(Callback):
         metrics = TensorMetrics.from_config(self.config, model=measured_model(pl_module),
                                             optimizer=cast(torch.optim.Optimizer, view), **options)
         self.metrics, self._view, self._scope = metrics, view, OpenScope(metrics)
-        self._handle = optimizers[0].register_step_post_hook(self._after_step)
-
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._stepped = True
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._scope is not None and not self._scope.is_open:
@@ -117,6 +113,7 @@ class TMetricsCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._scope is not None and self._scope.is_open and self._view is not None:
+            self._stepped = True
             self._view.run_pre_hooks()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -133,9 +130,6 @@ class TMetricsCallback(Callback):
         self._end("finished")
 
     def _end(self, status: Any) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
         scope, self._scope = self._scope, None
         if scope is not None and scope.is_open:
             scope.abandon(RuntimeError("the run ended inside a step"))
