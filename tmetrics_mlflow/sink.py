@@ -15,7 +15,8 @@ Values:
 
 The run gets the run's topology and model as tags (``RunInfo.tags``), the config as params
 (see :mod:`tmetrics_mlflow.params`) and as ``tmetrics/config.json``, the manifest as
-``tmetrics/manifest.json``; ``close`` ends it FINISHED, FAILED or KILLED.
+``tmetrics/manifest.json``; ``close`` ends it FINISHED, FAILED or KILLED. With ``run_id`` the
+sink writes into a run someone else started (and ends) instead: no tags, no status change.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from tmetrics_mlflow.params import flatten_params
 
 __all__ = ["MlflowSink", "check_tracking_uri"]
 
-_OPTIONS = ("tracking_uri", "experiment", "run_name", "batch_size")
+_OPTIONS = ("tracking_uri", "experiment", "run_name", "batch_size", "run_id")
 _MAX_BATCH = 1000
 _MAX_PARAMS_PER_BATCH = 100
 _TAG_VALUE_LIMIT = 5000
@@ -85,6 +86,10 @@ class MlflowSink:
         experiment (str, optional): the experiment, created if missing; default the run name.
         run_name (str, optional): the MLflow run name; default the tmetrics run name.
         batch_size (int, optional): metrics per ``log_batch`` call, 1 to 1000 (default 1000).
+        run_id (str, optional): log into this existing run (e.g. the one the Hugging Face
+            Trainer's ``report_to="mlflow"`` started, see ``TMetricsCallback(report_to=True)``)
+            instead of creating one; ``experiment`` and ``run_name`` are then unused, no tags are
+            set, and ``close`` leaves the run's status to its owner.
 
     Raises:
         ConfigError: an unknown option or an invalid value (path ``sinks.mlflow.<option>``).
@@ -101,6 +106,7 @@ class MlflowSink:
         experiment: str | None = None,
         run_name: str | None = None,
         batch_size: int = _MAX_BATCH,
+        run_id: str | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -120,8 +126,11 @@ class MlflowSink:
                 path=f"sinks.{self.name}.batch_size",
             )
         self.batch_size = batch_size
+        if run_id is not None and not (isinstance(run_id, str) and run_id.strip()):
+            raise ConfigError(f"got {run_id!r}; need the id of an existing MLflow run", path=f"sinks.{self.name}.run_id")
         self._client: Any = None
-        self.run_id: str | None = None
+        self.run_id: str | None = run_id
+        self._owns_run = run_id is None
         self._book = KeyBook(MLFLOW_RULES)
 
     def open(self, run: RunInfo) -> None:
@@ -197,10 +206,12 @@ class MlflowSink:
         self._require_open()
 
     def close(self, status: RunStatus) -> None:
-        """End the run: ``set_terminated`` with FINISHED, FAILED or KILLED."""
+        """End the run: ``set_terminated`` with FINISHED, FAILED or KILLED; a run given by
+        ``run_id`` is left to its owner."""
         if self._client is None or self.run_id is None:
             return
-        self._client.set_terminated(self.run_id, _STATUS[status])
+        if self._owns_run:
+            self._client.set_terminated(self.run_id, _STATUS[status])
         self._client = None
 
     def _require_open(self) -> tuple[Any, str]:

@@ -53,8 +53,10 @@ def masked_crc32c(data: bytes) -> int:
 class EventFile:
     """Appends serialized ``Event`` protos to a new event file in ``log_dir``.
 
-    The file is named like TensorBoard's own
-    (``events.out.tfevents.<seconds>.<host>.<pid>.<n>``) so every reader finds it. Writes are
+    The file is named like TensorBoard's own, with a suffix
+    (``events.out.tfevents.<seconds>.<host>.<pid>.<n>.tmetrics``) so every reader finds it and a
+    ``SummaryWriter`` of the same process writing into the same directory in the same second
+    (the Hugging Face Trainer's, see ``TMetricsCallback(report_to=True)``) never takes its name. Writes are
     buffered; the buffer goes to disk on :meth:`flush`, on :meth:`close`, and on a write that
     comes ``flush_secs`` or more after the previous flush.
 
@@ -69,7 +71,7 @@ class EventFile:
     def __init__(self, log_dir: str | os.PathLike[str], *, flush_secs: float = 10.0) -> None:
         from tensorboard.compat.proto import event_pb2
 
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_COUNTER)}"
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_COUNTER)}.tmetrics"
         self.path = Path(log_dir) / name
         self.flush_secs = flush_secs
         self._file: BinaryIO | None = self.path.open("xb")

@@ -45,7 +45,7 @@ _log = logging.getLogger("tmetrics.wandb")
 STEP_KEY = "tmetrics/step"
 """The logged step field, the x axis of every tmetrics chart in W&B."""
 
-_OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every", "heatmap_metrics")
+_OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every", "heatmap_metrics", "reuse_run")
 _MODES = ("online", "offline", "disabled")
 _VECTOR_BINS = 30
 # Directories W&B would otherwise create under HOME; set (unless already set) below `dir`.
@@ -86,6 +86,11 @@ class WandbSink:
             (default 100); 0 turns them off.
         heatmap_metrics (list of str, optional): the per-layer metrics drawn as heatmaps;
             default every per-layer scalar metric.
+        reuse_run (bool, optional): log into the process's active run (``wandb.run``, e.g. the
+            one the Hugging Face Trainer's ``report_to="wandb"`` started) instead of starting
+            one; ``project``, ``entity``, ``mode``, ``dir``, ``name`` and ``tags`` are then
+            unused, only tmetrics' own keys get ``tmetrics/step`` as their x axis, the config
+            goes under ``tmetrics`` in the run config, and ``close`` leaves the run to its owner.
 
     Raises:
         ConfigError: an unknown option or an invalid value (path ``sinks.wandb.<option>``).
@@ -106,6 +111,7 @@ class WandbSink:
         tags: Sequence[str] = (),
         heatmap_every: int = 100,
         heatmap_metrics: Sequence[str] | None = None,
+        reuse_run: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -131,6 +137,10 @@ class WandbSink:
         ):
             raise _option_error("heatmap_metrics", f"got {heatmap_metrics!r}; need a list of metric names")
         self.heatmap_metrics = None if heatmap_metrics is None else frozenset(heatmap_metrics)
+        if not isinstance(reuse_run, bool):
+            raise _option_error("reuse_run", f"got {reuse_run!r}; need true or false")
+        self.reuse_run = reuse_run
+        self._metric_names: tuple[str, ...] = ()
         self._run: Any = None
         self._set_env: list[str] = []
         self._book = KeyBook(WANDB_RULES)
@@ -151,6 +161,16 @@ class WandbSink:
         if self._run is not None:
             self._declare_step()
             return
+        layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
+        if self.reuse_run:
+            if wandb.run is None:
+                raise RuntimeError("reuse_run: no active W&B run in this process (wandb.run is None); start it "
+                                   "before tmetrics opens its sinks, or drop reuse_run for a run of tmetrics' own")
+            self._book = KeyBook(WANDB_RULES, layer_width=layer_width, expert_width=expert_width)
+            self._metric_names = run.metrics
+            self._run = wandb.run
+            self._declare_step()
+            return
         base = self.dir if self.dir is not None else Path(run.dir)
         base.mkdir(parents=True, exist_ok=True)
         for variable, sub in _HOME_DIRS.items():
@@ -166,7 +186,6 @@ class WandbSink:
                 base / "wandb",
                 base / "wandb" / "offline-run-*",
             )
-        layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
         self._book = KeyBook(WANDB_RULES, layer_width=layer_width, expert_width=expert_width)
         self._run = wandb.init(
             project=self.project,
@@ -182,11 +201,17 @@ class WandbSink:
 
     def _declare_step(self) -> None:
         self._run.define_metric(STEP_KEY)
-        self._run.define_metric("*", step_metric=STEP_KEY)
+        if not self.reuse_run:
+            self._run.define_metric("*", step_metric=STEP_KEY)
+            return
+        for metric in self._metric_names:  # a shared run: only tmetrics' keys, not the owner's
+            self._run.define_metric(metric, step_metric=STEP_KEY)
+            self._run.define_metric(f"{metric}/*", step_metric=STEP_KEY)
 
     def log_config(self, config: dict[str, Any]) -> None:
-        """Store ``config`` as the W&B run config (values may change on a later call)."""
-        self._require_open().config.update(config, allow_val_change=True)
+        """Store ``config`` as the W&B run config (under ``tmetrics`` in a reused run; values may
+        change on a later call)."""
+        self._require_open().config.update({"tmetrics": config} if self.reuse_run else config, allow_val_change=True)
 
     def write(self, records: Sequence[MetricRecord], step: int) -> None:
         """Log every record of one step with exactly one ``run.log`` call.
@@ -230,7 +255,7 @@ class WandbSink:
 
     def close(self, status: RunStatus) -> None:
         """Log the heatmaps once more if they changed, then ``finish`` the run with exit code
-        0 for ``"finished"`` and 1 otherwise (W&B shows 1 as *failed*)."""
+        0 for ``"finished"`` and 1 otherwise (W&B shows 1 as *failed*); a reused run is left open."""
         if self._run is None:
             return
         import wandb
@@ -238,7 +263,8 @@ class WandbSink:
         images = self._heatmap_images(wandb) if self.heatmap_every else {}
         if images:
             self._run.log({STEP_KEY: self._last_step, **images})
-        self._run.finish(exit_code=0 if status == "finished" else 1)
+        if not self.reuse_run:
+            self._run.finish(exit_code=0 if status == "finished" else 1)
         self._run = None
         for variable in self._set_env:
             os.environ.pop(variable, None)
