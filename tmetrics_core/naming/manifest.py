@@ -27,7 +27,8 @@ import torch.distributed as dist
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.naming.canonical import canonicalize
-from tmetrics_core.placements import Owned, Partial, Placement, Replica, Shard, parse_placement
+from tmetrics_core.naming.dtensor import dtensor_placements
+from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
 from tmetrics_core.site import Site
 
 __all__ = ["Manifest", "TensorEntry", "dtensor_placements"]
@@ -66,31 +67,6 @@ class TensorEntry:
         }
 
 
-def dtensor_placements(tensor: torch.Tensor) -> tuple[tuple[str, Placement], ...] | None:
-    """``(axis, placement)`` pairs of a DTensor (mesh dim names as axes), or None for a plain
-    tensor. DTensor ``Shard``/``Replicate``/``Partial`` map to Shard/Replica/Partial."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(tensor, DTensor):
-        return None
-    names = tensor.device_mesh.mesh_dim_names
-    if not names:
-        raise ConfigError(
-            "a DTensor parameter lives on a DeviceMesh without dim names; build the mesh with "
-            "init_device_mesh(..., mesh_dim_names=(...)) so tmetrics can map its dims to axes"
-        )
-    out = []
-    for axis, p in zip(names, tensor.placements):
-        if p.is_shard():
-            out.append((axis, Shard(p.dim)))
-        elif p.is_partial():
-            op = str(getattr(p, "reduce_op", "sum"))
-            out.append((axis, Partial(op if op in ("sum", "avg", "max", "min") else "sum")))
-        else:
-            out.append((axis, Replica()))
-    return tuple(out)
-
-
 @dataclass
 class Manifest:
     """Every tensor of the model by canonical name, identical on every rank.
@@ -120,7 +96,7 @@ class Manifest:
         local: dict[str, torch.nn.Parameter] = {}
         for cn in names:
             p = params[cn.original]
-            placements = dtensor_placements(p) or ()
+            placements = dtensor_placements(p, cn.original) or ()
             for axis, _ in placements:
                 if axis not in topology.axes:
                     raise ConfigError(
