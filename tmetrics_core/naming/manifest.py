@@ -77,6 +77,9 @@ class Manifest:
 
     entries: list[TensorEntry]
     local: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    stacked_experts: int = 0
+    """Experts along the expert dim of the largest tensor that stacks them (torchtitan
+    ``w1_EFD``), named whole; its global shape under expert parallelism."""
 
     @classmethod
     def build(cls, model: torch.nn.Module, topology: Topology, *,
@@ -107,9 +110,11 @@ class Manifest:
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
                                tuple(p.shape), str(p.dtype).replace("torch.", ""),
                                tuple((a, repr(pl)) for a, pl in placements)))
-        everything = _gather((topology.global_rank, coords, local_rows), topology)
+        stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
+                       if cn.expert_dim is not None and cn.expert is None), default=0)
+        everything = _gather((topology.global_rank, coords, local_rows, stacked), topology)
         entries = _merge(everything, topology, overrides or {})
-        return cls(entries, local)
+        return cls(entries, local, max(row[3] for row in everything))
 
     def sites(self, kind: str) -> list[Site]:
         """One site per tensor for ``kind``, in manifest order (sorted by canonical name)."""
@@ -126,8 +131,8 @@ class Manifest:
 
     @property
     def num_experts(self) -> int:
-        """Highest global expert index + 1 (0 without experts)."""
-        return 1 + max((e.expert for e in self.entries if e.expert is not None), default=-1)
+        """Highest global expert index + 1, or the experts of a stacked tensor (0 without experts)."""
+        return max(self.stacked_experts, 1 + max((e.expert for e in self.entries if e.expert is not None), default=-1))
 
 
 def _gather(mine: Any, topology: Topology) -> list[Any]:
@@ -141,7 +146,7 @@ def _gather(mine: Any, topology: Topology) -> list[Any]:
 def _merge(everything: Iterable[Any], topology: Topology,
            overrides: Mapping[str, Mapping[str, str]]) -> list[TensorEntry]:
     held: dict[str, list[tuple[int, dict[str, int], tuple]]] = {}
-    for rank, coords, rows in everything:
+    for rank, coords, rows, _ in everything:
         for row in rows:
             held.setdefault(row[0], []).append((rank, coords, row))
     entries = []

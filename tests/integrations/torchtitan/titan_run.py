@@ -23,6 +23,7 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 
 BATCH, SEQ = 4, 16
 METRICS = ("global-grad-l2", "layer-grad-l2", "layer-param-l2", "tensor-grad-l2")
+MOE_METRICS = METRICS + ("layer-expert-tokens",)
 
 
 def _spec(family: str):
@@ -62,7 +63,7 @@ def build(family: str, world: int, *, dp_shard: int = 1, tp: int = 1, ep: int = 
                                     spmd_backend="partial_dtensor")
     config = Trainer.Config(model_spec=spec, parallelism=parallelism,
                             training=TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, steps=3,
-                                                           mixed_precision_param="float32"))
+                                                           mixed_precision_param="float32", disable_cuda_graphs=True))
     spec.model.update_from_config(config=config)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -124,15 +125,18 @@ def train(model: torch.nn.Module, dims: Any, steps: int = 2, *, metrics: TensorM
           config_dir: str | None = None) -> dict[str, Any]:
     """``steps`` AdamW steps measured by tmetrics (built with no topology, placements or
     offsets given: ``from_config`` with torchtitan's ParallelDims); per step the records, the
-    global grad norm of torchtitan's ``clip_grad_norm_`` (float32), the float64 norm of the
-    full gradients (``full_tensor()``) and torchtitan's tokens per expert."""
+    global grad norm of torchtitan's ``clip_grad_norm_`` (float32), the float64 norms of the
+    full gradients (``full_tensor()``), whole and per canonical tensor, and torchtitan's tokens
+    per expert."""
     from torchtitan.distributed.utils import clip_grad_norm_
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if metrics is None:
         config = {"run": {"dir": config_dir or "/tmp/tmetrics-titan"}, "sinks": [],
-                  "metrics": [{"name": n, "interval": 1} for n in METRICS]}
+                  "metrics": [{"name": n, "interval": 1}
+                              for n in (MOE_METRICS if hasattr(model.layers["0"], "moe") else METRICS)]}
         metrics = TensorMetrics.from_config(config, model=model, optimizer=optimizer, mesh=dims)
+    named = dict(model.named_parameters())
     out = []
     ep = dims is not None and dims.ep > 1
     for step in range(1, steps + 1):
@@ -147,7 +151,9 @@ def train(model: torch.nn.Module, dims: Any, steps: int = 2, *, metrics: TensorM
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                      tokens[:, 1:].reshape(-1), reduction="sum") / (BATCH * SEQ)
             loss.backward()
-            exact = sum(_full(p.grad).double().pow(2).sum() for p in model.parameters() if p.grad is not None).sqrt()
+            squares = {e.name: _full(named[e.original].grad).double().pow(2).sum().item()
+                       for e in metrics.manifest.entries if named[e.original].grad is not None}
+            exact = sum(squares.values()) ** 0.5
             norm = clip_grad_norm_([p for p in model.parameters()], 1e9, ep_enabled=ep)
             optimizer.step()
             optimizer.zero_grad()
@@ -157,6 +163,7 @@ def train(model: torch.nn.Module, dims: Any, steps: int = 2, *, metrics: TensorM
                 counts[int(name.split(".")[1])] = module.tokens_per_expert_E.detach().clone()
         out.append({"records": {(r.metric, r.layer, r.expert, r.tensor, r.stat): r.value for r in metrics.last_records},
                     "norm": float(_full(norm)), "exact": float(exact),
+                    "tensor_exact": {name: value ** 0.5 for name, value in squares.items()},
                     "tokens_per_expert": counts,
                     "failures": [str(f) for f in metrics.failures]})
     metrics.close()
