@@ -18,6 +18,8 @@ local tensor, else a ``PlacementError``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tmetrics_core.errors import ConfigError, PlacementError
@@ -58,14 +60,14 @@ def dtensor_placements(tensor: torch.Tensor, name: str = "") -> tuple[tuple[str,
         )
     out: list[tuple[str, Placement]] = []
     for axis, p in zip(names, tensor.placements):
-        kind = type(p)
-        if kind is _StridedShard:
+        exact = type(p)  # subclasses (_MaskPartial) are other placements
+        if isinstance(p, _StridedShard) and exact is _StridedShard:
             out.append((axis, StridedShard(p.dim, split_factor=int(p.split_factor))))
-        elif kind is TorchShard:
+        elif isinstance(p, TorchShard) and exact is TorchShard:
             out.append((axis, Shard(p.dim)))
-        elif kind is Replicate:
+        elif isinstance(p, Replicate) and exact is Replicate:
             out.append((axis, Replica()))
-        elif kind is TorchPartial and str(p.reduce_op) in _PARTIAL_OPS:
+        elif isinstance(p, TorchPartial) and exact is TorchPartial and str(p.reduce_op) in _PARTIAL_OPS:
             out.append((axis, Partial(str(p.reduce_op))))
         else:
             raise PlacementError(
@@ -77,7 +79,7 @@ def dtensor_placements(tensor: torch.Tensor, name: str = "") -> tuple[tuple[str,
     return tuple(out)
 
 
-def _check_local_shape(tensor: torch.Tensor, placements: list[tuple[str, Placement]], label: str) -> None:
+def _check_local_shape(tensor: Any, placements: list[tuple[str, Placement]], label: str) -> None:
     """The shape the placements give this rank must be the local tensor's (an unknown layout
     would otherwise be measured as if it were the one tmetrics assumed)."""
     mesh = tensor.device_mesh

@@ -21,6 +21,7 @@ import torch
 
 from tests.distributed.harness import run_distributed
 from tests.integrations.torchtitan import titan_run
+from tmetrics_core.build import topology_for
 
 
 def _rank(rank, world, cases):
@@ -28,6 +29,9 @@ def _rank(rank, world, cases):
     for name, family, degrees in cases:
         model, dims, _ = titan_run.build(family, world, **degrees)
         out[name] = titan_run.train(model, dims, config_dir=f"/tmp/tmetrics-titan-{name}-{rank}-{world}")
+        out[name]["axes"] = {kind: {a.name: a.size for a in topology.axes.values()}
+                             for kind, topology in (("parallel_dims", topology_for(dims)),
+                                                    ("parameters", topology_for(model=model)))}
     return out
 
 
@@ -92,4 +96,7 @@ def test_fsdp2_tp_and_moe_on_two_ranks(one_process):
 def test_fsdp2_over_tp_on_2x2(one_process):
     for result in run_distributed(_rank, 4, [("fsdp-tp", "llama3", {"dp_shard": 2, "tp": 2})], timeout=500):
         assert any("_StridedShard" in p for p in result["fsdp-tp"]["placements"])
+        axes = result["fsdp-tp"]["axes"]
+        assert axes["parameters"] == {"fsdp": 2, "tp": 2}
+        assert {a: n for a, n in axes["parallel_dims"].items() if n > 1} == {"fsdp": 2, "tp": 2}
         _check(result["fsdp-tp"], one_process["llama3"])
