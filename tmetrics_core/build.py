@@ -54,7 +54,8 @@ def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None,
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ConfigError(
             f"torch.distributed runs {dist.get_world_size()} ranks but no topology was given; pass "
-            "mesh=<DeviceMesh with dim names> or axes={'dp': process_group, ...} (plain DDP: "
+            "mesh=<DeviceMesh with dim names, or torchtitan's ParallelDims> or "
+            "axes={'dp': process_group, ...} (plain DDP: "
             "axes={'dp': torch.distributed.group.WORLD})"
         )
     return Topology.single_process()

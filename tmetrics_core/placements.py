@@ -263,7 +263,8 @@ _LONG = re.compile(r"^(?P<cls>Replica|Replicate|Shard|Owned|Partial)\((?P<arg>[^
 
 def parse_placement(text: PlacementLike, *, logical_shape: tuple[int, ...] | None = None) -> Placement:
     """Read a placement from its ``str`` tag (``"S0"``, ``"R"``, ``"O1"``, ``"P(sum)"``) or its
-    ``repr`` (``"Shard(dim=0)"``, ``"Shard(0)"``, ``"S0/2"`` or ``"StridedShard(dim=0, split_factor=2)"``, ``"Replica()"``, ``"Owned(1)"``,
+    ``repr`` (``"Shard(dim=0)"``, ``"Shard(0)"``, ``"S0/2"`` or
+    ``"StridedShard(dim=0, split_factor=2)"``, ``"Replica()"``, ``"Owned(1)"``,
     ``"Partial('sum')"``); a Placement is returned as is. A ``F[start:end)`` tag needs
     ``logical_shape``. Raises :class:`PlacementError` naming the accepted forms.
     """

@@ -48,6 +48,8 @@ class ModuleIndex:
                 self.blocks.append((path, int(path.rpartition(".")[2]), module))
             if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
                 self.head = (path, module)
+        self.routers = [(m, ROUTERS[type(m).__name__]) for _, m in self.named if type(m).__name__ in ROUTERS]
+        """Router modules of known frameworks (`ROUTERS`) with their output readers."""
         self._block_paths = sorted(((p, i) for p, i, _ in self.blocks), key=lambda pi: -len(pi[0]))
 
     def path(self, module: torch.nn.Module) -> str:
@@ -93,11 +95,9 @@ class ModuleIndex:
                 lambda m, args, out: record(m, "", _first(out), kind="logits",
                                             shard_dim=1 if _first(out).shape[-1] < vocab else None)))
         if routers:
-            for _, module in self.named:
-                reader = ROUTERS.get(type(module).__name__)
-                if reader is not None:
-                    handles.append(module.register_forward_hook(
-                        lambda m, args, out, reader=reader: reader(record, m, out)))
+            for module, reader in self.routers:
+                handles.append(module.register_forward_hook(
+                    lambda m, args, out, reader=reader: reader(record, m, out)))
         for _, module in self.matching(patterns):
             handles.append(module.register_forward_hook(
                 lambda m, args, out: record(m, "", _first(out), kind="activation", shard_dim=None)))
