@@ -5,8 +5,6 @@ One module per framework, each importing its framework only when used:
 - :mod:`tmetrics_core.integrations.hf`: ``TMetricsCallback`` for the Hugging Face ``Trainer``;
 - :mod:`tmetrics_core.integrations.lightning`: ``TMetricsCallback`` for a Lightning ``Trainer``;
 - :mod:`tmetrics_core.integrations.accelerate`: ``attach(accelerator, model, optimizer, config)``.
-- :mod:`tmetrics_core.integrations.torchtitan`: the topology from torchtitan's ``ParallelDims`` (or
-  its parameters' meshes) and its routers' load, used by ``from_config`` with no glue.
 
 Each opens one step scope per optimizer step (across gradient accumulation) and reads the
 gradients before clipping, so ``global-grad-l2`` equals the total norm the framework clips by.
