@@ -31,12 +31,22 @@ _log = logging.getLogger("tmetrics")
 __all__ = ["build_from_config", "topology_for"]
 
 
-def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None) -> Topology:
-    """The topology from a DeviceMesh, an ``{axis: process group}`` mapping, or neither (one
-    process). Raises ``ConfigError`` when torch.distributed runs several ranks but neither
-    was given (tmetrics cannot guess which ranks hold replicas and which hold shards)."""
+def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None,
+                 model: torch.nn.Module | None = None) -> Topology:
+    """The topology from a DeviceMesh, torchtitan's ``ParallelDims``, an ``{axis: process
+    group}`` mapping, or neither: then the meshes of ``model``'s parameters when every one is a
+    DTensor, else one process. Raises ``ConfigError`` when torch.distributed runs several ranks
+    but none of these was given (tmetrics cannot guess which ranks hold replicas and which
+    hold shards)."""
+    from tmetrics_core.integrations import torchtitan
+
     if mesh is not None and axes is not None:
         raise ConfigError("pass either mesh= or axes=, not both")
+    if torchtitan.is_parallel_dims(mesh):
+        return torchtitan.parallel_dims_topology(mesh)
+    found = torchtitan.parameter_topology(model) if mesh is None and axes is None and model is not None else None
+    if found is not None and found.world_size > 1:
+        return found
     if mesh is not None:
         return Topology.from_mesh(mesh)
     if axes is not None:
@@ -44,7 +54,8 @@ def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None) -> Top
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ConfigError(
             f"torch.distributed runs {dist.get_world_size()} ranks but no topology was given; pass "
-            "mesh=<DeviceMesh with dim names> or axes={'dp': process_group, ...} (plain DDP: "
+            "mesh=<DeviceMesh with dim names, or torchtitan's ParallelDims> or "
+            "axes={'dp': process_group, ...} (plain DDP: "
             "axes={'dp': torch.distributed.group.WORLD})"
         )
     return Topology.single_process()
@@ -61,7 +72,7 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=os.fspath(run_dir)))
     config = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(),
                          sink_names=[name for name, _ in available_sinks()])
-    topology = topology_for(mesh, axes)
+    topology = topology_for(mesh, axes, model)
     metrics = []
     for i, mc in enumerate(config.metrics):
         try:

@@ -4,16 +4,17 @@ Each observed local tensor carries one placement per axis (an axis missing from 
 :class:`Replica`). The vocabulary follows DTensor's ``Replicate``/``Shard``/``Partial`` and adds
 the three layouts training frameworks use outside DTensor:
 
-===============  =====================================================  ====================
-placement        what axis rank ``r`` of ``n`` holds                     counted as
-===============  =====================================================  ====================
-``Replica()``    the whole tensor, identical on every rank               once
-``Shard(d)``     ``torch.chunk(t, n, dim=d)[r]`` (trailing may be empty)  sum over ranks
-``Shard(None)``  its own part of a population (tokens, micro-batches)    sum over ranks
-``FlatShard``    ``t.flatten()[start:end]`` (ranges may cut rows)         sum over ranks
-``Owned(o)``     the whole tensor if ``r == o``, else nothing             the owner's only
-``Partial(op)``  a partial value; the tensor is ``op`` over all ranks     reduced first
-===============  =====================================================  ====================
+=================  =====================================================  ====================
+placement          what axis rank ``r`` of ``n`` holds                     counted as
+=================  =====================================================  ====================
+``Replica()``      the whole tensor, identical on every rank               once
+``Shard(d)``       ``torch.chunk(t, n, dim=d)[r]`` (trailing may be empty)  sum over ranks
+``Shard(None)``    its own part of a population (tokens, micro-batches)    sum over ranks
+``StridedShard``   ``Shard(d)`` applied right-to-left (FSDP2 over TP)     sum over ranks
+``FlatShard``      ``t.flatten()[start:end]`` (ranges may cut rows)         sum over ranks
+``Owned(o)``       the whole tensor if ``r == o``, else nothing             the owner's only
+``Partial(op)``    a partial value; the tensor is ``op`` over all ranks     reduced first
+=================  =====================================================  ====================
 
 This module is torch-free: placements are plain frozen values, compared and hashed by value.
 ``repr`` round-trips; ``str`` is a short tag for logs and tables (``S0``, ``R``, ``F[0:512)``,
@@ -36,6 +37,7 @@ __all__ = [
     "ReduceOpName",
     "Replica",
     "Shard",
+    "StridedShard",
     "chunk_range",
     "parse_placement",
 ]
@@ -113,8 +115,53 @@ class Shard(Placement):
     def splits(self) -> bool:
         return True
 
+    def runs(self, size: int, parts: int, index: int) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` runs of dim ``dim`` (of current size ``size``) that axis rank
+        ``index`` of ``parts`` holds, in the order its local tensor stores them: one
+        ``torch.chunk`` piece (possibly empty)."""
+        return (chunk_range(size, parts, index),)
+
+    def local_length(self, size: int, parts: int, index: int) -> int:
+        """How many of ``size`` entries along ``dim`` axis rank ``index`` of ``parts`` holds."""
+        return sum(length for _, length in self.runs(size, parts, index))
+
     def __str__(self) -> str:
         return "S*" if self.dim is None else f"S{self.dim}"
+
+
+@dataclass(frozen=True, slots=True)
+class StridedShard(Shard):
+    """DTensor's ``_StridedShard(dim, split_factor)``: ``Shard(dim)`` as if applied after the
+    ``split_factor`` shards of the placements to its right (FSDP2 ``fully_shard`` over a
+    tensor-parallel DTensor shards each TP piece again, along the same dim).
+
+    Axis rank ``r`` of ``n`` holds, of the current ``size`` entries along ``dim``: piece ``r`` of
+    ``torch.chunk(c, n)`` for each ``c`` in ``torch.chunk(range(size), split_factor)``,
+    concatenated. Example, 8 rows, ``split_factor=2``, 2 ranks: rank 0 holds rows 0-1 and 4-5,
+    rank 1 rows 2-3 and 6-7; a following ``Shard(0)`` on the TP axis then leaves rank (fsdp 0,
+    tp 1) rows 4-5, as FSDP2 over TP stores them. For statistics over elements (sums, maxima,
+    counts) it is a disjoint split like ``Shard``; row positions come from :meth:`runs`.
+    """
+
+    split_factor: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or self.dim < 0:
+            raise PlacementError(f"StridedShard(dim={self.dim!r}): dim must be a non-negative int")
+        if not isinstance(self.split_factor, int) or self.split_factor < 1:
+            raise PlacementError(f"StridedShard(split_factor={self.split_factor!r}): need an int >= 1")
+
+    def runs(self, size: int, parts: int, index: int) -> tuple[tuple[int, int], ...]:
+        out = []
+        for j in range(self.split_factor):
+            start, length = chunk_range(size, self.split_factor, j)
+            inner, held = chunk_range(length, parts, index)
+            if held:
+                out.append((start + inner, held))
+        return tuple(out)
+
+    def __str__(self) -> str:
+        return f"S{self.dim}/{self.split_factor}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +254,7 @@ class Partial(Placement):
 
 PlacementLike = Union[Placement, str]
 
+_STRIDED = re.compile(r"^(?:S(?P<d>\d+)/(?P<f>\d+)|StridedShard\(dim=(?P<ld>\d+), split_factor=(?P<lf>\d+)\))$")
 _SHORT = re.compile(
     r"^(?:(?P<r>R)|S(?P<s>\d+|\*)|O(?P<o>\d+)|P\((?P<p>\w+)\)|F\[(?P<fs>\d+):(?P<fe>\d+)\))$"
 )
@@ -215,13 +263,17 @@ _LONG = re.compile(r"^(?P<cls>Replica|Replicate|Shard|Owned|Partial)\((?P<arg>[^
 
 def parse_placement(text: PlacementLike, *, logical_shape: tuple[int, ...] | None = None) -> Placement:
     """Read a placement from its ``str`` tag (``"S0"``, ``"R"``, ``"O1"``, ``"P(sum)"``) or its
-    ``repr`` (``"Shard(dim=0)"``, ``"Shard(0)"``, ``"Replica()"``, ``"Owned(1)"``,
+    ``repr`` (``"Shard(dim=0)"``, ``"Shard(0)"``, ``"S0/2"`` or
+    ``"StridedShard(dim=0, split_factor=2)"``, ``"Replica()"``, ``"Owned(1)"``,
     ``"Partial('sum')"``); a Placement is returned as is. A ``F[start:end)`` tag needs
     ``logical_shape``. Raises :class:`PlacementError` naming the accepted forms.
     """
     if isinstance(text, Placement):
         return text
     s = str(text).strip()
+    strided = _STRIDED.match(s)
+    if strided:
+        return StridedShard(int(strided["d"] or strided["ld"]), split_factor=int(strided["f"] or strided["lf"]))
     m = _SHORT.match(s)
     if m:
         if m["r"]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from tmetrics_core.placements import Placement, Replica, chunk_range
+from tmetrics_core.placements import Placement, Replica
 
 __all__ = ["Site", "SiteKey"]
 
@@ -76,8 +76,9 @@ class Site:
     def local_shape(self, coords: Mapping[str, int], sizes: Mapping[str, int]) -> tuple[int, ...]:
         """The shape the rank at ``coords`` holds (or would hold, for a placeholder).
 
-        Shard dims follow ``torch.chunk``; a FlatShard gives ``(end - start,)``; Owned and
-        Replica keep the logical shape. ``sizes`` maps axis names to axis sizes.
+        Shard dims follow ``torch.chunk`` (a StridedShard its right-to-left chunks), applied in
+        the order of ``placements``; a FlatShard gives ``(end - start,)``; Owned and Replica keep
+        the logical shape. ``sizes`` maps axis names to axis sizes.
         """
         shape = list(self.logical_shape)
         for axis, placement in self.placements:
@@ -85,7 +86,7 @@ class Site:
                 return (placement.numel,)  # type: ignore[attr-defined]
             if placement.is_shard() and placement.dim is not None:  # type: ignore[attr-defined]
                 d = placement.dim  # type: ignore[attr-defined]
-                shape[d] = chunk_range(shape[d], sizes[axis], coords.get(axis, 0))[1]
+                shape[d] = placement.local_length(shape[d], sizes[axis], coords.get(axis, 0))  # type: ignore[attr-defined]
         return tuple(shape)
 
     def describe(self) -> str:

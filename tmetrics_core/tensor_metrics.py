@@ -281,7 +281,7 @@ class TensorMetrics:
             handles = self.index.install(observer.record, observer.record_residual,
                                          residual="residual_accumulator" in kinds,
                                          contribution="residual_contribution" in kinds, logits="logits" in kinds,
-                                         patterns=patterns)
+                                         patterns=patterns, routers=bool(kinds & {"router_topk", "router_scores"}))
             reset = _ACTIVE.set(observer)
         failed = False
         try:

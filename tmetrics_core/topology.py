@@ -114,6 +114,33 @@ class Topology:
                              tuple(dist.get_process_group_ranks(group))))
         return cls(axes, global_rank=rank, world_size=world, population_axes=population_axes)
 
+    @classmethod
+    def from_meshes(cls, meshes: Iterable[Any], *, population_axes: Iterable[str] | None = None) -> "Topology":
+        """Axes from several DeviceMeshes over the same ranks, each dim name an axis (torchtitan's
+        dense ``(dp_replicate, fsdp, tp)`` and sparse ``(dp_replicate, efsdp, ep)`` meshes), in
+        first-seen order. Axes of different meshes may overlap (``efsdp x ep`` spans the ranks of
+        ``fsdp x tp``): each tensor is reduced over its own axes only, so pass
+        ``population_axes`` naming the axes whose ranks see different tokens, once each.
+
+        Raises ``ConfigError`` for a mesh without dim names, or one dim name bound to different
+        ranks in two meshes.
+        """
+        groups: dict[str, Any] = {}
+        ranks: dict[str, list[int]] = {}
+        for mesh in meshes:
+            if not mesh.mesh_dim_names:
+                raise ConfigError("a DeviceMesh has no dim names; build it with init_device_mesh(..., "
+                                  "mesh_dim_names=(...)) so each dim becomes a named axis")
+            for name in mesh.mesh_dim_names:
+                group = mesh.get_group(name)
+                members = dist.get_process_group_ranks(group)
+                if name in ranks and ranks[name] != members:
+                    raise ConfigError(f"mesh dim {name!r} holds ranks {ranks[name]} in one DeviceMesh and {members} "
+                                      "in another; give the axes explicitly with axes={name: process_group}")
+                ranks[name] = members
+                groups.setdefault(name, group if len(members) > 1 else None)
+        return cls.from_groups(groups, population_axes=population_axes)
+
     def joint_group(self, axes: tuple[str, ...]) -> Any:
         """The process group spanning several axes at once (ranks that differ only along
         ``axes``), so one collective replaces one per axis; None when the topology cannot build

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.naming.canonical import canonicalize
-from tmetrics_core.placements import Owned, Partial, Placement, Replica, Shard, parse_placement
+from tmetrics_core.naming.dtensor import dtensor_placements
+from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
 from tmetrics_core.site import Site
 
 __all__ = ["Manifest", "TensorEntry", "dtensor_placements"]
@@ -66,31 +67,6 @@ class TensorEntry:
         }
 
 
-def dtensor_placements(tensor: torch.Tensor) -> tuple[tuple[str, Placement], ...] | None:
-    """``(axis, placement)`` pairs of a DTensor (mesh dim names as axes), or None for a plain
-    tensor. DTensor ``Shard``/``Replicate``/``Partial`` map to Shard/Replica/Partial."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(tensor, DTensor):
-        return None
-    names = tensor.device_mesh.mesh_dim_names
-    if not names:
-        raise ConfigError(
-            "a DTensor parameter lives on a DeviceMesh without dim names; build the mesh with "
-            "init_device_mesh(..., mesh_dim_names=(...)) so tmetrics can map its dims to axes"
-        )
-    out = []
-    for axis, p in zip(names, tensor.placements):
-        if p.is_shard():
-            out.append((axis, Shard(p.dim)))
-        elif p.is_partial():
-            op = str(getattr(p, "reduce_op", "sum"))
-            out.append((axis, Partial(op if op in ("sum", "avg", "max", "min") else "sum")))
-        else:
-            out.append((axis, Replica()))
-    return tuple(out)
-
-
 @dataclass
 class Manifest:
     """Every tensor of the model by canonical name, identical on every rank.
@@ -101,6 +77,9 @@ class Manifest:
 
     entries: list[TensorEntry]
     local: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    stacked_experts: int = 0
+    """Experts along the expert dim of the largest tensor that stacks them (torchtitan
+    ``w1_EFD``), named whole; its global shape under expert parallelism."""
 
     @classmethod
     def build(cls, model: torch.nn.Module, topology: Topology, *,
@@ -120,7 +99,7 @@ class Manifest:
         local: dict[str, torch.nn.Parameter] = {}
         for cn in names:
             p = params[cn.original]
-            placements = dtensor_placements(p) or ()
+            placements = dtensor_placements(p, cn.original) or ()
             for axis, _ in placements:
                 if axis not in topology.axes:
                     raise ConfigError(
@@ -131,9 +110,11 @@ class Manifest:
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
                                tuple(p.shape), str(p.dtype).replace("torch.", ""),
                                tuple((a, repr(pl)) for a, pl in placements)))
-        everything = _gather((topology.global_rank, coords, local_rows), topology)
+        stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
+                       if cn.expert_dim is not None and cn.expert is None), default=0)
+        everything = _gather((topology.global_rank, coords, local_rows, stacked), topology)
         entries = _merge(everything, topology, overrides or {})
-        return cls(entries, local)
+        return cls(entries, local, max(row[3] for row in everything))
 
     def sites(self, kind: str) -> list[Site]:
         """One site per tensor for ``kind``, in manifest order (sorted by canonical name)."""
@@ -150,8 +131,8 @@ class Manifest:
 
     @property
     def num_experts(self) -> int:
-        """Highest global expert index + 1 (0 without experts)."""
-        return 1 + max((e.expert for e in self.entries if e.expert is not None), default=-1)
+        """Highest global expert index + 1, or the experts of a stacked tensor (0 without experts)."""
+        return max(self.stacked_experts, 1 + max((e.expert for e in self.entries if e.expert is not None), default=-1))
 
 
 def _gather(mine: Any, topology: Topology) -> list[Any]:
@@ -165,7 +146,7 @@ def _gather(mine: Any, topology: Topology) -> list[Any]:
 def _merge(everything: Iterable[Any], topology: Topology,
            overrides: Mapping[str, Mapping[str, str]]) -> list[TensorEntry]:
     held: dict[str, list[tuple[int, dict[str, int], tuple]]] = {}
-    for rank, coords, rows in everything:
+    for rank, coords, rows, _ in everything:
         for row in rows:
             held.setdefault(row[0], []).append((rank, coords, row))
     entries = []

@@ -468,8 +468,9 @@ def _local_tokens(tensor: torch.Tensor, shard_dim: int | None
     names = tensor.device_mesh.mesh_dim_names or ()
     split: set[str] = set()
     for axis, p in zip(names, tensor.placements):
-        if p.is_shard() and p.dim in (-1, tensor.dim() - 1):
+        sharded = p.is_shard() or type(p).__name__ == "_StridedShard"  # not a Shard in torch 2.13
+        if sharded and p.dim in (-1, tensor.dim() - 1):
             shard_dim = tensor.dim() - 1
-        elif p.is_shard():
+        elif sharded:
             split.add(axis)
     return tensor.to_local(), shard_dim, frozenset(split)

@@ -1,11 +1,21 @@
-"""torchtitan layout (llama3, llama4, qwen3, deepseek_v3 models).
+"""torchtitan layout (llama3, llama4, qwen3, deepseek_v3 models), 0.3.0 names and older ones.
 
 torchtitan keeps layers in a ``ModuleDict`` keyed by the global layer id, and pipeline
 stages delete the layers they do not own, so names already carry global layer indices: keep
-``layer_offset=0``. Routed experts are stacked: ``moe.experts.w1`` is ``[E, hidden, dim]``
-(a DTensor of global shape under expert parallelism). ``w1`` is the gate, ``w3`` up, ``w2``
-down. ``wq``/``wk`` rows are permuted for RoPE relative to Hugging Face; norms and maxima are
-unchanged by a row permutation.
+``layer_offset=0``. ``w1`` is the gate, ``w3`` up, ``w2`` down. ``wq``/``wk`` rows are permuted
+for RoPE relative to Hugging Face; norms and maxima are unchanged by a row permutation.
+
+torchtitan 0.3.0 (llama3 and qwen3 flavours) names:
+
+- ``attention.qkv_linear.wqkv.weight``: q, k and v fused, ``[n_kv_heads * (h + 2) * head_dim,
+  dim]`` with ``h = n_heads // n_kv_heads``. Its rows are grouped per key/value head: for
+  each kv head ``g``, ``h`` query heads, then key head ``g``, then value head ``g`` (each
+  ``head_dim`` rows). So q, k and v are not contiguous chunks: named whole, as ``attn.qkv``.
+- ``lm_head.weight`` (older: ``output.weight``): the output projection.
+- ``moe.routed_experts.inner_experts.w1_EFD`` / ``w3_EFD`` ``[E, hidden, dim]`` and ``w2_EDF``
+  ``[E, dim, hidden]`` (older: ``moe.experts.w1`` ...): every routed expert stacked along dim
+  0 (a DTensor of global shape under expert parallelism), one slice per expert.
+- ``moe.expert_bias_E`` (older: ``moe.expert_bias``): the load-balancing bias buffer.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ TORCHTITAN = Layout(
         Rule("tok_embeddings.weight", "embed.weight"),
         Rule("norm.weight", "final_norm.weight"),
         Rule("output.weight", "head.weight"),
+        Rule("lm_head.weight", "head.weight"),
         # attention
+        Rule("layers.{L}.attention.qkv_linear.wqkv.{P}", "layers.{L}.attn.qkv.{P}"),
         Rule("layers.{L}.attention_norm.weight", "layers.{L}.attn_norm.weight"),
         Rule("layers.{L}.attention.wq.{P}", "layers.{L}.attn.q.{P}"),
         Rule("layers.{L}.attention.wk.{P}", "layers.{L}.attn.k.{P}"),
@@ -46,6 +58,25 @@ TORCHTITAN = Layout(
         # MoE
         Rule("layers.{L}.moe.router.gate.{P}", "layers.{L}.moe.router.{P}"),
         Rule("layers.{L}.moe.expert_bias", "layers.{L}.moe.router.expert_bias"),
+        Rule("layers.{L}.moe.expert_bias_E", "layers.{L}.moe.router.expert_bias"),
+        Rule(
+            "layers.{L}.moe.routed_experts.inner_experts.w1_EFD",
+            "layers.{L}.moe.experts.gate.weight",
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.gate.weight",
+        ),
+        Rule(
+            "layers.{L}.moe.routed_experts.inner_experts.w3_EFD",
+            "layers.{L}.moe.experts.up.weight",
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.up.weight",
+        ),
+        Rule(
+            "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
+            "layers.{L}.moe.experts.down.weight",
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.down.weight",
+        ),
         Rule(
             "layers.{L}.moe.experts.w1",
             "layers.{L}.moe.experts.gate.weight",

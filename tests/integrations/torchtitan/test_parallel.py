@@ -1,0 +1,103 @@
+"""torchtitan 0.3.0 parallelized by its own functions on gloo (CPU shims in titan_run.py), measured
+with no topology, placements or offsets written here (``from_config(..., mesh=parallel_dims)``):
+
+- global-grad-l2 equals the float64 norm of the full gradients (rel 1e-6) and torchtitan's
+  ``clip_grad_norm_`` (rel 2e-4: torch accumulates that norm in float32, 6.6e-5 off the float64
+  value here even in one process);
+- tensor grad L2 equals the float64 norm of each full gradient of the same run (rel 1e-6);
+- layer grad and param L2 and tensor grad L2 equal the one-process run (rel 1e-4 across runs;
+  1e-3 for the MoE model, whose small q/k-norm gradients differ by 1.6e-4 between one process
+  and FSDP2, an honest difference of the two runs' float32 sums, not of the measure);
+- tokens per expert (qwen3 MoE, router hooked with no model code) equal torchtitan's own
+  ``tokens_per_expert_E`` counts summed over the data-parallel ranks.
+
+Runs: llama3 one process, FSDP2 (2), TP (2), FSDP2 x TP (2x2); qwen3 MoE one process and FSDP2 (2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+from tests.integrations.torchtitan import titan_run
+from tmetrics_core.build import topology_for
+
+
+def _rank(rank, world, cases):
+    out = {}
+    for name, family, degrees in cases:
+        model, dims, _ = titan_run.build(family, world, **degrees)
+        out[name] = titan_run.train(model, dims, config_dir=f"/tmp/tmetrics-titan-{name}-{rank}-{world}")
+        out[name]["axes"] = {kind: {a.name: a.size for a in topology.axes.values()}
+                             for kind, topology in (("parallel_dims", topology_for(dims)),
+                                                    ("parameters", topology_for(model=model)))}
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    out = {}
+    for family in ("llama3", "qwen3"):
+        model, dims, _ = titan_run.build(family, 1)
+        out[family] = titan_run.train(model, dims, config_dir=f"/tmp/tmetrics-titan-one-{family}")
+    return out
+
+
+def _check(run, reference, across=1e-4):
+    for step, want in zip(run["steps"], reference["steps"]):
+        assert not step["failures"], step["failures"]
+        got = step["records"]
+        key = ("global-grad-l2", None, None, None, None)
+        assert got[key] == pytest.approx(step["exact"], rel=1e-6)
+        assert got[key] == pytest.approx(step["norm"], rel=2e-4)
+        for name, value in step["tensor_exact"].items():
+            tensor = next(v for k, v in got.items() if k[0] == "tensor-grad-l2" and k[3] == name)
+            assert tensor == pytest.approx(value, rel=1e-6), name
+        assert set(got) == set(want["records"])
+        for k, value in want["records"].items():
+            if k[0] == "layer-expert-tokens":
+                assert got[k] == value, k  # the same routing: equal counts
+            else:
+                assert got[k] == pytest.approx(value, rel=across), k
+
+
+def _tokens(ranks, case):
+    """Per step and layer, torchtitan's counts summed over the data-parallel ranks."""
+    steps = [r[case]["steps"] for r in ranks]
+    return [{layer: tuple(sum(torch.stack([s[i]["tokens_per_expert"][layer] for s in steps]).unbind()).tolist())
+             for layer in steps[0][i]["tokens_per_expert"]} for i in range(len(steps[0]))]
+
+
+def test_one_process(one_process):
+    for family, run in one_process.items():
+        for step in run["steps"]:
+            got = step["records"]
+            key = ("global-grad-l2", None, None, None, None)
+            assert got[key] == pytest.approx(step["exact"], rel=1e-6)
+            assert got[key] == pytest.approx(step["norm"], rel=2e-4)
+            for layer, counts in step["tokens_per_expert"].items():
+                assert got[("layer-expert-tokens", layer, None, None, None)] == tuple(counts.tolist())
+        assert (family == "qwen3") == any(k[0] == "layer-expert-tokens" for k in run["steps"][0]["records"])
+
+
+def test_fsdp2_tp_and_moe_on_two_ranks(one_process):
+    cases = [("fsdp", "llama3", {"dp_shard": 2}), ("tp", "llama3", {"tp": 2}),
+             ("moe-fsdp", "qwen3", {"dp_shard": 2})]
+    ranks = run_distributed(_rank, 2, cases, timeout=500)
+    for result in ranks:
+        _check(result["fsdp"], one_process["llama3"])
+        _check(result["tp"], one_process["llama3"])
+        _check(result["moe-fsdp"], one_process["qwen3"], across=1e-3)
+    for step, counts in zip(ranks[0]["moe-fsdp"]["steps"], _tokens(ranks, "moe-fsdp")):
+        for layer, want in counts.items():
+            assert step["records"][("layer-expert-tokens", layer, None, None, None)] == want
+
+
+def test_fsdp2_over_tp_on_2x2(one_process):
+    for result in run_distributed(_rank, 4, [("fsdp-tp", "llama3", {"dp_shard": 2, "tp": 2})], timeout=500):
+        assert any("_StridedShard" in p for p in result["fsdp-tp"]["placements"])
+        axes = result["fsdp-tp"]["axes"]
+        assert axes["parameters"] == {"fsdp": 2, "tp": 2}
+        assert {a: n for a, n in axes["parallel_dims"].items() if n > 1} == {"fsdp": 2, "tp": 2}
+        _check(result["fsdp-tp"], one_process["llama3"])
