@@ -7,9 +7,9 @@ matches and whether a series is in a rule's scope are decided once and cached.
 
 Each series (one metric with one label set; a vector element counts as expert ``i``) has at most
 one open alert per rule: a rule that trips opens an ``open`` alert, later trips are silent, and
-the first due value back at the baseline emits a ``closed`` alert. Alerts that open within
-``cluster_steps`` steps of the previous opening form a cluster, and every alert of the cluster
-names its first one (earliest step; within a step, the biggest jump, then the most specific
+the first due value back at the baseline emits a ``closed`` alert. An alert opening more than
+``cluster_steps`` steps after the current cluster's first alert starts a new cluster; every alert
+of a cluster names its first one (earliest step; within a step, the biggest jump, then the most specific
 labels), which is how a run says which layer or expert went wrong first.
 """
 
@@ -43,7 +43,7 @@ class AlertEngine:
         self._trackers: dict[tuple[int, _SeriesKey], Tracker | None] = {}
         self._opened: dict[tuple[int, _SeriesKey], tuple[int, dict[str, Any]]] = {}  # open step, cluster lead
         self._first: dict[str, Any] = {}
-        self._last_open: int | None = None
+        self._cluster_start: int | None = None
         self.history: list[Alert] = []
         """Every alert raised so far, in order."""
 
@@ -105,12 +105,12 @@ class AlertEngine:
         if not opened:
             return []
         ranked = sorted(opened, key=lambda o: (-_jump(o[1], o[2]), -sum(x is not None for x in o[0][1][1:3])))
-        if self._last_open is None or step - self._last_open > self.config.cluster_steps:
+        if self._cluster_start is None or step - self._cluster_start > self.config.cluster_steps:
+            self._cluster_start = step
             (index, series), _, _ = ranked[0]
             rule = self.rules[index]
             self._first = {"step": step, "rule": rule.name, "metric": series[0]} | {
                 name: v for name, v in zip(("layer", "expert", "tensor", "stat"), series[1:]) if v is not None}
-        self._last_open = step
         alerts = []
         for key, number, baseline in ranked:
             self._opened[key] = (step, self._first)

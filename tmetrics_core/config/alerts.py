@@ -226,8 +226,9 @@ class AlertsConfig:
     infinity, a non-zero ``*-nonfinite`` count), unless a rule is already named
     ``nonfinite-gradients``."""
     cluster_steps: int = 10
-    """Alerts opening within this many steps of an alert that opened with no other open belong to
-    its cluster; each names the cluster's first alert (earliest step, then the biggest jump)."""
+    """Alerts opening within this many steps after a cluster's first alert belong to its cluster
+    and name that first alert (earliest step, then the biggest jump); a later one starts a new
+    cluster."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.rules, (list, tuple)) or not all(isinstance(r, tuple(_KINDS.values()))
