@@ -48,6 +48,11 @@ class AlertEngine:
         """Every alert raised so far, in order."""
 
     @property
+    def watched(self) -> int:
+        """How many (rule, series) pairs have a tracker: the work per due step when all are due."""
+        return sum(1 for tracker in self._trackers.values() if tracker is not None)
+
+    @property
     def open_alerts(self) -> int:
         """How many series have an open alert now."""
         return len(self._opened)

@@ -1,4 +1,4 @@
-"""The ``tmetrics`` command: ``demo``, ``metrics``, ``names``, ``validate``, ``compare``, ``replay``.
+"""The ``tmetrics`` command: ``demo``, ``metrics``, ``names``, ``validate``, ``alerts``, ``compare``, ``replay``.
 
 Each command is a thin shell over a library function; errors of tmetrics (``TMetricsError``)
 print as one clear line and exit with status 2, without a traceback.
@@ -113,6 +113,16 @@ def validate_command(config: Path) -> None:
     click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
                f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "
                f"sinks {', '.join(loaded.sinks) or 'none'}; run dir {loaded.run.dir}")
+
+
+@main.command("alerts")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@_friendly
+def alerts_command(run_dir: Path) -> None:
+    """Print the alerts a run raised (RUN_DIR/alerts.jsonl, written by the jsonl sink) as a table."""
+    from tmetrics_core.cli.alerts_table import format_alerts, read_alerts
+
+    click.echo(format_alerts(read_alerts(run_dir)))
 
 
 @main.command("compare")
