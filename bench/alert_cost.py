@@ -126,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
           f"({statistics.median(ratios) * 100:.3f}% of the step) over {args.rounds} rounds")
     print(f"{args.layers} layers x {args.experts} experts: {n_big} records per due step "
           f"({args.layers * args.experts} tokens-per-expert elements), {series_big} (rule, series) pairs; rules "
-          f"{statistics.median(big_s) * 1e3:.2f} ms per due step = {statistics.median(big_s) / statistics.median(step_s)
-          f":.5f} x the demo step (an upper bound: a model that size steps far slower)")
+          f"{statistics.median(big_s) * 1e3:.2f} ms per due step = "
+          f"{statistics.median(big_s) / statistics.median(step_s):.5f} x the demo step (an upper bound: a model that "
+          f"size steps far slower)")
 
 
 if __name__ == "__main__":
