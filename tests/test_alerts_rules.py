@@ -132,6 +132,7 @@ def test_default_set_and_gradient_nonfinite_on_by_default():
     config = load_config({"alerts": "default"}).alerts
     names = [r.name for r in config.active_rules]
     assert names == ["grad-norm-spike", "update-ratio-spike", "nonfinite-gradients", "dead-expert", "load-imbalance"]
+    assert config.rules[4].scope == {"stat": "max-over-mean"}  # the stat name layer-expert-load-imbalance uses
     assert [r.name for r in AlertsConfig().active_rules] == ["nonfinite-gradients"]
     eng = AlertEngine(AlertsConfig())
     assert [a.metric for a in eng.observe([R("global-grad-l2", 1, math.nan), R("output-entropy", 1, math.nan)], 1)] \
@@ -168,3 +169,12 @@ def test_config_errors_name_path_and_value(alerts, message):
 def test_config_round_trips_through_to_dict():
     config = load_config({"alerts": ["default", {"kind": "threshold", "metric": "x", "below": 0}]})
     assert load_config(config.to_dict()) == config
+
+
+def test_stuck_share_tells_a_sudden_death_from_a_slow_starvation():
+    eng = engine({"kind": "stuck", "metric": "t", "mode": "zero", "steps": 1, "share": 0.25, "warmup": 1})
+    # expert 0 starves (10 of a mean 100 -> 0.1 of its share, then 0); expert 1 had 100 (1.0) and
+    # drops to 0 at once; expert 2 drops to 0 at step 1, inside the warm-up
+    rows = [(10.0, 100.0, 0.0, 290.0), (0.0, 0.0, 0.0, 400.0), (0.0, 0.0, 0.0, 400.0)]
+    got = {s: eng.observe([R("t", s, row, layer=0)], s) for s, row in enumerate(rows, start=1)}
+    assert [(a.step, a.expert, a.baseline) for alerts in got.values() for a in alerts] == [(2, 1, 100.0)]

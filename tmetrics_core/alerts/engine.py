@@ -71,10 +71,12 @@ class AlertEngine:
             if not rules:
                 continue
             value = record.value
+            mean = None
             if isinstance(value, float | int):
                 items = [((record.metric, record.layer, record.expert, record.tensor, record.stat), float(value))]
             elif isinstance(value, tuple):
                 items = record.elements()
+                mean = math.fsum(value) / len(value) if value else None
             else:
                 continue
             for index in rules:
@@ -85,7 +87,7 @@ class AlertEngine:
                         tracker = self._trackers[key] = self._new_tracker(index, series)
                     if tracker is None:
                         continue
-                    event = tracker.observe(number)
+                    event = tracker.observe(number, mean)
                     if event is None:
                         continue
                     if event[0] == "trip":

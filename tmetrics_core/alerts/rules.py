@@ -38,7 +38,7 @@ class SpikeTracker:
         self.var = 0.0
         self._alpha = 2.0 / (rule.window + 1)
 
-    def observe(self, value: float) -> Event:
+    def observe(self, value: float, mean: float | None = None) -> Event:
         if not math.isfinite(value):
             return None
         event: Event = None
@@ -88,7 +88,7 @@ class ThresholdTracker:
         self.open = False
         self.bound: float | None = None
 
-    def observe(self, value: float) -> Event:
+    def observe(self, value: float, mean: float | None = None) -> Event:
         if math.isnan(value):
             return None
         above, below = self.rule.above, self.rule.below
@@ -115,7 +115,7 @@ class NonfiniteTracker:
         self.last: float | None = None
         self.counts = counts
 
-    def observe(self, value: float) -> Event:
+    def observe(self, value: float, mean: float | None = None) -> Event:
         bad = not math.isfinite(value) or (self.counts and value > 0)
         event: Event = None
         if bad and not self.open:
@@ -129,9 +129,10 @@ class NonfiniteTracker:
 
 class StuckTracker:
     """:class:`~tmetrics_core.config.alerts.StuckRule` on one series; NaN is skipped. The baseline
-    is the last value before the run of zeros (``zero``) or the repeated value (``unchanged``)."""
+    is the last value before the run of zeros (``zero``) or the repeated value (``unchanged``).
+    ``mean`` is the mean of the vector the value is an element of (``share``), else ``None``."""
 
-    __slots__ = ("rule", "open", "run", "previous", "before")
+    __slots__ = ("rule", "open", "run", "previous", "before", "share", "seen")
 
     def __init__(self, rule: StuckRule) -> None:
         self.rule = rule
@@ -139,23 +140,29 @@ class StuckTracker:
         self.run = 0
         self.previous: float | None = None
         self.before: float | None = None
+        self.share: float | None = None  # the value before the zeros over its vector's mean then
+        self.seen = 0
 
-    def observe(self, value: float) -> Event:
+    def observe(self, value: float, mean: float | None = None) -> Event:
         if math.isnan(value):
             return None
+        self.seen += 1
         atol = self.rule.atol
         if self.rule.mode == "zero":
             stuck = abs(value) <= atol
             baseline = self.before
             if not stuck:
                 self.before = value
+                self.share = value / mean if mean else None
         else:
             stuck = self.previous is not None and abs(value - self.previous) <= atol
             baseline = self.previous
         # zero: zeros in a row; unchanged: equal values in a row, the first of them included
         self.run = self.run + 1 if stuck else (0 if self.rule.mode == "zero" else 1)
         self.previous = value
-        if self.run >= self.rule.steps and not self.open:
+        due = self.seen > self.rule.warmup and (
+            self.rule.share is None or (self.share is not None and self.share >= self.rule.share))
+        if self.run >= self.rule.steps and not self.open and due:
             self.open = True
             return ("trip", baseline if self.rule.mode == "zero" else value)
         if self.open and not stuck:

@@ -5,7 +5,7 @@ Shapes accepted (every key optional)::
     alerts: default                          # the default rule set (DEFAULT_RULES)
     alerts:                                  # a list of rules
       - {kind: spike, metric: layer-update-ratio, scope: {layer: "*"}, factor: 10}
-      - {kind: threshold, metric: layer-expert-load-imbalance, scope: {stat: max_over_mean}, above: 4}
+      - {kind: threshold, metric: layer-expert-load-imbalance, scope: {stat: max-over-mean}, above: 4}
       - {kind: nonfinite, metric: "layer-grad-*"}
       - {kind: stuck, metric: layer-expert-tokens, mode: zero, steps: 2}
     alerts: {rules: default, gradient_nonfinite: true, cluster_steps: 10}
@@ -173,7 +173,12 @@ class NonfiniteRule(_Rule):
 class StuckRule(_Rule):
     """Trips when the last ``steps`` due values are all zero (``mode: zero``, |value| <= atol:
     a dead expert) or all equal (``mode: unchanged``, within atol: a frozen layer). Closes at the
-    first due value that breaks the run."""
+    first due value that breaks the run.
+
+    With ``share`` (zero mode, vector elements such as tokens per expert): trips only when the
+    element's last non-zero value was at least ``share`` x the mean of its vector at that step,
+    i.e. an expert that had its share of tokens and lost all of them, not one that starved
+    slowly (which the router's balancing often revives)."""
 
     kind: Literal["stuck"] = "stuck"
     mode: Literal["zero", "unchanged"] = "zero"
@@ -182,9 +187,21 @@ class StuckRule(_Rule):
     """Consecutive due values it takes (>= 1 for zero, >= 2 for unchanged)."""
     atol: float = 0.0
     """Absolute tolerance in the metric's unit."""
+    warmup: int = 0
+    """Due values seen before the rule may trip (early training moves routing wildly)."""
+    share: float | None = None
+    """Zero mode on vector elements: the least fraction of the vector's mean the value before the
+    zeros must have had (0.25: a quarter of a fair share); ``None``: any value."""
 
     def __post_init__(self) -> None:
         self._check_common("stuck")
+        _count(self.warmup, path="warmup", minimum=0, meaning="due values before the rule may trip")
+        if self.share is not None:
+            if self.mode != "zero":
+                raise ConfigError(f"got {self.share!r} with mode 'unchanged'; share applies to mode 'zero'",
+                                  path="share")
+            object.__setattr__(self, "share", _number(self.share, path="share", need="a fraction > 0 of the "
+                                                      "vector's mean", ok=lambda v: v > 0))
         if self.mode not in ("zero", "unchanged"):
             raise ConfigError(f"got {self.mode!r}; need 'zero' or 'unchanged'", path="mode")
         _count(self.steps, path="steps", minimum=1 if self.mode == "zero" else 2,
@@ -202,17 +219,27 @@ GRADIENT_NONFINITE = NonfiniteRule(name="nonfinite-gradients", metric="*grad*")
 """Non-finite values (and non-zero ``*-nonfinite`` counts) of every gradient metric."""
 
 DEFAULT_RULES: tuple[AlertRule, ...] = (
-    SpikeRule(name="grad-norm-spike", metric="layer-grad-l2", scope={"layer": "*"}, factor=10.0),
-    SpikeRule(name="update-ratio-spike", metric="layer-update-ratio", scope={"layer": "*"}, factor=10.0),
+    SpikeRule(name="grad-norm-spike", metric="layer-grad-l2", scope={"layer": "*"}, factor=10.0, warmup=10),
+    SpikeRule(name="update-ratio-spike", metric="layer-update-ratio", scope={"layer": "*"}, factor=10.0, warmup=10),
     GRADIENT_NONFINITE,
     StuckRule(name="dead-expert", metric="layer-expert-tokens", scope={"layer": "*", "expert": "*"},
-              mode="zero", steps=1),
-    ThresholdRule(name="load-imbalance", metric="layer-expert-load-imbalance", scope={"stat": "max_over_mean"},
+              mode="zero", steps=1, warmup=10, share=0.25),
+    ThresholdRule(name="load-imbalance", metric="layer-expert-load-imbalance", scope={"stat": "max-over-mean"},
                   above=4.0),
 )
-"""``alerts: default``: per-layer gradient-norm and update-ratio spikes (10x the median of the last
-20 due values), non-finite gradients (:data:`GRADIENT_NONFINITE`), dead experts (no token at a due step) and load
-imbalance (max over mean tokens per expert above 4)."""
+"""``alerts: default``, for the demo bundle (metrics logged every 5 steps):
+
+- ``grad-norm-spike``, ``update-ratio-spike``: a layer's gradient L2 norm or update ratio over 10x
+  the median of its last 20 due values, after 10 due values (early training moves them by more);
+- ``nonfinite-gradients``: :data:`GRADIENT_NONFINITE`;
+- ``dead-expert``: an expert that got at least a quarter of its fair share of tokens at one due
+  step and none at the next, after 10 due values (the demo's router starves and revives experts
+  slowly in clean runs; a slowly starved expert is not reported);
+- ``load-imbalance``: max over mean tokens per expert above 4. The ratio is at most
+  experts / top-k, so this fires only for models where that exceeds 4 (64 experts, top-8: up to 8);
+  the demo (4 experts, top-2) routes every token of some layers through one expert in clean runs
+  (ratio 2.0, its maximum), so no bound there tells a fault from a clean run.
+"""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
