@@ -223,7 +223,7 @@ DEFAULT_RULES: tuple[AlertRule, ...] = (
     SpikeRule(name="update-ratio-spike", metric="layer-update-ratio", scope={"layer": "*"}, factor=10.0, warmup=10),
     GRADIENT_NONFINITE,
     StuckRule(name="dead-expert", metric="layer-expert-tokens", scope={"layer": "*", "expert": "*"},
-              mode="zero", steps=1, warmup=10, share=0.25),
+              mode="zero", steps=1, warmup=10, share=0.5),
     ThresholdRule(name="load-imbalance", metric="layer-expert-load-imbalance", scope={"stat": "max-over-mean"},
                   above=4.0),
 )
@@ -232,7 +232,7 @@ DEFAULT_RULES: tuple[AlertRule, ...] = (
 - ``grad-norm-spike``, ``update-ratio-spike``: a layer's gradient L2 norm or update ratio over 10x
   the median of its last 20 due values, after 10 due values (early training moves them by more);
 - ``nonfinite-gradients``: :data:`GRADIENT_NONFINITE`;
-- ``dead-expert``: an expert that got at least a quarter of its fair share of tokens at one due
+- ``dead-expert``: an expert that got at least half of its fair share of tokens at one due
   step and none at the next, after 10 due values (the demo's router starves and revives experts
   slowly in clean runs; a slowly starved expert is not reported);
 - ``load-imbalance``: max over mean tokens per expert above 4. The ratio is at most
