@@ -82,9 +82,9 @@ class AlertEngine:
             for index in rules:
                 for series, number in items:
                     key = (index, series)
-                    tracker = self._trackers.get(key, False)
-                    if tracker is False:
-                        tracker = self._trackers[key] = self._new_tracker(index, series)
+                    if key not in self._trackers:
+                        self._trackers[key] = self._new_tracker(index, series)
+                    tracker = self._trackers[key]
                     if tracker is None:
                         continue
                     event = tracker.observe(number, mean)

@@ -315,7 +315,7 @@ def _rules(value: Any, *, path: str) -> tuple[AlertRule, ...]:
         return DEFAULT_RULES
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise ConfigError(f"got {value!r}; need 'default' or a list of rules", path=path)
-    rules = []
+    rules: list[AlertRule] = []
     for index, item in enumerate(value):
         where = f"{path}[{index}]"
         if item == "default":
