@@ -11,6 +11,7 @@ from torch import nn
 
 from tmetrics_core.alerts import Alert, AlertEngine
 from tmetrics_core.config.alerts import parse_alerts
+from tmetrics_core.hub.replay import replay
 from tmetrics_core.hub.sink_hub import SinkHub
 from tmetrics_core.hub.spool import SpoolReader
 from tmetrics_core.records import MetricRecord, RunInfo
@@ -99,3 +100,6 @@ def test_a_sink_failing_on_alerts_keeps_its_records_and_spools_the_alerts(tmp_pa
     counts = {s.sink: (s.written, s.spooled, s.dropped) for s in report.sinks}
     assert counts == {"plain": (4, 0, 0), "showing": (4, 0, 0), "broken": (4, 0, 0)}
     assert not (tmp_path / "spool" / "plain.jsonl").exists()
+    later = _AlertSink("later")
+    assert replay(tmp_path / "spool" / "broken.jsonl", later) == 0  # no record was spooled, only alerts
+    assert [a.to_json() for a in later.alerts] == [a.to_json() for a in showing.alerts]
