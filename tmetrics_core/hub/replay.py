@@ -43,8 +43,9 @@ def replay(
 
     The sink is opened once, records of consecutive lines with the same step are written in one
     ``write`` call, alerts (``alert`` lines) go to the sink's ``write_alerts`` when it has one,
-    then the sink is flushed and closed with ``"finished"`` (``"failed"`` if a write raised, and the error propagates; records written before it stay written). Lines the
-    reader cannot parse (a torn last line) are skipped and logged as a warning.
+    then the sink is flushed and closed with ``"finished"`` (``"failed"`` if a write raised,
+    and the error propagates; records written before it stay written). Lines the reader cannot
+    parse (a torn last line) are skipped and logged as a warning.
 
     Raises:
         ConfigError: ``options`` given with a sink object; an unknown sink name or bad options.
