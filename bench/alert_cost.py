@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import time
 
 import torch
@@ -46,7 +47,8 @@ def demo_records() -> list[MetricRecord]:
     holder: list[TensorMetrics] = []
 
     def factory(model, optimizer, mesh):
-        holder.append(TensorMetrics.from_config(config, model=model, optimizer=optimizer, run_dir="/tmp/alert-cost"))
+        holder.append(TensorMetrics.from_config(config, model=model, optimizer=optimizer,
+                                                run_dir=tempfile.mkdtemp(prefix="alert-cost-")))
         return holder[0]
 
     trainer = _trainer(factory)

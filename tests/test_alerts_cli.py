@@ -37,7 +37,7 @@ def test_alerts_command_prints_the_table(tmp_path):
     assert rows[1][:7] == ["12", "open", "nonfinite-gradients", "layer-grad-l2", "layer", "2", "nan"]
     assert rows[1][-1] == "(this)"
     assert rows[2][:5] == ["12", "open", "nonfinite-gradients", "global-grad-l2", "global"]
-    assert " ".join(rows[2][-6:]) == "nonfinite-gradients layer 2 at step 12"
+    assert " ".join(rows[2][-7:]) == "nonfinite-gradients layer-grad-l2 layer 2 at step 12"
 
 
 def test_alerts_command_on_a_run_without_alerts_and_on_a_missing_dir(tmp_path):

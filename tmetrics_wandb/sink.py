@@ -247,7 +247,9 @@ class WandbSink:
                 run.alert(title=f"tmetrics: {alert.rule} {alert.where()}"[:63], text=alert.describe(),
                           level="ERROR" if alert.kind == "nonfinite" else "WARN", wait_duration=1)
         self._alert_rows.extend([_cell(v) for v in a.row()] for a in alerts)
-        run.log({STEP_KEY: step, ALERTS_KEY: wandb.Table(columns=list(COLUMNS), data=self._alert_rows)})
+        # mixed types: a NaN value is the text "nan" in a column of numbers, a missing label None
+        table = wandb.Table(columns=list(COLUMNS), data=self._alert_rows, allow_mixed_types=True)
+        run.log({STEP_KEY: step, ALERTS_KEY: table})
 
     def flush(self) -> None:
         """Nothing to do: each ``log`` call is handed to W&B's service process at once, which

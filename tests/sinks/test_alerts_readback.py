@@ -74,9 +74,9 @@ def test_console_prints_one_warning_line_per_alert(run_info: RunInfo, capsys: py
     assert lines == [
         "tmetrics ALERT step 2 OPEN layer-grad-l2-threshold layer-grad-l2 layer 2: 2.2 vs baseline 2.05 (1.07x)",
         "tmetrics ALERT step 2 OPEN layer-grad-l2-threshold layer-grad-l2 layer 1: 2.1 vs baseline 2.05 (1.02x); "
-        "first: layer-grad-l2-threshold layer 2 at step 2",
+        "first: layer-grad-l2-threshold layer-grad-l2 layer 2 at step 2",
         "tmetrics ALERT step 3 CLOSED layer-grad-l2-threshold layer-grad-l2 layer 1: 1 vs baseline 2.05 (2.05x); "
-        "first: layer-grad-l2-threshold layer 2 at step 2",
+        "first: layer-grad-l2-threshold layer-grad-l2 layer 2 at step 2",
         "tmetrics ALERT step 3 CLOSED layer-grad-l2-threshold layer-grad-l2 layer 2: 1 vs baseline 2.05 (2.05x)",
     ]
 
@@ -106,6 +106,25 @@ def test_wandb_offline_alerts_and_table(run_info: RunInfo, tmp_path: Path, monke
     assert table["columns"][:5] == ["step", "state", "rule", "kind", "metric"]
     assert [(row[0], row[1], row[5]) for row in table["data"]] == [(2, "open", 2), (2, "open", 1), (3, "closed", 1),
                                                                   (3, "closed", 2)]
+
+
+def test_wandb_nan_alert_is_an_error_and_a_table_row(run_info: RunInfo, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    engine = AlertEngine(parse_alerts({"rules": []}))
+    nan_alerts = engine.observe([MetricRecord("layer-grad-l2", 1, 0.5, layer=0)], 1) + engine.observe(
+        [MetricRecord("layer-grad-l2", 2, math.nan, layer=0)], 2)
+    sink = WandbSink(mode="offline", dir=str(tmp_path / "wb"))
+    sink.open(run_info)
+    sink.write([MetricRecord("layer-grad-l2", 2, math.nan, layer=0)], 2)
+    sink.write_alerts(nan_alerts, 2)
+    sink.close("finished")
+    path = find_run_file(tmp_path / "wb")
+    run = read_run(path)
+    assert [(a.title, a.level) for a in run.alerts] == [("tmetrics: nonfinite-gradients layer 0", "ERROR")]
+    table = json.loads((path.parent / "files" / run.column(ALERTS_KEY)[-1][1]["path"]).read_text())
+    assert [(row[0], row[2], row[5], row[9], row[10], row[11]) for row in table["data"]] == [
+        (2, "nonfinite-gradients", 0, "nan", 0.5, "inf")]
 
 
 def test_mlflow_tags_and_alerts_artifact(run_info: RunInfo, mlflow_uri: str) -> None:

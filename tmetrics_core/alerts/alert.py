@@ -62,6 +62,12 @@ class Alert:
         """The labels as words: ``layer 5 expert 7`` (``global`` when none is set)."""
         return " ".join(f"{k} {v}" for k, v in self.labels.items()) or "global"
 
+    def is_first(self) -> bool:
+        """Whether ``first`` names this alert itself (its rule, metric, labels and opening step)."""
+        lead = self.first
+        return (lead.get("step"), lead.get("rule"), lead.get("metric")) == (self.opened, self.rule, self.metric) \
+            and all(lead.get(k) == getattr(self, k) for k in _LABELS)
+
     def describe(self) -> str:
         """One line for a person: ``step 100 OPEN update-ratio-spike layer-update-ratio layer 3:
         0.41 vs baseline 0.0004 (1025x)``, plus ``; first: ...`` when another alert led."""
@@ -69,17 +75,16 @@ class Alert:
         text = (f"step {self.step} {self.state.upper()} {self.rule} {self.metric} {self.where()}: "
                 f"{self.value:.4g} vs baseline {base} ({_fold(self.jump)})")
         lead = self.first
-        if lead and (lead.get("step"), lead.get("rule"), lead.get("layer"), lead.get("expert")) != (
-                self.opened, self.rule, self.layer, self.expert):
+        if lead and not self.is_first():
             where = " ".join(f"{k} {lead[k]}" for k in _LABELS if lead.get(k) is not None) or "global"
-            text += f"; first: {lead['rule']} {where} at step {lead['step']}"
+            text += f"; first: {lead['rule']} {lead['metric']} {where} at step {lead['step']}"
         return text
 
     def row(self) -> list[Any]:
         """The alert as a table row in :data:`COLUMNS` order; ``first`` as words
-        (``update-ratio-spike layer 2 at step 100``), unset labels and baseline as ``None``."""
+        (``update-ratio-spike layer-update-ratio layer 2 at step 100``), unset labels and baseline as ``None``."""
         lead = self.first
-        first = (f"{lead['rule']} " + (" ".join(f"{k} {lead[k]}" for k in _LABELS if lead.get(k) is not None)
+        first = (f"{lead['rule']} {lead['metric']} " + (" ".join(f"{k} {lead[k]}" for k in _LABELS if lead.get(k) is not None)
                                        or "global") + f" at step {lead['step']}") if lead else ""
         return [self.step, self.state, self.rule, self.kind, self.metric, self.layer, self.expert, self.tensor,
                 self.stat, self.value, self.baseline, self.jump, self.opened, first]

@@ -51,8 +51,7 @@ def format_alerts(alerts: list[Alert]) -> str:
 
 def _row(alert: Alert) -> tuple[str, ...]:
     row = alert.row()
-    first = row[-1] if alert.first.get("step") != alert.opened or alert.first.get("rule") != alert.rule or \
-        alert.first.get("layer") != alert.layer or alert.first.get("expert") != alert.expert else "(this)"
+    first = "(this)" if alert.is_first() else row[-1]
     base = "-" if alert.baseline is None else f"{alert.baseline:.4g}"
     return (str(alert.step), alert.state, alert.rule, alert.metric, alert.where(), f"{alert.value:.4g}", base,
             f"{alert.jump:.3g}", first)
