@@ -41,6 +41,7 @@ class AlertEngine:
         self.rules: tuple[AlertRule, ...] = config.active_rules
         self._rules_of: dict[str, tuple[int, ...]] = {}
         self._trackers: dict[tuple[int, _SeriesKey], Tracker | None] = {}
+        self._element_keys: dict[tuple[Any, ...], list[_SeriesKey]] = {}  # a vector's series, found once
         self._opened: dict[tuple[int, _SeriesKey], tuple[int, dict[str, Any]]] = {}  # open step, cluster lead
         self._first: dict[str, Any] = {}
         self._cluster_start: int | None = None
@@ -75,7 +76,11 @@ class AlertEngine:
             if isinstance(value, float | int):
                 items = [((record.metric, record.layer, record.expert, record.tensor, record.stat), float(value))]
             elif isinstance(value, tuple):
-                items = record.elements()
+                shape = (record.metric, record.layer, record.expert, record.tensor, record.stat, len(value))
+                keys = self._element_keys.get(shape)
+                if keys is None:
+                    keys = self._element_keys[shape] = [labels for labels, _ in record.elements()]
+                items = list(zip(keys, map(float, value)))
                 mean = math.fsum(value) / len(value) if value else None
             else:
                 continue
