@@ -33,7 +33,8 @@ def test_spike_waits_for_warmup_then_trips_once_and_closes_at_baseline():
     got = feed(eng, [1.0, 100.0, 1.0, 1.0, 1.0, 50.0, 60.0, 5.0, 1.0])
     assert list(got) == [6, 8]
     opened, closed = got[6][0], got[8][0]
-    assert (opened.state, opened.value, opened.baseline, opened.jump, opened.rule) == ("open", 50.0, 1.0, 50.0, "m-spike")
+    assert (opened.state, opened.value, opened.baseline, opened.jump, opened.rule) == \
+        ("open", 50.0, 1.0, 50.0, "m-spike")
     # the window at step 8 is [1, 1, 50, 60]: median 25.5 -> bound 255, halfway 140.25
     assert (closed.state, closed.value, closed.baseline, closed.opened) == ("closed", 5.0, 25.5, 6)
 

@@ -81,11 +81,11 @@ class Alert:
         return text
 
     def row(self) -> list[Any]:
-        """The alert as a table row in :data:`COLUMNS` order; ``first`` as words
-        (``update-ratio-spike layer-update-ratio layer 2 at step 100``), unset labels and baseline as ``None``."""
+        """The alert as a table row in :data:`COLUMNS` order; ``first`` as words (``update-ratio-spike
+        layer-update-ratio layer 2 at step 100``), unset labels and baseline as ``None``."""
         lead = self.first
-        first = (f"{lead['rule']} {lead['metric']} " + (" ".join(f"{k} {lead[k]}" for k in _LABELS if lead.get(k) is not None)
-                                       or "global") + f" at step {lead['step']}") if lead else ""
+        where = " ".join(f"{k} {lead[k]}" for k in _LABELS if lead.get(k) is not None) or "global"
+        first = f"{lead['rule']} {lead['metric']} {where} at step {lead['step']}" if lead else ""
         return [self.step, self.state, self.rule, self.kind, self.metric, self.layer, self.expert, self.tensor,
                 self.stat, self.value, self.baseline, self.jump, self.opened, first]
 
