@@ -103,3 +103,18 @@ def test_a_sink_failing_on_alerts_keeps_its_records_and_spools_the_alerts(tmp_pa
     later = _AlertSink("later")
     assert replay(tmp_path / "spool" / "broken.jsonl", later) == 0  # no record was spooled, only alerts
     assert [a.to_json() for a in later.alerts] == [a.to_json() for a in showing.alerts]
+
+
+def test_rules_that_raise_are_turned_off_and_the_records_still_flow(tmp_path, caplog):
+    class Broken(AlertEngine):
+        def observe(self, records, step):
+            raise ZeroDivisionError("bug in a rule")
+
+    sink = _AlertSink("showing")
+    hub = SinkHub([sink], spool_dir=tmp_path / "spool", alerts=Broken(parse_alerts("default")))
+    hub.open(RunInfo(name="r", dir=str(tmp_path)))
+    for step in (1, 2):
+        hub.submit([MetricRecord("m", step, 1.0)], step)
+    hub.close()
+    assert sink.steps == [1, 2] and sink.alerts == [] and hub.alerts is None
+    assert sum("alert rules failed at step 1" in r.getMessage() for r in caplog.records) == 1

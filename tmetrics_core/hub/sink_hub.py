@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.alerts.engine import AlertEngine
 from tmetrics_core.errors import ConfigError, SinkError
 from tmetrics_core.hub.report import HubReport, SinkReport
@@ -166,10 +167,21 @@ class SinkHub:
                 self._late_warned = True
                 _log.warning("SinkHub.submit after close: %d records of step %d are not logged", len(records), step)
             return
-        raised = tuple(self.alerts.observe(records, step)) if self.alerts is not None else ()
+        raised = self._alerts_of(records, step) if self.alerts is not None else ()
         batch = Batch(step, records if isinstance(records, tuple) else tuple(records), raised)
         for worker in self._workers:
             worker.offer(batch)
+
+    def _alerts_of(self, records: Sequence[MetricRecord], step: int) -> tuple[Alert, ...]:
+        """The alert rules on one step's records; a failure of the rules is logged once and
+        turns them off, so it never reaches the training loop."""
+        assert self.alerts is not None
+        try:
+            return tuple(self.alerts.observe(records, step))
+        except Exception:
+            _log.exception("tmetrics alert rules failed at step %d; alerts are off for the rest of the run", step)
+            self.alerts = None
+            return ()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is written (and each sink's ``flush`` called)
