@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from tmetrics_core.alerts.engine import AlertEngine
 from tmetrics_core.topology import Topology
 from tmetrics_core.config.schema import Config, check_names, load_config, override_sinks
 from tmetrics_core.errors import ConfigError
@@ -89,7 +90,8 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
                      "after the earlier ones, a second TensorBoard event file: overlapping curves) and trackers "
                      "open another run named %r; pass run_dir= (--run-dir) for a fresh directory",
                      run_path, config.run.name)
-    hub = SinkHub(built, spool_dir=run_path / "spool") if logging_rank else NullHub()
+    hub = (SinkHub(built, spool_dir=run_path / "spool", alerts=AlertEngine(config.alerts)) if logging_rank
+           else NullHub())
     run = RunInfo(name=config.run.name, dir=str(run_path), config=redact(config.to_dict()),
                   tags={"model": type(model).__name__, **topology.tags()},
                   metrics=tuple(m.name for m, _ in metrics))

@@ -17,6 +17,12 @@ The run gets the run's topology and model as tags (``RunInfo.tags``), the config
 (see :mod:`tmetrics_mlflow.params`) and as ``tmetrics/config.json``, the manifest as
 ``tmetrics/manifest.json``; ``close`` ends it FINISHED, FAILED or KILLED. With ``run_id`` the
 sink writes into a run someone else started (and ends) instead: no tags, no status change.
+
+Alerts: the tags ``tmetrics.alerts`` (alerts opened so far), ``tmetrics.alert.first`` (the run's
+first alert, as :meth:`~tmetrics_core.alerts.alert.Alert.describe` writes it) and
+``tmetrics.alert.last``, and the artifact ``tmetrics/alerts.json`` (every alert event of the run,
+:meth:`~tmetrics_core.alerts.alert.Alert.to_json` objects), rewritten whenever alerts arrive and at
+close.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.keys import MLFLOW_RULES, KeyBook, KeyRules, index_widths
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
@@ -132,6 +139,8 @@ class MlflowSink:
         self.run_id: str | None = run_id
         self._owns_run = run_id is None
         self._book = KeyBook(MLFLOW_RULES)
+        self._alerts: list[dict[str, Any]] = []
+        self._opened = 0
 
     def open(self, run: RunInfo) -> None:
         """Create (or reuse) the experiment, create the run with its tags and log the manifest.
@@ -200,6 +209,24 @@ class MlflowSink:
         for start in range(0, len(metrics), self.batch_size):
             client.log_batch(run_id, metrics=metrics[start : start + self.batch_size], synchronous=True)
 
+    def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
+        """Set the alert tags and rewrite ``tmetrics/alerts.json`` with every alert so far.
+
+        Raises:
+            RuntimeError: the sink is not open.
+            mlflow.exceptions.MlflowException: the store refused a call.
+        """
+        client, run_id = self._require_open()
+        opened = [a for a in alerts if a.state == "open"]
+        if opened:
+            if not self._opened:
+                client.set_tag(run_id, "tmetrics.alert.first", opened[0].describe()[:_TAG_VALUE_LIMIT])
+            self._opened += len(opened)
+            client.set_tag(run_id, "tmetrics.alerts", str(self._opened))
+            client.set_tag(run_id, "tmetrics.alert.last", opened[0].describe()[:_TAG_VALUE_LIMIT])
+        self._alerts.extend(a.to_json() for a in alerts)
+        client.log_text(run_id, json.dumps(self._alerts, indent=1), "tmetrics/alerts.json")
+
     def flush(self) -> None:
         """Nothing is buffered: every ``log_batch`` call is synchronous. Raises RuntimeError when
         the sink is not open."""
@@ -210,6 +237,8 @@ class MlflowSink:
         ``run_id`` is left to its owner."""
         if self._client is None or self.run_id is None:
             return
+        if self._alerts:
+            self._client.log_text(self.run_id, json.dumps(self._alerts, indent=1), "tmetrics/alerts.json")
         if self._owns_run:
             self._client.set_terminated(self.run_id, _STATUS[status])
         self._client = None

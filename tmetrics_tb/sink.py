@@ -19,6 +19,10 @@ Tags are the keys of :mod:`tmetrics_core.sinks.keys` under :data:`~tmetrics_core
 
 An empty histogram (or one whose values are all non-finite) is written with zero counts, so the
 series has every step.
+
+Alerts: one text summary per step that raised any, tag ``tmetrics/alerts`` (Text tab, one line per
+alert as :meth:`~tmetrics_core.alerts.alert.Alert.describe` writes it, the step's first opening
+first).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.keys import TENSORBOARD_RULES, KeyBook, KeyRules, index_widths
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
@@ -150,6 +155,14 @@ class TensorBoardSink:
             summary.value.append(_layout_value(self._layout))
         self._add(summary, step)
         self._layout_dirty = False
+
+    def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
+        """Write the step's alerts as one text summary, tag ``tmetrics/alerts``.
+
+        Raises:
+            RuntimeError: the sink is not open.
+        """
+        self._write_text("tmetrics/alerts", "\n".join(a.describe() for a in alerts), step=step)
 
     def flush(self) -> None:
         """Write buffered events to disk."""

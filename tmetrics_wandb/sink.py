@@ -21,6 +21,11 @@ Values:
 
 Every ``heatmap_every`` steps, each per-layer scalar series (layer label, no expert or tensor)
 is also logged as an image ``<metric>/heatmap`` (``<metric>/<stat>-heatmap``): layers x steps.
+
+Alerts: each opening is a W&B alert (``run.alert``, level ERROR for non-finite values, WARN
+otherwise; in offline mode it is stored in the run file and sent by ``wandb sync``), and every
+step that raises alerts logs the table ``tmetrics/alerts`` of all alert events so far (columns
+:data:`~tmetrics_core.alerts.alert.COLUMNS`).
 """
 
 from __future__ import annotations
@@ -33,17 +38,21 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
+from tmetrics_core.alerts.alert import COLUMNS, Alert
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.keys import WANDB_RULES, KeyBook, KeyRules, index_widths
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
 from tmetrics_wandb.heatmap import LayerHeatmap
 
-__all__ = ["STEP_KEY", "WandbSink"]
+__all__ = ["ALERTS_KEY", "STEP_KEY", "WandbSink"]
 
 _log = logging.getLogger("tmetrics.wandb")
 
 STEP_KEY = "tmetrics/step"
 """The logged step field, the x axis of every tmetrics chart in W&B."""
+
+ALERTS_KEY = "tmetrics/alerts"
+"""The key of the alerts table."""
 
 _OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every", "heatmap_metrics", "reuse_run")
 _MODES = ("online", "offline", "disabled")
@@ -142,6 +151,7 @@ class WandbSink:
         self.reuse_run = reuse_run
         self._metric_names: tuple[str, ...] = ()
         self._run: Any = None
+        self._alert_rows: list[list[Any]] = []
         self._set_env: list[str] = []
         self._book = KeyBook(WANDB_RULES)
         self._heatmaps: dict[tuple[str, str | None], LayerHeatmap] = {}
@@ -248,6 +258,24 @@ class WandbSink:
         run.log(data)
         self._last_step = max(self._last_step, step)
 
+    def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
+        """Send a W&B alert per opening and log the alerts table (see the module docstring).
+
+        Raises:
+            RuntimeError: the sink is not open.
+        """
+        import wandb
+
+        run = self._require_open()
+        for alert in alerts:
+            if alert.state == "open":
+                run.alert(title=f"tmetrics: {alert.rule} {alert.where()}"[:63], text=alert.describe(),
+                          level="ERROR" if alert.kind == "nonfinite" else "WARN", wait_duration=1)
+        self._alert_rows.extend([_cell(v) for v in a.row()] for a in alerts)
+        # mixed types: a NaN value is the text "nan" in a column of numbers, a missing label None
+        table = wandb.Table(columns=list(COLUMNS), data=self._alert_rows, allow_mixed_types=True)
+        run.log({STEP_KEY: step, ALERTS_KEY: table})
+
     def flush(self) -> None:
         """Nothing to do: each ``log`` call is handed to W&B's service process at once, which
         persists it on its own. Raises RuntimeError when the sink is not open."""
@@ -294,6 +322,13 @@ class WandbSink:
                 key = self._book.add(metric, stat="heatmap" if stat is None else f"{stat}-heatmap")
                 images[key] = wandb.Image(heatmap.image(), caption=f"{heatmap.title}: layer x step")
         return images
+
+
+def _cell(value: Any) -> Any:
+    """A table cell W&B accepts: None for a missing value, text for a non-finite number."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def _api_key_configured() -> bool:

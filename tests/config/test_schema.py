@@ -304,7 +304,7 @@ BAD_MAPPINGS = [
     (
         {"runn": {}},
         "runn",
-        "unknown key 'runn' (did you mean 'run'?); valid keys: run, metrics, sinks, placements, distributed",
+        "unknown key 'runn' (did you mean 'run'?); valid keys: run, metrics, sinks, placements, distributed, alerts",
     ),
     ({"run": {"nmae": "x"}}, "run.nmae", "unknown key 'nmae' (did you mean 'name'?); valid keys: name, dir"),
     ({"run": "demo"}, "run", "the run section must be a mapping with keys name, dir; got 'demo' (a string)"),
@@ -527,11 +527,11 @@ BAD_FILES = [
         "allowed: a tmetrics config holds plain data only and no code runs from it",
     ),
     ("c.yaml", b"run: !custom {name: x}\n", "line 1, column 6: malformed YAML: tag '!custom' is not allowed"),
-    ("c.yaml", b"", "the config is empty; need a mapping with keys run, metrics, sinks, placements, distributed"),
+    ("c.yaml", b"", "the config is empty; need a mapping with keys run, metrics, sinks, placements, distributed, alerts"),
     (
         "c.yaml",
         b"- layer-grad-l2\n",
-        "the config must be a mapping with keys run, metrics, sinks, placements, distributed; got a list",
+        "the config must be a mapping with keys run, metrics, sinks, placements, distributed, alerts; got a list",
     ),
     ("c.yaml", b"run: {name: \xff}\n", "line 1: the file is not UTF-8 text (byte 0xff); save it as UTF-8"),
     ("c.toml", b"[run]\nname = demo\n", "line 2, column 8: malformed TOML: Invalid value"),

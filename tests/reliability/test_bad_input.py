@@ -129,7 +129,7 @@ CASES = [
     Case("missing-file-cli", "cli", None, "{file}", "cannot read the config file (No such file or directory)"),
     # -- unknown keys --------------------------------------------------------------------------
     Case("unknown-top-key", "dict", {"metric": ["layer-grad-l2"]}, "metric",
-         "unknown key 'metric' (did you mean 'metrics'?); valid keys: run, metrics, sinks, placements, distributed"),
+         "unknown key 'metric' (did you mean 'metrics'?); valid keys: run, metrics, sinks, placements, distributed, alerts"),
     Case("unknown-metric-key", "file", "metrics:\n  - {name: layer-grad-l2, intervall: 10}\n",
          "metrics[0].intervall", "unknown key 'intervall' (did you mean 'interval'?)"),
     Case("unknown-run-key-toml-cli", "cli", '[run]\nnmae = "x"\n', "run.nmae",

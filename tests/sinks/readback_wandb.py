@@ -35,6 +35,7 @@ class WandbRun:
     config: dict[str, Any] = field(default_factory=dict)
     run: Any = None  # the RunRecord (name, tags, project)
     exit_code: int | None = None
+    alerts: list[Any] = field(default_factory=list)  # AlertRecord protos (run.alert: title, text, level)
 
     def column(self, key: str) -> list[tuple[Any, Any]]:
         """``(tmetrics/step, value)`` for every history row that has ``key``."""
@@ -129,6 +130,8 @@ def _decode(data: bytes) -> WandbRun:
             run.run = record.run
             for item in record.run.config.update:
                 _put(run.config, item, json.loads(item.value_json))
+        elif kind == "alert":
+            run.alerts.append(record.alert)
         elif kind == "exit":
             run.exit_code = record.exit.exit_code
     return run

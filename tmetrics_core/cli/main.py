@@ -1,5 +1,5 @@
-"""The ``tmetrics`` command: ``demo``, ``metrics``, ``names``, ``validate``, ``replay``, and the
-commands plugins register under the entry-point group ``tmetrics.commands`` (``compare``, from
+"""The ``tmetrics`` command: ``demo``, ``metrics``, ``names``, ``validate``, ``alerts``, ``replay``, and
+the commands plugins register under the entry-point group ``tmetrics.commands`` (``compare``, from
 ``tmetrics_mlflow``).
 
 Each command is a thin shell over a library function; errors of tmetrics (``TMetricsError``)
@@ -103,6 +103,16 @@ def validate_command(config: Path) -> None:
     click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
                f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "
                f"sinks {', '.join(loaded.sinks) or 'none'}; run dir {loaded.run.dir}")
+
+
+@main.command("alerts")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@_friendly
+def alerts_command(run_dir: Path) -> None:
+    """Print the alerts a run raised (RUN_DIR/alerts.jsonl, written by the jsonl sink) as a table."""
+    from tmetrics_core.cli.alerts_table import format_alerts, read_alerts
+
+    click.echo(format_alerts(read_alerts(run_dir)))
 
 
 @main.command("replay")

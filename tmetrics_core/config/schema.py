@@ -12,6 +12,7 @@ Shape (DESIGN.md section 6); every section and key is optional::
     placements:                                       # glob on canonical name -> {axis: placement}
       "layers.*.attn.q.weight": {tp: "Shard(0)"}
     distributed: {collective_timeout_s: 60, check_plan: first, log_rank: 0}
+    alerts: default                                   # or a list of rules: tmetrics_core.config.alerts
 
 ``metrics`` may also be one string in the Megatron-LM ``--tensor-metrics`` form,
 ``"global-param-l2:10 layer-grad-l2:100"`` (space or comma separated), and ``sinks`` a list of
@@ -35,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal
 
+from tmetrics_core.config.alerts import AlertsConfig, parse_alerts
 from tmetrics_core.config.files import SUFFIXES, read_config_file
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.placements import parse_placement
@@ -169,9 +171,12 @@ class Config:
     :func:`tmetrics_core.placements.parse_placement` and kept as written."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Behaviour across ranks."""
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    """Alert rules over the records (``tmetrics_core.config.alerts``); by default only non-finite
+    gradient metrics alert."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("run", RunConfig), ("distributed", DistributedConfig)):
+        for name, kind in (("run", RunConfig), ("distributed", DistributedConfig), ("alerts", AlertsConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(f"got {_describe(getattr(self, name))}; need a {kind.__name__}", path=name)
         if not isinstance(self.metrics, (list, tuple)) or not all(isinstance(m, MetricConfig) for m in self.metrics):
@@ -351,6 +356,8 @@ def _config_from(data: Any) -> Config:
                 values[name] = kind(**section)
     if "metrics" in top:
         values["metrics"] = _metric_list(top["metrics"])
+    if "alerts" in top:
+        values["alerts"] = parse_alerts(top["alerts"])
     return Config(**values)
 
 

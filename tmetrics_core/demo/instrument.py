@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 
 import click
 
+from tmetrics_core.cli.alerts_table import read_alerts
 from tmetrics_core.config.schema import load_config
 from tmetrics_core.demo.launch import DemoArgs, run_demo
 from tmetrics_core.tensor_metrics import TensorMetrics
@@ -68,10 +70,33 @@ def where(run_dir: Path, *, mlflow_uri: str | None = None) -> str:
         lines.append(f"  W&B:          {_tool('wandb')} sync {offline[-1]}")
     if (run_dir / "metrics.jsonl").exists():
         lines.append(f"  JSONL:        {run_dir / 'metrics.jsonl'}")
+    lines += alert_note(run_dir)
     if (run_dir / "spool").exists() and any((run_dir / "spool").iterdir()):
         lines.append(f"  spooled (tracker was down): {_tool('tmetrics')} replay {run_dir / 'spool'}/<sink>.jsonl "
                      "--sink <sink>")
     return "\n".join(lines)
+
+
+def alert_note(run_dir: Path) -> list[str]:
+    """Lines on the run's alerts (from ``alerts.jsonl``): how many opened and, for a run with
+    ``--inject``, the first alert at or after the injection step that names the injected layer
+    (and expert), else the first alert of the run."""
+    opened = [a for a in read_alerts(run_dir) if a.state == "open"] if run_dir.is_dir() else []
+    if not opened:  # the jsonl sink writes alerts.jsonl; without it the run's alerts are not on disk
+        return ["  alerts:       none"] if (run_dir / "metrics.jsonl").exists() else []
+    lines = [f"  alerts:       {len(opened)} opened; {_tool('tmetrics')} alerts {run_dir}"]
+    record = run_dir / "demo.json"
+    inject = json.loads(record.read_text())["train"].get("inject") if record.exists() else None
+    if inject:
+        expert = inject["expert"] if inject["kind"] == "dead-expert" else None
+        match = next((a for a in opened if a.step >= inject["start_step"] and a.layer == inject["layer"]
+                      and (expert is None or a.expert == expert)), None)
+        where = f"layer {inject['layer']}" + (f" expert {expert}" if expert is not None else "")
+        lines.append(f"  injected {inject['kind']} at step {inject['start_step']} in {where}; "
+                     + (f"alert: {match.describe()}" if match else "no alert named it"))
+    else:
+        lines.append(f"  first alert:  {opened[0].describe()}")
+    return lines
 
 
 def _tool(name: str) -> str:

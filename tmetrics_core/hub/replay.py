@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.records import MetricRecord, RunInfo
 from tmetrics_core.sinks.registry import MetricSink, build_sinks
@@ -41,9 +42,10 @@ def replay(
             without one, ``RunInfo(name=<file stem>, dir=<file's directory>)``.
 
     The sink is opened once, records of consecutive lines with the same step are written in one
-    ``write`` call, then the sink is flushed and closed with ``"finished"`` (``"failed"`` if a
-    write raised, and the error propagates; records written before it stay written). Lines the
-    reader cannot parse (a torn last line) are skipped and logged as a warning.
+    ``write`` call, alerts (``alert`` lines) go to the sink's ``write_alerts`` when it has one,
+    then the sink is flushed and closed with ``"finished"`` (``"failed"`` if a write raised,
+    and the error propagates; records written before it stay written). Lines the reader cannot
+    parse (a torn last line) are skipped and logged as a warning.
 
     Raises:
         ConfigError: ``options`` given with a sink object; an unknown sink name or bad options.
@@ -83,6 +85,12 @@ def replay(
                 group.append(entry)
             elif isinstance(entry, SpoolConfig):
                 target.log_config(entry.config)
+            elif isinstance(entry, Alert) and hasattr(target, "write_alerts"):
+                if group:  # the step's records first, as during training
+                    target.write(group, step)  # type: ignore[arg-type]
+                    written += len(group)
+                    group = []
+                target.write_alerts([entry], entry.step)
         if group:
             target.write(group, step)  # type: ignore[arg-type]
             written += len(group)

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+from tmetrics_core.alerts.alert import Alert
+from tmetrics_core.alerts.engine import AlertEngine
 from tmetrics_core.errors import ConfigError, SinkError
 from tmetrics_core.hub.report import HubReport, SinkReport
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
@@ -58,6 +60,9 @@ class SinkHub:
             returns within ``close_timeout + spool_timeout`` seconds.
         spool_queue_size: records that may wait for the spool disk (all sinks together); a step
             that does not fit is dropped and counted.
+        alerts: the run's alert rules; :meth:`submit` runs them on each step's records (on the
+            training thread, no collective) and the alerts travel with the records to every sink
+            that has a ``write_alerts`` method. ``None``: no alerts.
 
     Raises:
         ConfigError: no sinks are fine, but duplicate names or a non-positive size are not.
@@ -75,6 +80,7 @@ class SinkHub:
         close_timeout: float = 30.0,
         spool_timeout: float = 10.0,
         spool_queue_size: int = 2**20,
+        alerts: AlertEngine | None = None,
     ) -> None:
         names = [sink.name for sink in sinks]
         duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -96,6 +102,7 @@ class SinkHub:
             if not seconds >= 0:
                 raise ConfigError(f"got {seconds}; need seconds >= 0", path=f"hub.{option}")
         self.spool_dir = spool_dir
+        self.alerts = alerts
         self._close_timeout = close_timeout
         self._spool_timeout = spool_timeout
         self._spiller = Spiller(spool_dir, max_records=spool_queue_size)
@@ -144,8 +151,9 @@ class SinkHub:
             worker.offer_control(item)
 
     def submit(self, records: Sequence[MetricRecord], step: int) -> None:
-        """Hand one step's records to every sink. Training thread; never waits for a sink or
-        the disk. The records are copied into a tuple once and shared by the sinks.
+        """Hand one step's records, and the alerts the rules raise on them, to every sink.
+        Training thread; never waits for a sink or the disk. The records are copied into a tuple
+        once and shared by the sinks.
 
         After :meth:`close`, records are not taken: a warning is logged once.
 
@@ -159,9 +167,21 @@ class SinkHub:
                 self._late_warned = True
                 _log.warning("SinkHub.submit after close: %d records of step %d are not logged", len(records), step)
             return
-        batch = Batch(step, records if isinstance(records, tuple) else tuple(records))
+        raised = self._alerts_of(records, step) if self.alerts is not None else ()
+        batch = Batch(step, records if isinstance(records, tuple) else tuple(records), raised)
         for worker in self._workers:
             worker.offer(batch)
+
+    def _alerts_of(self, records: Sequence[MetricRecord], step: int) -> tuple[Alert, ...]:
+        """The alert rules on one step's records; a failure of the rules is logged once and
+        turns them off, so it never reaches the training loop."""
+        assert self.alerts is not None
+        try:
+            return tuple(self.alerts.observe(records, step))
+        except Exception:
+            _log.exception("tmetrics alert rules failed at step %d; alerts are off for the rest of the run", step)
+            self.alerts = None
+            return ()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is written (and each sink's ``flush`` called)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.hub.report import SinkCounters
 from tmetrics_core.records import MetricRecord, RunInfo
 from tmetrics_core.hub.spool import SpoolWriter, spool_path
@@ -27,10 +28,12 @@ _log = logging.getLogger("tmetrics.hub")
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """The records of one ``submit`` call (one step), shared read-only by every sink."""
+    """The records of one ``submit`` call (one step), shared read-only by every sink, and the
+    alerts the rules raised on them."""
 
     step: int
     records: tuple[MetricRecord, ...]
+    alerts: tuple[Alert, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +179,8 @@ class Spiller:
                 _log.warning("the run config for sink %s could not be spooled and is lost", counters.sink)
             return 0
         started = time.monotonic()
+        if item.alerts:
+            writer.write_alerts(item.alerts)
         written = writer.write_records(item.records)
         _log.debug(
             "spooled %d records of step %d for %s in %.3f s",

@@ -6,6 +6,7 @@ object of one of three kinds::
     {"run": {...RunInfo fields...}, "sink": "mlflow"}          first line of a new file
     {"config": {...}, "sink": "mlflow"}                         a run config the sink missed
     {"step": 7, "metric": "layer-grad-l2", "labels": {"layer": 3}, "value": 0.25, "sink": "mlflow"}
+    {"alert": {...Alert.to_json()...}, "sink": "mlflow"}        an alert the sink missed
 
 A record line has the fields of the ``jsonl`` sink's format (``value`` as
 :meth:`~tmetrics_core.records.MetricRecord.value_json`: a number, ``"NaN"``/``"Infinity"``/
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.sinks.append_file import AppendFile
 from tmetrics_core.records import MetricRecord, RunInfo
 
@@ -50,8 +52,8 @@ class SpoolConfig:
     config: dict[str, Any]
 
 
-SpoolEntry = Union[RunInfo, SpoolConfig, MetricRecord]
-"""What :class:`SpoolReader` yields: the run header, a config, or one record."""
+SpoolEntry = Union[RunInfo, SpoolConfig, MetricRecord, Alert]
+"""What :class:`SpoolReader` yields: the run header, a config, one record or one alert."""
 
 
 def spool_path(spool_dir: str | os.PathLike[str], sink: str) -> Path:
@@ -101,6 +103,10 @@ class SpoolWriter:
         sink = self.sink
         text = "\n".join(_record_line(r, sink) for r in records) + "\n"
         return len(records) if self._append(text) else 0
+
+    def write_alerts(self, alerts: Sequence[Alert]) -> bool:
+        """Append one ``alert`` line per alert and fsync; False when it failed. Never raises."""
+        return self._append("".join(_ENCODE({"alert": a.to_json(), "sink": self.sink}) + "\n" for a in alerts))
 
     def write_config(self, config: dict[str, Any]) -> bool:
         """Append a ``config`` line and fsync; False when it could not be written. Never raises."""
@@ -185,6 +191,8 @@ def _parse(obj: Any) -> SpoolEntry:
         )
     if "config" in obj:
         return SpoolConfig(config=dict(obj["config"]))
+    if "alert" in obj:
+        return Alert.from_json(obj["alert"])
     labels = obj.get("labels", {})
     unknown = set(labels) - set(_LABELS)
     if unknown:

@@ -292,6 +292,8 @@ class SinkWorker:
                 what=f"write of step {step}",
                 then=self._spool_note(),
             )
+            if ok and item.alerts:
+                self._write_alerts(item)
         else:
             config = item.config
             ok, retried = self._try(
@@ -306,6 +308,19 @@ class SinkWorker:
             self._probe_delay = min(2 * self._probe_delay, self._backoff_max)
         n = len(item.records) if isinstance(item, Batch) else 0
         self._release(spill=not ok, written=n if ok else 0, retried=n if retried else 0)
+
+    def _write_alerts(self, batch: Batch) -> None:
+        """Give the batch's alerts (its records are written) to the sink's optional
+        ``write_alerts``; a sink without one ignores alerts. Alerts it fails to take after the
+        retries go to the spool alone, as ``alert`` lines; the records stay written."""
+        write_alerts = getattr(self.sink, "write_alerts", None)
+        if write_alerts is None:
+            return
+        alerts, step = batch.alerts, batch.step
+        ok, _ = self._try(lambda: write_alerts(alerts, step), attempts=self._retries + 1,
+                          what=f"write_alerts of step {step}", then="the alerts go to the spool")
+        if not ok:
+            self._spiller.offer(self.counters, Batch(step, (), alerts))
 
     def _close_sink(self) -> None:
         if not self.counters.opened:

@@ -12,6 +12,10 @@ and stat) is one line: its minimum and maximum with where they are (layer, exper
 element index of a vector), the count of values, and how many were NaN or infinite (left out of
 min and max). Histograms are summarized by count. Lines go through ``tqdm.write`` so progress
 bars stay intact. Needs no tracker.
+
+Alerts print on every step they are raised, whatever ``every`` is, one warning line each::
+
+    tmetrics ALERT step 100 OPEN update-ratio-spike layer-update-ratio layer 2: 0.41 vs baseline 0.0004 (1025x)
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 from tqdm import tqdm
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.keys import PLAIN_RULES, KeyRules, index_widths
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
@@ -66,6 +71,11 @@ class ConsoleSink:
         """Print the summary of ``step`` if it is due."""
         if step % self.every == 0 and records:
             tqdm.write(self.summary(records, step), file=self._file())
+
+    def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
+        """Print one ``tmetrics ALERT`` line per alert (see the module docstring)."""
+        for alert in alerts:
+            tqdm.write(f"tmetrics ALERT {alert.describe()}", file=self._file())
 
     def flush(self) -> None:
         """Flush the stream."""

@@ -14,6 +14,11 @@ order::
   strict JSON), a list of numbers for a vector, or a histogram object
   ``{"edges", "counts", "zeros", "nan", "posinf", "neginf"}``.
 
+Alerts go to ``alerts.jsonl`` in the same directory, one
+:meth:`~tmetrics_core.alerts.alert.Alert.to_json` object per line (``step``, ``rule``, ``kind``,
+``metric``, ``state``, ``labels``, ``value``, ``baseline``, ``jump``, ``opened``, ``first``); the
+file is created with the first alert, so a run without alerts has none.
+
 Each step is appended in one all-or-nothing write and handed to the OS before ``write``
 returns, so a reader (``tail -f``, a notebook) sees whole steps; :meth:`JsonlSink.flush`
 fsyncs. A run that is resumed appends to the same file. Needs no tracker.
@@ -26,6 +31,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.sinks.append_file import AppendFile
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.keys import PLAIN_RULES, KeyBook, KeyRules, index_widths
@@ -58,6 +64,7 @@ class JsonlSink:
             )
         self._option_path = path
         self._file: AppendFile | None = None
+        self._alerts: AppendFile | None = None
         self._keys = KeyBook(PLAIN_RULES)
 
     @property
@@ -77,6 +84,7 @@ class JsonlSink:
         file = AppendFile(target)
         file.open()
         self._file = file
+        self._alerts = AppendFile(target.with_name("alerts.jsonl"))
 
     def log_config(self, config: dict[str, Any]) -> None:
         """Does nothing: the format holds records only; the config is not part of it."""
@@ -105,6 +113,18 @@ class JsonlSink:
         if lines:
             file.append(("\n".join(lines) + "\n").encode("utf-8"))
 
+    def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
+        """Append one line per alert to ``alerts.jsonl`` (created on the first alert), all or none.
+
+        Raises:
+            OSError: the append failed.
+        """
+        self._require_open()
+        assert self._alerts is not None
+        self._alerts.open()
+        self._alerts.append("".join(_ENCODE(a.to_json()) + "\n" for a in alerts).encode("utf-8"))
+        self._alerts.flush()
+
     def flush(self) -> None:
         """fsync the file.
 
@@ -121,6 +141,9 @@ class JsonlSink:
             finally:
                 self._file.close()
                 self._file = None
+                if self._alerts is not None:
+                    self._alerts.close()
+                    self._alerts = None
 
     def _require_open(self) -> AppendFile:
         if self._file is None:

@@ -19,12 +19,14 @@ from typing import Any, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError, SinkError
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "AlertWriter",
     "MetricSink",
     "available_sinks",
     "build_sinks",
@@ -77,6 +79,19 @@ class MetricSink(Protocol):
 
     def close(self, status: RunStatus) -> None:
         """Flush and end the backend run with ``status``."""
+        ...
+
+
+@runtime_checkable
+class AlertWriter(Protocol):
+    """What a sink adds to show alerts natively: one optional method, so a sink written before
+    alerts existed still loads and works (it just does not show them). The hub's worker calls it
+    right after a successful ``write`` of the same step, with the same retries; alerts it fails to
+    take go to the spool, and training never waits for it."""
+
+    def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
+        """Show the alerts raised at ``step`` (``open`` and ``closed`` events, the step's first
+        opening first). Raising means none of them was shown."""
         ...
 
 
