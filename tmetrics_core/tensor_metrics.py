@@ -55,7 +55,7 @@ from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.modules import ModuleIndex
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, update_pairs
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.sources.token_plan import TokenPlan
@@ -610,7 +610,8 @@ class TensorMetrics:
         sites = []
         for site, entry in zip(self._sites_of("grad"), self.manifest.entries):
             param = self.manifest.local.get(entry.name)
-            grad = dtensor_placements(param.grad) if param is not None and param.grad is not None else None
+            held = grad_of(param) if param is not None else None
+            grad = dtensor_placements(held) if held is not None else None
             if grad is not None:
                 grad = tuple((a, p) for a, p in grad if not p.is_replica())
                 if grad != site.placements:
