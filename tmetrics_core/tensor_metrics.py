@@ -123,6 +123,7 @@ class TensorMetrics:
         self._warned: set[str] = set()
         self._step: int | None = None
         self._first_step: int | None = None
+        self._last_due: int | None = None
         self._due: list[tuple[TensorMetric, int]] = []
         self._due_names: tuple[str, ...] = ()
         self._prepared: dict[str, tuple[dict[SiteKey, Any], str | None]] = {}
@@ -254,16 +255,25 @@ class TensorMetrics:
         skipped; the training loop's exceptions pass through.
 
         Raises:
-            TMetricsError: on entering the scope after :meth:`close`. After SIGTERM closed
+            TMetricsError: on entering a step not larger than the last due one (one scope per
+                optimizer step: micro-batches go in one scope), or the scope after :meth:`close`. After SIGTERM closed
                 this object, steps still run (their records go nowhere), so a job that shuts
                 down gracefully keeps the same collectives on every rank.
         """
         self._check_open(f"step({step})")
+        if self._last_due is not None and step <= self._last_due:
+            raise TMetricsError(
+                f"metrics.step({step}) entered after step {self._last_due} was measured: step numbers must "
+                "increase, and one optimizer step is one scope. Wrap all micro-batches of an optimizer step "
+                "(every forward and backward, then optimizer.step()) in one `with metrics.step(n)`; "
+                "gradients accumulate and are read once, before the update")
         if self._first_step is None:
             self._first_step = step
         self._step = step
         self._due = [(m, i) for m, i in self.metrics if step % i == 0 or step == self._first_step]
         self._due_names = tuple(m.name for m, _ in self._due)  # keys the facts found once per due set
+        if self._due:
+            self._last_due = step
         self._prepared = {}
         self._phases_done = set()
         self._sites = {}
