@@ -89,3 +89,62 @@ def test_gradients_from_main_grad_and_missing_gradients():
         assert got["general"][("layer-grad-rms", 0)] == pytest.approx(math.sqrt(6))
         assert got["planned"][("layer-grad-rms", 0)] == pytest.approx(math.sqrt(6))
         assert got["planned"][("global-grad-l2", None)] == pytest.approx(math.sqrt(30))
+
+
+# -- items 9 and 10: a step entered twice; replica drift without a dp axis ----------------------
+def _refusals(rank: int, world: int) -> dict:
+    from tmetrics_core.errors import ConfigError, TMetricsError
+
+    out = {}
+    model = _block(2)
+    tm = TensorMetrics(model, metrics=_metrics("global-grad-l2"), topology=_dp(rank, world), timeout_s=30)
+    model.layers[0]["a"].weight.grad = torch.tensor([[3.0, 4.0]])
+    with tm.step(1):  # first micro-batch
+        pass
+    out["first"] = _values(tm)
+    for again in (1, 0):
+        try:
+            with tm.step(again):  # a second micro-batch in its own scope, or a step number going back
+                pass
+            out[again] = None
+        except TMetricsError as exc:
+            out[again] = (type(exc).__name__, str(exc))
+    fsdp = Topology([Axis("fsdp", world, rank, dist.group.WORLD, tuple(range(world)))],
+                    global_rank=rank, world_size=world)
+    try:
+        TensorMetrics(_block(2), metrics=_metrics("global-grad-l2", "dp-replica-drift"), topology=fsdp, timeout_s=30)
+        out["drift"] = None
+    except ConfigError as exc:
+        out["drift"] = (exc.path, str(exc))
+    return out
+
+
+def test_a_step_entered_twice_and_replica_drift_without_dp_are_refused():
+    for got in run_distributed(_refusals, 2, timeout=90):
+        assert got["first"] == {("global-grad-l2", None): 5.0}
+        for again in (1, 0):
+            name, message = got[again]
+            assert name == "TMetricsError" and "after step 1" in message and "micro-batches" in message
+        path, message = got["drift"]
+        assert path == "metrics[1]" and "dp-replica-drift" in message and "'dp'" in message and "fsdp" in message
+
+
+# -- item 2: a declared Owned(r) reads the owner's copy only ------------------------------------
+def _owned_cases(rank: int, world: int) -> dict:
+    model = _block(2)
+    weight = model.layers[0]["a"].weight
+    with torch.no_grad():
+        weight.copy_(torch.tensor([[3.0, 4.0]]) if rank == 0 else torch.tensor([[0.0, 1.0]]))  # rank 1: stale
+    weight.grad = torch.tensor([[6.0, 8.0]]) if rank == 0 else torch.tensor([[1.0, 1.0]])
+    tm = TensorMetrics(model, metrics=_metrics("global-param-l2", "global-grad-l2", "layer-param-rms"),
+                       topology=_dp(rank, world), placements={"layers.0.a.weight": {"dp": "O0"}}, timeout_s=30)
+    with tm.step(1):
+        pass
+    return _values(tm)
+
+
+def test_declared_owned_reads_only_the_owner():
+    for got in run_distributed(_owned_cases, 2, timeout=90):
+        # the stale copy counted: sqrt(25 + 1) = 5.099
+        assert got == {("global-param-l2", None): 5.0, ("global-grad-l2", None): 10.0,
+                       ("layer-param-rms", 0): pytest.approx(math.sqrt(12.5))}
