@@ -53,7 +53,7 @@ from tmetrics_core.observe import _ACTIVE
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.flat import FlatBuffer
+from tmetrics_core.sources.flat import FlatBuffer, read_buffers
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
@@ -85,7 +85,9 @@ class TensorMetrics:
         timeout_s: bound on every collective, seconds.
         modules: metric name -> globs of module paths whose outputs an ``activation`` metric reads.
         flat_buffers: ZeRO-style flat shards that hold a source kind (grads, master weights, Adam
-            state) instead of the parameters (see :class:`~tmetrics_core.sources.flat.FlatBuffer`).
+            state) instead of the parameters (see :class:`~tmetrics_core.sources.flat.FlatBuffer`);
+            several of one kind (dense and expert buffers) are all read, each parameter from
+            the one that lists it; parameters in none are read as usual.
         key_rules: sink name -> that sink's key rules, for every configured sink (on every rank,
             logging or not), so tensor names that render to one key are refused before the first step.
 
@@ -115,7 +117,9 @@ class TensorMetrics:
                                        layer_offset=layer_offset, expert_offset=expert_offset)
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
-        self.flat = {fb.kind: fb for fb in flat_buffers}
+        self.flat: dict[str, list[FlatBuffer]] = {}
+        for fb in flat_buffers:  # several of a kind: dense and expert buffers, per dtype or bucket
+            self.flat.setdefault(fb.kind, []).append(fb)
         self.tokens = TokenPlan(self.topology)
         self.last_records: list[MetricRecord] = []
         self.failures: list[MetricFailure] = []
@@ -550,11 +554,10 @@ class TensorMetrics:
                 tensors.extend(pair[1] if pair is not None else None for pair in pairs)
                 continue
             if kind in self.flat:
-                flat_sites, flat_tensors = self.flat[kind].read(self.manifest, self.topology.names)
+                flat_sites, flat_tensors, covers = read_buffers(self.flat[kind], self.manifest, self.topology.names)
                 plain = read_kind(kind, self.manifest, self.optimizer, self._before)
                 sites.extend(flat_sites)
-                tensors.extend(t if covered else p for t, p, covered in
-                               zip(flat_tensors, plain, self.flat[kind].covers(self.manifest)))
+                tensors.extend(t if covered else p for t, p, covered in zip(flat_tensors, plain, covers))
                 continue
             sites.extend(self._sites_of(kind) if kind != "grad" else self._grad_sites())
             tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))

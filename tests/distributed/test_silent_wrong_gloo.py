@@ -148,3 +148,31 @@ def test_declared_owned_reads_only_the_owner():
         # the stale copy counted: sqrt(25 + 1) = 5.099
         assert got == {("global-param-l2", None): 5.0, ("global-grad-l2", None): 10.0,
                        ("layer-param-rms", 0): pytest.approx(math.sqrt(12.5))}
+
+
+# -- item 3: every flat buffer of a kind is read --------------------------------------------------
+def _flat_cases(rank: int, world: int) -> dict:
+    from tmetrics_core.sources.flat import FlatBuffer
+
+    model = _block(2, 3, 3, 2)
+    a, b, c, d = (model.layers[0][n].weight for n in "abcd")
+    dense = torch.tensor([3.0, 4.0, 0.0, 0.0, 5.0])  # a, b
+    expert = torch.tensor([1.0, 2.0, 2.0])  # c
+    buffers = []
+    for params, full in (((a, b), dense), ((c,), expert)):
+        chunk = -(-full.numel() // world)
+        lo, hi = min(rank * chunk, full.numel()), min((rank + 1) * chunk, full.numel())
+        buffers.append(FlatBuffer("grad", "dp", list(params), full[lo:hi].clone(), lo))
+    d.grad = torch.tensor([[6.0, 8.0]])  # in no buffer: read from .grad
+    tm = TensorMetrics(model, metrics=_metrics("layer-grad-l2", "global-grad-l2"), topology=_dp(rank, world),
+                       flat_buffers=buffers, timeout_s=30)
+    with tm.step(1):
+        pass
+    return _values(tm)
+
+
+def test_every_flat_buffer_of_a_kind_is_read():
+    for got in run_distributed(_flat_cases, 2, timeout=90):
+        # the dense buffer dropped: sqrt(9 + 100) = 10.44
+        assert got == {("layer-grad-l2", 0): pytest.approx(math.sqrt(159)),
+                       ("global-grad-l2", None): pytest.approx(math.sqrt(159))}
