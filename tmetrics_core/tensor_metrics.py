@@ -55,6 +55,7 @@ from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer, read_buffers
+from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
@@ -72,7 +73,10 @@ class TensorMetrics:
     Args:
         model: the (possibly wrapped, sharded) model.
         metrics: ``(metric, interval in steps)`` pairs in config order.
-        optimizer: its step hooks read gradients, parameters, Adam state and updates.
+        optimizer: its step hooks read gradients, parameters, Adam state and updates. A
+            framework's wrapper (accelerate, Lightning, Hugging Face Trainer, Megatron-Core,
+            whose ChainedOptimizer steps several) is unwrapped to the torch optimizer(s) inside
+            (:func:`~tmetrics_core.sources.optimizers.unwrap_optimizer`).
         topology: named axes; single process when omitted.
         hub: where records go (a ``SinkHub`` on the logging rank, a ``NullHub`` elsewhere);
             None keeps records only in :attr:`last_records`.
@@ -107,7 +111,7 @@ class TensorMetrics:
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.topology = topology or Topology.single_process()
         self.metrics = list(metrics)
         self.hub = hub
@@ -147,9 +151,9 @@ class TensorMetrics:
         self._closed_by_signal = False
         self._check_config(key_rules or {})
         self._hooks = []
-        if optimizer is not None:
-            self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
-            self._hooks.append(optimizer.register_step_post_hook(self._post_step))
+        if self.optimizer is not None:
+            self._hooks.append(self.optimizer.register_step_pre_hook(self._pre_step))
+            self._hooks.append(self.optimizer.register_step_post_hook(self._post_step))
         if hub is not None and run is not None:
             run = dataclasses.replace(
                 run, manifest=tuple(self.manifest.rows(self.topology.world_size)),
@@ -340,13 +344,36 @@ class TensorMetrics:
                 "another run, create a new TensorMetrics (e.g. TensorMetrics.from_config(...))"
             )
 
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Read gradients and parameters, and snapshot what update metrics read. With a closure
+        (``optimizer.step(closure)``: Lightning always passes one, LBFGS needs one), forward and
+        backward run inside the step, after this hook: the closure is wrapped so gradients are
+        read when it first returns (or where it calls :meth:`observe_gradients`)."""
         if self._step is None or not self._due:
-            return
-        self._prepare_phase("pre")
+            return None
+        # torch passes the optimizer itself as args[0]: step(closure) has the closure at args[1].
+        closure = kwargs.get("closure") if "closure" in kwargs else args[1] if len(args) > 1 else None
+        changed = None
+        if callable(closure) and "pre" not in self._phases_done:
+            wrapped = self._after(closure)
+            changed = ((args[0], wrapped, *args[2:]), kwargs) if "closure" not in kwargs else (
+                args, {**kwargs, "closure": wrapped})
+        else:
+            self._prepare_phase("pre")
         names = self._snapshot_names()
         if names:  # only the tensors some update metric reads: the snapshot is their copy
             self._before = snapshot(self.manifest, names)
+        return changed
+
+    def _after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure``, then the pre phase (once per step: LBFGS calls the closure again at
+        other points; its gradients are read at the parameters the step started from)."""
+        def closure_then_read() -> Any:
+            out = closure()
+            if self._step is not None and self._due:
+                self._prepare_phase("pre")
+            return out
+        return closure_then_read
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._step is None or not self._due:
