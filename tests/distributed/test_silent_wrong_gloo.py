@@ -359,4 +359,32 @@ def test_closures_and_wrapped_optimizers(ranks):
         assert "object" in got["refused"] and "torch.optim.Optimizer" in got["refused"] and ".optimizer" in got["refused"]
 
 
-_CASES = (_gradient_cases, _refusals, _owned_cases, _flat_cases, _unfed_cases, _closure_cases)
+# -- item 4 on DTensor parameters: a sharded and a Partial(sum) gradient beside one without -------
+def _dtensor_cases(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = _block(4, 4, 4)
+    a, b, c = (model.layers[0][n] for n in "abc")
+    a.weight = torch.nn.Parameter(distribute_tensor(torch.ones(1, 4), mesh, [Shard(1)]))
+    b.weight = torch.nn.Parameter(distribute_tensor(torch.ones(1, 4), mesh, [Replicate()]))
+    c.weight = torch.nn.Parameter(distribute_tensor(torch.ones(1, 4), mesh, [Replicate()]))  # no gradient
+    a.weight.grad = distribute_tensor(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), mesh, [Shard(1)])
+    # Partial(sum): the ranks' parts add up to [[4, 4, 4, 4]]
+    b.weight.grad = DTensor.from_local(torch.full((1, 4), 4.0 / world), mesh, [Partial()])
+    tm = TensorMetrics(model, metrics=_metrics("layer-grad-rms", "layer-grad-zero-fraction"),
+                       topology=Topology.from_mesh(mesh), timeout_s=30)
+    with tm.step(1):
+        pass
+    return _values(tm)
+
+
+def test_dtensor_gradients_without_one_are_left_out(ranks):
+    for got in _case(ranks, _dtensor_cases):
+        # zeros for c would give sqrt(78 / 12) = 2.550 and 5/12 = 0.417
+        assert got == {("layer-grad-rms", 0): pytest.approx(math.sqrt(78 / 8)),
+                       ("layer-grad-zero-fraction", 0): pytest.approx(1 / 8)}
+
+
+_CASES = (_gradient_cases, _dtensor_cases, _refusals, _owned_cases, _flat_cases, _unfed_cases, _closure_cases)
