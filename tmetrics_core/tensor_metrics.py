@@ -712,8 +712,11 @@ class TensorMetrics:
             due.append((metric, state, error))
         check = self.check_plan == "always" or (
             self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
-        self._say_missing_gradients(step)
-        results, failures = self.executor.run(due, sites, check=check, unfed=self._unfed)
+        say = not self._no_grad_said and any("grad" in m.source_kinds for m, _ in self._due)
+        results, failures = self.executor.run(due, sites, check=check, unfed=self._unfed,
+                                              flag=bool(self._no_grad) if say else None)
+        if say:
+            self._say_missing_gradients(step)
         self._checked.update(m.name for m, _, _ in due)
         records = [
             MetricRecord(metric=name, step=step, value=r.value, layer=r.layer, expert=r.expert, tensor=r.tensor,
@@ -741,10 +744,11 @@ class TensorMetrics:
     def _say_missing_gradients(self, step: int) -> None:
         """At the first due step that reads gradients, warn once (logging rank) which parameters
         had none on some rank: they are left out of gradient statistics, not counted as zeros.
-        One gather of names, once per run, on every rank alike (the due set is the same)."""
-        if self._no_grad_said or not any("grad" in m.source_kinds for m, _ in self._due):
-            return
+        Whether any rank lacked one rode on the executor's agreement (``flagged``); only then
+        one gather of the names, on every rank alike."""
         self._no_grad_said = True
+        if not self.executor.flagged:
+            return
         everyone = self.executor.gather_objects(sorted(self._no_grad))
         if self.topology.global_rank != 0 or not any(everyone):
             return

@@ -104,12 +104,14 @@ class Executor:
         self.stats = CollectiveStats()
         self.unfed: tuple[str, ...] = ()
         """The due metrics of the last :meth:`run` that read no tensor on any rank."""
+        self.flagged = False
+        """Whether any rank passed ``flag=True`` to the last :meth:`run`."""
         self._distributed = topology.world_size > 1
 
     # -- public -------------------------------------------------------------------------------
     def run(self, due: Sequence[tuple[TensorMetric, dict[SiteKey, Any], str | None]],
-            sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = ()
-            ) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
+            sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = (),
+            flag: bool | None = None) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
         """Run every due metric to its results.
 
         Args:
@@ -122,6 +124,8 @@ class Executor:
             unfed: names of due metrics that read no tensor on this rank (placeholders only).
                 A metric unfed on every rank (agreed in the failure agreement's collective, no
                 extra call) gives no results, and its name is put in :attr:`unfed`.
+            flag: a caller's yes/no (None: none), told to every rank in that same collective
+                (one more element): :attr:`flagged` is True on every rank when it was on any.
 
         Returns:
             ``(results by metric name, failures)``; failures name the metric, the ranks where
@@ -131,14 +135,14 @@ class Executor:
             PlanMismatchError: on every rank, when ``check`` finds ranks with different plans.
         """
         items = [_Due(m, s, e) for m, s, e in due]
-        self.unfed = ()
+        self.unfed, self.flagged = (), bool(flag)
         for item in items:
             if item.error is None:
                 try:
                     item.round = item.metric.start(item.state, sites, self.topology)
                 except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
                     item.error = f"{type(exc).__name__}: {exc}"
-        failures = self._agree_failures(items, unfed)
+        failures = self._agree_failures(items, unfed, flag)
         failed = {f.metric for f in failures} | set(self.unfed)
         live = [i for i in items if i.metric.name not in failed]
         first = True
@@ -334,16 +338,21 @@ class Executor:
         return out
 
     # -- agreement and checks -------------------------------------------------------------------
-    def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = ()) -> list[MetricFailure]:
+    def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (),
+                        flag: bool | None = None) -> list[MetricFailure]:
         """Metrics that raised on any rank (flag 1); with ``unfed``, also sets :attr:`unfed` to
-        the metrics unfed on every rank (flag 2, same collective)."""
-        mine = [(1 if i.error else 0) | (2 if i.metric.name in unfed else 0) for i in items] or [0]
+        the metrics unfed on every rank (flag 2, same collective); with ``flag`` (not None, the
+        first agreement of a run), a last element (4) sets :attr:`flagged`."""
+        mine = [(1 if i.error else 0) | (2 if i.metric.name in unfed else 0) for i in items]
+        mine = mine + [4 if flag else 0] if flag is not None else mine or [0]
         if self._distributed:
             flags = torch.tensor(mine, dtype=torch.int64, device=self.device)
             self.stats.add("world", flags.numel())
             table = [g.tolist() for g in self.comm.all_gather(flags, None)]
         else:
             table = [mine]
+        if flag is not None:
+            self.flagged = any(row[-1] & 4 for row in table)
         # Slow path, only when something failed: every rank learns the lowest failing rank's
         # error text, so the one warning (logged where the sinks are) says what went wrong.
         texts = self.gather_objects([i.error for i in items]) if any(v & 1 for row in table for v in row) else None
