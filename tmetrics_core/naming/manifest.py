@@ -72,7 +72,8 @@ class Manifest:
     """Every tensor of the model by canonical name, identical on every rank.
 
     ``entries`` holds every tensor of every rank; ``local`` maps canonical names to this rank's
-    parameter objects (absent for tensors held elsewhere).
+    parameter objects (absent for tensors held elsewhere, and for those its placements say are
+    held elsewhere: a copy here of a tensor declared ``Owned`` by another rank).
     """
 
     entries: list[TensorEntry]
@@ -114,6 +115,11 @@ class Manifest:
                        if cn.expert_dim is not None and cn.expert is None), default=0)
         everything = _gather((topology.global_rank, coords, local_rows, stacked), topology)
         entries = _merge(everything, topology, overrides or {})
+        # A copy on a rank that a declared Owned(r) says does not hold it (a stale replica on a
+        # non-owner) is not read: that rank joins with a placeholder, like any rank without it.
+        for entry in entries:
+            if entry.name in local and not entry.site("param").holds(coords):
+                del local[entry.name]
         return cls(entries, local, max(row[3] for row in everything))
 
     def sites(self, kind: str) -> list[Site]:
