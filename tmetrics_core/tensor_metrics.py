@@ -664,8 +664,10 @@ class TensorMetrics:
     def _grad_sites(self) -> list[Site]:
         """Gradient sites with the gradient's own DTensor placements where they differ from the
         parameter's: a replicated weight fed by sequence-parallel activations has a
-        ``Partial(sum)`` gradient, which is reduced before any norm is taken. Without DTensor
-        parameters (plain gradients) these are the manifest's sites."""
+        ``Partial(sum)`` gradient, which is reduced before any norm is taken. Only the axes of
+        the gradient's mesh whose placement came from DTensor change: a DTensor on a sub-mesh
+        keeps its inferred or declared placements on the other axes (an expert ``Owned`` on
+        ``ep``, a stage on ``pp``). Without DTensor parameters these are the manifest's sites."""
         if not self._dtensor_params():
             return self._sites_of("grad")
         sites = []
@@ -673,9 +675,12 @@ class TensorMetrics:
             param = self.manifest.local.get(entry.name)
             grad = dtensor_placements(param.grad) if param is not None and param.grad is not None else None
             if grad is not None:
-                grad = tuple((a, p) for a, p in grad if not p.is_replica())
-                if grad != site.placements:
-                    site = dataclasses.replace(site, placements=grad)
+                merged = dict(site.placements)
+                merged.update((a, p) for a, p in grad if entry.origin(a) == "dtensor")
+                placements = tuple((a, merged[a]) for a in self.topology.names
+                                   if a in merged and not merged[a].is_replica())
+                if placements != site.placements:
+                    site = dataclasses.replace(site, placements=placements)
             sites.append(site)
         return sites
 
