@@ -88,6 +88,9 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
             rows.append(torch.zeros(5, dtype=torch.float64, device=device))
             continue
         x = t.detach().to(torch.float64)
+        if x.numel() == 0:  # an empty shard (uneven FSDP): present, all sums zero
+            rows.append(torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=device))
+            continue
         if x.dim() == 0:
             x = x.reshape(1, 1)
         first = x.reshape(x.shape[0], -1).sum(1)
