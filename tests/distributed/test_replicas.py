@@ -27,8 +27,10 @@ def path(request):
 def test_columns_are_presence_moments_and_a_position_weighted_sample(path):
     t = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     (row,) = fingerprints([t], CPU).tolist()
+    # 64 evenly spaced positions over 4 elements, rounded: 0 for weights 1-11, 1 for 12-32, 2 for 33-53, 3 for 54-64
+    weights = [sum(range(a, b + 1)) for a, b in ((1, 11), (12, 32), (33, 53), (54, 64))]
     assert dict(zip(FINGERPRINT, row)) == {"present": 1.0, "sum": 10.0, "sumsq": 30.0, "max": 4.0, "min": 1.0,
-                                           "sampled": 1 * 1.0 + 2 * 2.0 + 3 * 3.0 + 4 * 4.0}
+                                           "sampled": sum(w * v for w, v in zip(weights, (1.0, 2.0, 3.0, 4.0)))}
 
 
 def test_reordered_values_differ_and_equal_copies_do_not(path):
@@ -48,5 +50,5 @@ def test_one_changed_element_changes_the_row(path):
 
 def test_empty_absent_and_scalar_tensors(path):
     rows = fingerprints([torch.empty(0, 4), None, torch.tensor(3.0)], CPU).tolist()
-    assert rows == [[1.0, 0.0, 0.0, -math.inf, math.inf, 0.0], [0.0] * 6, [1.0, 3.0, 9.0, 3.0, 3.0, 3.0]]
+    assert rows == [[1.0, 0.0, 0.0, -math.inf, math.inf, 0.0], [0.0] * 6, [1.0, 3.0, 9.0, 3.0, 3.0, 3.0 * 64 * 65 / 2]]
     assert fingerprints([], CPU).shape == (0, 6)

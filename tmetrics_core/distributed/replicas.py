@@ -32,6 +32,7 @@ Tensors absent on a rank (held elsewhere, or a gradient that is None) are not co
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -94,27 +95,38 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
     dtypes) by torch reductions. Either way a tensor's row is a deterministic function of its
     bits, its shape and the path taken, which is the same on every rank of an axis (the ranks
     hold the same kind of tensor there). The ``sampled`` column is ``sum(w_i * x[p_i])`` over
-    ``SAMPLE`` evenly spaced flat positions ``p_i`` with weights ``w_i = 1..SAMPLE``.
+    ``SAMPLE`` evenly spaced flat positions ``p_i`` (rounded; repeated in tensors of fewer
+    elements) with weights ``w_i = 1..SAMPLE``.
     """
     out = torch.zeros(len(tensors), len(FINGERPRINT), dtype=torch.float64)
-    fused = [i for i, t in enumerate(tensors) if t is not None and moments.available() and moments.takes(t)]
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    if not present:
+        return out.to(device)
+    out[present, 0] = 1.0
+    fused = [i for i in present if moments.available() and moments.takes(tensors[i])]  # type: ignore[arg-type]
     if fused:
-        rows = moments.moments([tensors[i] for i in fused])  # FIELDS: sumsq, sum, max, min, zeros
-        out[fused, 1], out[fused, 2], out[fused, 3], out[fused, 4] = rows[:, 1], rows[:, 0], rows[:, 2], rows[:, 3]
+        rows = moments.moments([tensors[i] for i in fused])  # type: ignore[misc]  # sumsq, sum, max, min, zeros
+        out[fused, 1:5] = rows[:, [1, 0, 2, 3]]
     taken = set(fused)
-    for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        x = t.detach()
-        out[i, 0] = 1.0
+    for i in present:
         if i not in taken:
-            out[i, 1:5] = _moments(x).cpu()
-        if x.numel():
-            flat = x.reshape(-1)
-            where = torch.linspace(0, flat.numel() - 1, min(SAMPLE, flat.numel()), device=x.device).long()
-            weights = torch.arange(1, where.numel() + 1, dtype=torch.float64, device=x.device)
-            out[i, 5] = (flat[where].to(torch.float64) * weights).sum().cpu()
+            out[i, 1:5] = _moments(tensors[i].detach()).cpu()  # type: ignore[union-attr]
+    sampled = [i for i in present if tensors[i].numel()]  # type: ignore[union-attr]
+    if sampled:
+        picks = torch.stack([_sample(tensors[i].detach()).cpu() for i in sampled])  # type: ignore[union-attr]
+        out[sampled, 5] = picks @ torch.arange(1, SAMPLE + 1, dtype=torch.float64)
     return out.to(device)
+
+
+def _sample(x: torch.Tensor) -> torch.Tensor:
+    """``SAMPLE`` elements of ``x`` (non-empty) at evenly spaced flat positions (repeated when
+    ``x`` has fewer), as float64."""
+    return x.reshape(-1)[_positions(x.numel(), x.device)].to(torch.float64)
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(numel: int, device: torch.device) -> torch.Tensor:
+    return torch.linspace(0, numel - 1, SAMPLE, dtype=torch.float64, device=device).round().long()
 
 
 def _moments(x: torch.Tensor) -> torch.Tensor:
