@@ -16,7 +16,8 @@ depend on the rank. Every Replica claim, whatever its origin (declared, framewor
   by the collective timeout);
 * one tiny world collective agrees whether any rank found a difference, so the
   :class:`~tmetrics_core.errors.PlacementError` is raised on EVERY rank (ranks of other groups
-  of the axis included), never leaving one waiting in a collective.
+  of the axis included), never leaving one waiting in a collective; where every checked axis
+  spans the whole world (plain DDP), every rank saw the same tables and this step is skipped.
 
 NOTE [exact comparison]: fingerprints are compared for equality, bit for bit, with no
 tolerance. Replicas are bitwise equal by construction: DDP, FSDP/HSDP and DTensor ``Replicate``
@@ -174,8 +175,10 @@ def verify_replicas(claims: Sequence[ReplicaClaim], tensors: Mapping[SiteKey, to
                 checked.append((claim.site.name, claim.site.kind, axis))
                 continue
             problems.append(_describe(claim, [(ranks[r], rows[r]) for r in present], topology))
-    if executor.any_rank(bool(problems)):
-        everyone = executor.gather_objects(problems)
+    # Where every checked axis spans the world, every rank saw the same tables: no agreement needed.
+    alone = all(topology.axes[a].size == topology.world_size for a in by_axis)
+    if problems if alone else executor.any_rank(bool(problems)):
+        everyone = [problems] if alone else executor.gather_objects(problems)
         unique = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
         shown = "\n  ".join(unique[:_SHOWN])
         more = f"\n  ... and {len(unique) - _SHOWN} more" if len(unique) > _SHOWN else ""
