@@ -155,7 +155,7 @@ class TensorMetrics:
         self._check_config(key_rules or {})
         self._verify_replicas = verify_replicas
         self._verified_kinds: set[str] = set()
-        if verify_replicas != "never":
+        if verify_replicas != "never" and "param" not in self.flat:  # flat buffers hold no Replica
             self._verify(["param"], [s for s in self._sites_of("param") if s.name in self._read_by_metrics()],
                          "at start-up")
         self._hooks = []
