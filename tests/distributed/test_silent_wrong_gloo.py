@@ -28,7 +28,9 @@ def _dp(rank: int, world: int) -> Topology:
 
 
 def _block(*sizes: int) -> torch.nn.Module:
-    """``layers.0.<a|b|c...>``: one block of bias-free Linear layers ``1 x size`` (one row)."""
+    """``layers.0.<a|b|c...>``: one block of bias-free Linear layers ``1 x size`` (one row),
+    initialized alike on every rank (data-parallel replicas, as replica verification checks)."""
+    torch.manual_seed(0)
     model = torch.nn.Module()
     block = torch.nn.ModuleDict({name: torch.nn.Linear(size, 1, bias=False) for name, size in zip("abcd", sizes)})
     model.layers = torch.nn.ModuleList([block])
