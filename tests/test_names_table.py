@@ -23,6 +23,8 @@ ROWS: list[dict[str, Any]] = [
         "numel": 2048,
         "placements": {"fsdp": "S(0)", "dp": "R"},
         "owners": "all",
+        "origins": {"fsdp": "dtensor", "dp": "inferred"},
+        "verified": {"dp": ["param", "grad"]},
     },
     {
         "name": "layers.11.moe.experts.17.up.weight",
@@ -35,6 +37,8 @@ ROWS: list[dict[str, Any]] = [
         "numel": 1536,
         "placements": {"ep": "O3"},
         "owners": [6, 7, 0, 1, 2, 3],
+        "origins": {"ep": "declared"},
+        "verified": {},
     },
     {
         "name": "layers.0.attn_norm.scale",
@@ -47,14 +51,14 @@ ROWS: list[dict[str, Any]] = [
         "numel": 1,
         "placements": {},
         "owners": [5],
-    },
+    },  # a manifest written before origins and verification: those keys are absent
 ]
 
 TABLE = """\
-canonical                           original                                  layer  expert  component       shape  dtype     numel  placements      owners
-embed.weight                        module.model.embed_tokens.weight              -       -  embed           64x32  bfloat16   2048  fsdp=S(0) dp=R  all
-layers.11.moe.experts.17.up.weight  model.layers.11.mlp.experts.gate_up_proj     11      17  moe.experts.up  48x32  float32    1536  ep=O3           0-3,6-7
-layers.0.attn_norm.scale            h.0.ln.scale                                  0       -  attn_norm       ()     float32       1  -               5"""
+canonical                           original                                  layer  expert  component       shape  dtype     numel  placements      owners   origin
+embed.weight                        module.model.embed_tokens.weight              -       -  embed           64x32  bfloat16   2048  fsdp=S(0) dp=R  all      fsdp=S(0):dtensor dp=R:inferred+param,grad
+layers.11.moe.experts.17.up.weight  model.layers.11.mlp.experts.gate_up_proj     11      17  moe.experts.up  48x32  float32    1536  ep=O3           0-3,6-7  ep=O3:declared
+layers.0.attn_norm.scale            h.0.ln.scale                                  0       -  attn_norm       ()     float32       1  -               5        -"""
 
 
 def test_table_is_aligned_with_one_line_per_row() -> None:
@@ -64,7 +68,7 @@ def test_table_is_aligned_with_one_line_per_row() -> None:
 
 def test_empty_manifest_is_the_header() -> None:
     assert format_manifest([]).split() == [
-        "canonical", "original", "layer", "expert", "component", "shape", "dtype", "numel", "placements", "owners"
+        "canonical", "original", "layer", "expert", "component", "shape", "dtype", "numel", "placements", "owners", "origin"
     ]
 
 
@@ -82,7 +86,10 @@ def test_json_round_trips_with_plain_values() -> None:
         "numel": 2048,
         "placements": {"fsdp": "S(0)", "dp": "R"},
         "owners": "all",
+        "origins": {"fsdp": "dtensor", "dp": "inferred"},
+        "verified": {"dp": ["param", "grad"]},
     }
+    assert (parsed[1]["origins"], parsed[2]["origins"], parsed[2]["verified"]) == ({"ep": "declared"}, {}, {})
     assert parsed[1]["owners"] == [6, 7, 0, 1, 2, 3]
     assert (parsed[2]["shape"], parsed[2]["dtype"], parsed[2]["placements"]) == ([], "float32", {})
 

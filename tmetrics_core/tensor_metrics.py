@@ -50,6 +50,7 @@ from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
+from tmetrics_core.placements import Placement
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
@@ -80,6 +81,10 @@ class TensorMetrics:
         check_plan: ``"first"`` (when a metric first runs or the plan changes), ``"always"`` or
             ``"never"``.
         placements: config overrides, glob on canonical names -> ``{axis: placement}``.
+        framework_placements: placements a framework integration knows, keyed by the original
+            parameter name (as ``model.named_parameters()`` gives it) -> ``{axis: Placement}``;
+            they rank below ``placements`` and above DTensor and inference (see
+            :class:`~tmetrics_core.naming.manifest.Manifest`).
         layer_offset, expert_offset: first global layer / expert index held by this rank when
             the model's own names are local (pipeline stage, expert-parallel rank).
         timeout_s: bound on every collective, seconds.
@@ -100,6 +105,7 @@ class TensorMetrics:
                  optimizer: torch.optim.Optimizer | None = None, topology: Topology | None = None,
                  hub: Any = None, run: RunInfo | None = None, collectives: Collectives | None = None,
                  check_plan: str = "first", placements: Mapping[str, Mapping[str, str]] | None = None,
+                 framework_placements: Mapping[str, Mapping[str, Placement]] | None = None,
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None) -> None:
@@ -112,6 +118,7 @@ class TensorMetrics:
         self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s,
                                  device=_collective_device())
         self.manifest = Manifest.build(model, self.topology, overrides=placements,
+                                       framework_placements=framework_placements,
                                        layer_offset=layer_offset, expert_offset=expert_offset)
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}

@@ -1,6 +1,7 @@
 """Printing the tensor manifest (`tmetrics names`): an aligned text table or JSON.
 
-A manifest row is a mapping with exactly the keys of `MANIFEST_KEYS`:
+A manifest row is a mapping with the keys of `MANIFEST_KEYS` (``origins`` and ``verified`` may
+be absent, as in manifests written before they existed):
 
 ==============  ===========================================================================
 ``name``        canonical name (str)
@@ -13,7 +14,15 @@ A manifest row is a mapping with exactly the keys of `MANIFEST_KEYS`:
 ``numel``       elements of the logical tensor (int)
 ``placements``  axis name -> short placement tag, e.g. ``{"fsdp": "S(0)", "dp": "R"}``
 ``owners``      global ranks holding a piece (sequence of int), or ``"all"``
+``origins``     axis name -> where its placement came from: ``declared`` (config
+                ``placements:``), ``framework`` (an integration), ``dtensor``, ``inferred``
+                (who holds the name); an axis here but not in ``placements`` is a Replica claim
+``verified``    axis name -> source kinds (``param``, ``grad``...) whose Replica claim was
+                checked against the values on every rank of the axis
 ==============  ===========================================================================
+
+The table's ``origin`` column shows each claimed axis as ``axis=tag:origin``, with ``+kinds``
+when verified, e.g. ``dp=R:inferred+param,grad tp=S0:dtensor``.
 """
 
 from __future__ import annotations
@@ -40,9 +49,14 @@ MANIFEST_KEYS: tuple[str, ...] = (
     "numel",
     "placements",
     "owners",
+    "origins",
+    "verified",
 )
 
-_HEADERS = ("canonical", "original", "layer", "expert", "component", "shape", "dtype", "numel", "placements", "owners")
+_OPTIONAL: dict[str, dict[str, Any]] = {"origins": {}, "verified": {}}
+_HEADERS = ("canonical", "original", "layer", "expert", "component", "shape", "dtype", "numel", "placements", "owners",
+            "origin")
+_COLUMNS = MANIFEST_KEYS[:-1]
 _RIGHT_ALIGNED = frozenset({"layer", "expert", "numel"})
 
 
@@ -64,27 +78,30 @@ def format_manifest(entries: Sequence[Mapping[str, Any]], *, fmt: Literal["table
     rows = [_normalized(index, entry) for index, entry in enumerate(entries)]
     if fmt == "json":
         return json.dumps(rows, indent=2)
-    cells = [_HEADERS] + [tuple(_cell(key, row[key]) for key in MANIFEST_KEYS) for row in rows]
-    widths = [max(len(line[column]) for line in cells) for column in range(len(MANIFEST_KEYS))]
+    cells = [_HEADERS] + [tuple(_origin(row) if key == "origins" else _cell(key, row[key]) for key in _COLUMNS)
+                          for row in rows]
+    widths = [max(len(line[column]) for line in cells) for column in range(len(_COLUMNS))]
     lines = []
     for line in cells:
         padded = (
             text.rjust(width) if key in _RIGHT_ALIGNED else text.ljust(width)
-            for key, text, width in zip(MANIFEST_KEYS, line, widths)
+            for key, text, width in zip(_COLUMNS, line, widths)
         )
         lines.append("  ".join(padded).rstrip())
     return "\n".join(lines)
 
 
 def _normalized(index: int, entry: Mapping[str, Any]) -> dict[str, Any]:
-    missing = [key for key in MANIFEST_KEYS if key not in entry]
+    missing = [key for key in MANIFEST_KEYS if key not in entry and key not in _OPTIONAL]
     unexpected = sorted(str(key) for key in entry if key not in MANIFEST_KEYS)
     if missing or unexpected:
         raise ConfigError(
             f"manifest row needs exactly the keys {list(MANIFEST_KEYS)}; missing {missing}, unexpected {unexpected}",
             path=f"entries[{index}]",
         )
-    row = {key: entry[key] for key in MANIFEST_KEYS}
+    row = {key: entry.get(key, _OPTIONAL.get(key)) for key in MANIFEST_KEYS}
+    row["origins"] = {str(axis): str(origin) for axis, origin in row["origins"].items()}
+    row["verified"] = {str(axis): [str(kind) for kind in kinds] for axis, kinds in row["verified"].items()}
     row["shape"] = [int(size) for size in entry["shape"]]
     row["dtype"] = str(entry["dtype"]).removeprefix("torch.")
     row["placements"] = {str(axis): str(tag) for axis, tag in entry["placements"].items()}
@@ -103,6 +120,15 @@ def _cell(key: str, value: Any) -> str:
     if key == "owners":
         return value if value == "all" else _ranks(value)
     return str(value)
+
+
+def _origin(row: Mapping[str, Any]) -> str:
+    """``dp=R:inferred+param,grad tp=S0:dtensor``; ``-`` when no axis was claimed."""
+    cells = []
+    for axis, origin in row["origins"].items():
+        kinds = row["verified"].get(axis)
+        cells.append(f"{axis}={row['placements'].get(axis, 'R')}:{origin}" + (f"+{','.join(kinds)}" if kinds else ""))
+    return " ".join(cells) or "-"
 
 
 def _ranks(ranks: Sequence[int]) -> str:

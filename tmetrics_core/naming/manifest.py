@@ -1,9 +1,15 @@
 """The manifest: every model tensor under its canonical name, with placements and owners.
 
 Built once per run. Each rank lists the parameters it holds (canonical name, logical shape,
-dtype, DTensor placements, its axis coordinates); one ``all_gather_object`` shares the lists,
-and every rank derives the same table. Placements come from DTensor where the parameter is one
-(mesh dim names become axes) and are inferred from who holds the name on the other axes:
+dtype, DTensor and framework placements, its axis coordinates); one ``all_gather_object`` shares
+the lists, and every rank derives the same table. Each axis of a tensor takes its placement from
+the first of these that gives one, and the entry records which (its *origin*):
+
+1. ``declared``: the config's ``placements:`` (glob on the canonical name);
+2. ``framework``: a framework integration (Megatron parameter attributes, a known layout),
+   passed as ``framework_placements`` keyed by the original parameter name;
+3. ``dtensor``: the parameter is a DTensor (mesh dim names become axes);
+4. ``inferred``: from who holds the canonical name on the axis:
 
 * held on every coordinate of an axis -> ``Replica`` (DDP, or a tensor outside a stage's
   ownership split);
@@ -12,11 +18,14 @@ and every rank derives the same table. Placements come from DTensor where the pa
 * anything else is ambiguous and must be declared in the config's ``placements:``.
 
 Every rank then knows every tensor, including those held elsewhere, and joins their collectives
-with placeholders: the plan is the same on every rank of an axis.
+with placeholders: the plan is the same on every rank of an axis. A ``Replica`` claim, whatever
+its origin, is only a claim: ``tmetrics_core.distributed.replicas`` checks it against the values
+and records the check in :attr:`TensorEntry.verified`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Iterable, Mapping
@@ -30,7 +39,10 @@ from tmetrics_core.naming.canonical import canonicalize
 from tmetrics_core.placements import Owned, Partial, Placement, Replica, Shard, parse_placement
 from tmetrics_core.site import Site
 
-__all__ = ["Manifest", "TensorEntry", "dtensor_placements"]
+__all__ = ["ORIGINS", "Manifest", "TensorEntry", "dtensor_placements"]
+
+ORIGINS = ("declared", "framework", "dtensor", "inferred")
+"""Where a placement came from, highest precedence first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +59,23 @@ class TensorEntry:
     dtype: str
     placements: tuple[tuple[str, Placement], ...]
     owners: tuple[int, ...]
+    origins: tuple[tuple[str, str], ...] = ()
+    """``(axis, origin)`` for every axis with a placement claim, ``Replica`` claims included (an
+    axis absent from :attr:`placements` but listed here is a Replica claim); origins are the
+    words of :data:`ORIGINS`."""
+    verified: tuple[tuple[str, str], ...] = ()
+    """``(axis, source kind)`` pairs whose Replica claim was checked against the values on every
+    rank of the axis (``param`` at start-up, ``grad``, ``exp_avg``... at their first due step)."""
+
+    def origin(self, axis: str) -> str | None:
+        """Where the placement on ``axis`` came from, or None when nothing claimed it (an axis of
+        size 1)."""
+        return dict(self.origins).get(axis)
+
+    def replica_axes(self) -> tuple[str, ...]:
+        """Axes on which this tensor is claimed to be a Replica (of any origin)."""
+        held = dict(self.placements)
+        return tuple(a for a, _ in self.origins if a not in held)
 
     def site(self, kind: str) -> Site:
         """The site of this tensor for source ``kind`` (``param``, ``grad``, ``exp_avg``...)."""
@@ -63,6 +92,8 @@ class TensorEntry:
             "component": self.component, "shape": list(self.shape), "dtype": self.dtype, "numel": numel,
             "placements": {a: str(p) for a, p in self.placements},
             "owners": "all" if len(self.owners) == world_size else list(self.owners),
+            "origins": dict(self.origins),
+            "verified": {a: [k for ax, k in self.verified if ax == a] for a in dict.fromkeys(a for a, _ in self.verified)},
         }
 
 
@@ -105,13 +136,20 @@ class Manifest:
     @classmethod
     def build(cls, model: torch.nn.Module, topology: Topology, *,
               overrides: Mapping[str, Mapping[str, str]] | None = None,
+              framework_placements: Mapping[str, Mapping[str, Placement]] | None = None,
               layer_offset: int = 0, expert_offset: int = 0, layout: str | None = None) -> "Manifest":
         """Canonicalize ``model``'s parameters, gather them across ranks and infer placements.
 
+        Args:
+            overrides: the config's ``placements:``, glob on canonical names -> ``{axis: tag}``.
+            framework_placements: placements a framework integration knows, keyed by the
+                ORIGINAL parameter name (as ``model.named_parameters()`` gives it) ->
+                ``{axis: Placement}``; below ``overrides``, above DTensor and inference.
+
         Raises:
-            ConfigError: a DTensor axis that is not in ``topology``; an override naming an
-                unknown axis or an unreadable placement; a tensor held on some but not all
-                coordinates of an axis without an override saying how.
+            ConfigError: a DTensor or framework axis that is not in ``topology``; an override
+                naming an unknown axis or an unreadable placement; a tensor held on some but not
+                all coordinates of an axis without an override saying how.
         """
         params = dict(model.named_parameters())
         names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset, layout=layout)
@@ -127,13 +165,33 @@ class Manifest:
                         f"parameter {cn.original!r} is a DTensor on mesh dim {axis!r}, which is not an axis "
                         f"of the topology {list(topology.names)}; pass mesh= with the full DeviceMesh"
                     )
+            framework = dict((framework_placements or {}).get(cn.original, {}))
+            for axis, placement in framework.items():
+                if axis not in topology.axes or not isinstance(placement, Placement):
+                    raise ConfigError(
+                        f"framework placement {axis}={placement!r} of parameter {cn.original!r}: need an axis "
+                        f"of the topology {list(topology.names)} and a tmetrics Placement"
+                    )
             local[cn.name] = p
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
                                tuple(p.shape), str(p.dtype).replace("torch.", ""),
-                               tuple((a, repr(pl)) for a, pl in placements)))
+                               tuple((a, repr(pl)) for a, pl in placements),
+                               tuple((a, repr(pl)) for a, pl in framework.items())))
         everything = _gather((topology.global_rank, coords, local_rows), topology)
         entries = _merge(everything, topology, overrides or {})
         return cls(entries, local)
+
+    def mark_verified(self, kind: str, checked: Iterable[tuple[str, str]]) -> None:
+        """Record that the Replica claims ``(canonical name, axis)`` in ``checked`` held for the
+        values of source ``kind`` on every rank of the axis."""
+        by_name: dict[str, list[str]] = {}
+        for name, axis in checked:
+            by_name.setdefault(name, []).append(axis)
+        self.entries = [
+            e if e.name not in by_name else dataclasses.replace(
+                e, verified=e.verified + tuple((a, kind) for a in by_name[e.name] if (a, kind) not in e.verified))
+            for e in self.entries
+        ]
 
     def sites(self, kind: str) -> list[Site]:
         """One site per tensor for ``kind``, in manifest order (sorted by canonical name)."""
@@ -173,22 +231,27 @@ def _merge(everything: Iterable[Any], topology: Topology,
         holders = held[name]
         row = holders[0][2]
         from_dtensor = {a: parse_placement(p) for a, p in row[8]}
+        from_framework = {a: parse_placement(p) for a, p in row[9]}
         override = _override(name, tuple(row[6]), overrides, topology)
-        if not from_dtensor and not override:
+        if not from_dtensor and not override and not from_framework:
             _same_everywhere(name, holders, topology)
         placements = []
+        origins = []
         for axis in topology.names:
             size = topology.axes[axis].size
-            if axis in override:
-                placements.append((axis, override[axis]))
-            elif axis in from_dtensor:
-                placements.append((axis, from_dtensor[axis]))
-            elif size > 1:
-                placements.append((axis, _infer(name, axis, size, holders)))
+            for origin, known in (("declared", override), ("framework", from_framework), ("dtensor", from_dtensor)):
+                if axis in known:
+                    placements.append((axis, known[axis]))
+                    origins.append((axis, origin))
+                    break
+            else:
+                if size > 1:
+                    placements.append((axis, _infer(name, axis, size, holders)))
+                    origins.append((axis, "inferred"))
         entries.append(TensorEntry(
             name=name, original=row[1], layer=row[2], expert=row[3], component=row[4], family=row[5],
             shape=tuple(row[6]), dtype=row[7], placements=tuple(p for p in placements if not p[1].is_replica()),
-            owners=tuple(sorted(r for r, _, _ in holders)),
+            owners=tuple(sorted(r for r, _, _ in holders)), origins=tuple(origins),
         ))
     return entries
 
