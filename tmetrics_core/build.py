@@ -67,11 +67,11 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     config = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(),
                          sink_names=[name for name, _ in available_sinks()])
     topology = topology_for(mesh, axes, model)
-    placements = config.placements
     megatron = _megatron()
     if megatron is not None:
-        found = megatron.setup(model, optimizer, topology, declared=placements)
-        model, optimizer, placements = found.model, found.optimizer, found.placements
+        found = megatron.setup(model, optimizer, topology)
+        model, optimizer = found.model, found.optimizer
+        kwargs.setdefault("framework_placements", found.placements)
         kwargs.setdefault("layer_offset", found.layer_offset)
         kwargs.setdefault("expert_offset", found.expert_offset)
     metrics = []
@@ -97,7 +97,7 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     modules = {mc.name: mc.modules for mc in config.metrics if mc.modules}
     try:
         tracker = cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
-                      check_plan=config.distributed.check_plan, placements=placements,
+                      check_plan=config.distributed.check_plan, placements=config.placements,
                       timeout_s=config.distributed.collective_timeout_s, modules=modules,
                       key_rules={sink.name: sink.key_rules for sink in built}, **kwargs)
     except BaseException:

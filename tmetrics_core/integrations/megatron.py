@@ -52,6 +52,7 @@ metric is due.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -61,9 +62,8 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.naming.canonical import canonicalize
 from tmetrics_core.observe import observe
-from tmetrics_core.placements import Owned, Shard
+from tmetrics_core.placements import Owned, Placement, Shard
 from tmetrics_core.topology import Topology
 
 __all__ = ["MegatronSetup", "MegatronSteps", "active", "placements", "setup", "topology"]
@@ -185,62 +185,42 @@ def offsets(model: torch.nn.Module) -> tuple[int, int]:
     return min(layer_offsets, default=0), min(expert_offsets, default=0)
 
 
-def placements(model: torch.nn.Module, topology: Topology, *, layer_offset: int, expert_offset: int
-               ) -> dict[str, dict[str, str]]:
-    """``{canonical name: {axis: placement}}`` from Megatron's parameter attributes, for every
-    tensor of every rank (one gather), in the config's ``placements:`` form.
+def placements(model: torch.nn.Module, topology: Topology) -> dict[str, dict[str, Placement]]:
+    """``{parameter name: {axis: placement}}`` from Megatron's parameter attributes (names as
+    ``model.named_parameters()`` gives them), for ``TensorMetrics(framework_placements=)``.
 
     Raises:
         ConfigError: a tensor-parallel weight with ``partition_stride`` other than 1; a
-            tensor-parallel or expert-parallel model whose topology lacks ``tp``/``ep``;
-            two ranks declaring different placements for one tensor.
+            tensor-parallel or expert-parallel model whose topology lacks ``tp``/``ep`` of
+            Megatron's size.
     """
-    params = dict(model.named_parameters())
-    names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset)
     sizes = {a: topology.axes[a].size for a in topology.names}
-    mine: dict[str, dict[str, str]] = {}
-    for cn in names:
-        p = params[cn.original]
-        spec: dict[str, str] = {}
-        if getattr(p, "tensor_model_parallel", False) and _size("tp", sizes, cn.original) > 1:
+    out: dict[str, dict[str, Placement]] = {}
+    for name, p in model.named_parameters():
+        spec: dict[str, Placement] = {}
+        if getattr(p, "tensor_model_parallel", False) and _size("tp", sizes, name) > 1:
             stride = getattr(p, "partition_stride", 1)
             if stride != 1:
-                raise ConfigError(f"Megatron parameter {cn.original!r} is tensor-parallel with partition_stride "
-                                  f"{stride}: its shards are strided, not chunks; declare its placement in the "
-                                  "config's placements: or drop it with select", path="placements")
-            spec["tp"] = str(Shard(int(p.partition_dim)))
-        if not getattr(p, "allreduce", True) and _size("ep", sizes, cn.original) > 1:
-            spec["ep"] = str(Owned(topology.axes["ep"].rank))
+                raise ConfigError(f"Megatron parameter {name!r} is tensor-parallel with partition_stride {stride}: "
+                                  "its shards are strided, not chunks; declare its placement in the config's "
+                                  "placements: or leave it out with select", path="placements")
+            spec["tp"] = Shard(int(p.partition_dim))
+        if not getattr(p, "allreduce", True) and _size("ep", sizes, name) > 1:
+            spec["ep"] = Owned(topology.axes["ep"].rank)
         if spec:
-            mine[cn.name] = spec
-    return _agree(mine, topology)
+            out[name] = spec
+    return out
 
 
-def _size(axis: str, sizes: Mapping[str, int], original: str) -> int:
+def _size(axis: str, sizes: Mapping[str, int], name: str) -> int:
     ps = _state()
     want = (ps.get_tensor_model_parallel_world_size() if axis == "tp"
             else ps.get_expert_model_parallel_world_size())
     if want > 1 and sizes.get(axis, 1) != want:
-        raise ConfigError(f"Megatron parameter {original!r} is split over {want} {axis} ranks, but the topology "
-                          f"has {axis} of size {sizes.get(axis, 1)}; name Megatron's {axis} group in axes= "
-                          "(or leave axes= out to take Megatron's parallel state)")
+        raise ConfigError(f"Megatron parameter {name!r} is split over {want} {axis} ranks, but the topology has "
+                          f"{axis} of size {sizes.get(axis, 1)}; name Megatron's {axis} group in axes= (or leave "
+                          "axes= out to take Megatron's parallel state)")
     return want
-
-
-def _agree(mine: dict[str, dict[str, str]], topology: Topology) -> dict[str, dict[str, str]]:
-    """Every rank's declarations, merged (a stage declares the tensors of other stages too, so
-    every rank plans alike); ``ConfigError`` when two ranks disagree on one tensor."""
-    if topology.world_size == 1 or not dist.is_initialized():
-        return mine
-    everyone: list[Any] = [None] * topology.world_size
-    dist.all_gather_object(everyone, mine)
-    merged: dict[str, dict[str, str]] = {}
-    for rank, declared in enumerate(everyone):
-        for name, spec in declared.items():
-            if merged.setdefault(name, spec) != spec:
-                raise ConfigError(f"Megatron parameter attributes of {name!r} differ across ranks ({merged[name]} "
-                                  f"vs {spec} on rank {rank}); are all ranks built from one config?")
-    return merged
 
 
 class _StateView:
@@ -270,8 +250,8 @@ class MegatronSteps:
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
         self.inner = [(o.optimizer, _main_copies(o)) for o in _leaves(optimizer)]
-        self._pre: dict[int, Callable[..., None]] = {}
-        self._post: dict[int, Callable[..., None]] = {}
+        self._pre: OrderedDict[int, Callable[..., None]] = OrderedDict()  # weakly referenced by handles
+        self._post: OrderedDict[int, Callable[..., None]] = OrderedDict()
         original = optimizer.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -387,17 +367,16 @@ class MegatronSetup:
 
     model: torch.nn.Module
     optimizer: Any
-    placements: dict[str, dict[str, str]]
+    placements: dict[str, dict[str, Placement]]
     layer_offset: int
     expert_offset: int
     handles: list[Any] = field(default_factory=list)
 
 
-def setup(model: Any, optimizer: Any, topology: Topology,
-          declared: Mapping[str, Mapping[str, str]] | None = None) -> MegatronSetup:
+def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
     """The model inside Megatron's wrappers, the optimizer (a Megatron one adapted by
-    :class:`MegatronSteps`), placements from parameter attributes with ``declared`` (the
-    config's) winning, the global offsets and the router observation handles.
+    :class:`MegatronSteps`), placements from parameter attributes (the config's
+    ``placements:`` win over them), the global offsets and the router observation handles.
 
     Raises:
         ConfigError: several model chunks (virtual pipeline, not supported yet), and those of
@@ -409,8 +388,6 @@ def setup(model: Any, optimizer: Any, topology: Topology,
                           "virtual pipeline stages are not supported yet")
     inner = unwrap(parts[0])
     layer_offset, expert_offset = offsets(inner)
-    found = placements(inner, topology, layer_offset=layer_offset, expert_offset=expert_offset)
-    merged = {**found, **{k: dict(v) for k, v in (declared or {}).items()}}
     steps = MegatronSteps(optimizer) if optimizer is not None and is_megatron_optimizer(optimizer) else optimizer
-    return MegatronSetup(model=inner, optimizer=steps, placements=merged, layer_offset=layer_offset,
+    return MegatronSetup(model=inner, optimizer=steps, placements=placements(inner, topology), layer_offset=layer_offset,
                          expert_offset=expert_offset, handles=observe_routers(inner))

@@ -26,17 +26,18 @@ def apply() -> None:
 
 
 def cuda_tensors_on_cpu() -> None:
-    """``torch.tensor(..., device="cuda")`` makes a CPU tensor: Megatron's ``FP32Optimizer`` keeps
-    its loss scale there and ``get_grad_norm_fp32`` (called by ``ChainedOptimizer.step``) its
-    norm accumulator. Installed only by the optimizer cases."""
-    original = torch.tensor
-    if getattr(original, "_cpu_shim", False):
-        return
+    """``torch.tensor``/``torch.zeros`` with ``device="cuda"`` make CPU tensors: Megatron's
+    ``FP32Optimizer`` keeps its loss scale there and ``get_grad_norm_fp32`` (called by
+    ``ChainedOptimizer.step``) its buffers. Installed only by the optimizer cases."""
+    for name in ("tensor", "zeros"):
+        original = getattr(torch, name)
+        if getattr(original, "_cpu_shim", False):
+            continue
 
-    def tensor(*args, **kwargs):
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return original(*args, **kwargs)
+        def factory(*args, _original=original, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return _original(*args, **kwargs)
 
-    tensor._cpu_shim = True  # type: ignore[attr-defined]
-    torch.tensor = tensor  # type: ignore[assignment]
+        factory._cpu_shim = True  # type: ignore[attr-defined]
+        setattr(torch, name, factory)

@@ -18,7 +18,7 @@ EXPERTS, TOPK = 4, 2
 SEED = 1234
 
 
-def config(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False) -> Any:
+def config(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool = False) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra: dict[str, Any] = {}
@@ -31,10 +31,10 @@ def config(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False) -> Any:
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         bias_activation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, params_dtype=torch.float32, pipeline_dtype=torch.float32, **extra)
+        expert_model_parallel_size=ep, sequence_parallel=sp, params_dtype=torch.float32, pipeline_dtype=torch.float32, **extra)
 
 
-def build(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False) -> torch.nn.Module:
+def build(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool = False) -> torch.nn.Module:
     """The GPTModel of this rank (parallel state must be initialized)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -42,7 +42,7 @@ def build(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False) -> torch.
 
     torch.manual_seed(SEED)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None, moe_grouped_gemm=False)
-    return GPTModel(config=config(tp=tp, pp=pp, ep=ep, moe=moe), transformer_layer_spec=spec, vocab_size=VOCAB,
+    return GPTModel(config=config(tp=tp, pp=pp, ep=ep, moe=moe, sp=sp), transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False)
 
@@ -108,12 +108,12 @@ def local_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token loss of the local rows, scaled by the local share of the global batch (so the
-    sum over data-parallel ranks of the gradients is the full batch's gradient)."""
+    """Mean token loss of the local rows (Megatron's DDP averages gradients over data-parallel
+    ranks, so they are the full batch's)."""
     position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
     mask = torch.tril(torch.ones(1, 1, tokens.shape[1], tokens.shape[1], dtype=torch.bool)).logical_not()
     out = model(tokens, position_ids, mask, labels=labels)
-    return out.float().sum() / (BATCH * SEQ)
+    return out.float().mean()
 
 
 def train_step(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ class Case:
     pp: int = 1
     ep: int = 1
     moe: bool = False
+    sp: bool = False  # sequence parallel (Megatron needs it for MoE with tp > 1)
     ddp: bool = False
     optimizer: str = "torch"  # "torch" (Adam), "fp32" (FP32Optimizer), "chained" (ChainedOptimizer)
 
@@ -54,10 +55,11 @@ def run_cases(rank: int, world: int, cases: list[Case], run_dir: str) -> dict[st
 def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key, float]:
     import tmetrics_core as tm
 
-    model = gpt.build(tp=case.tp, pp=case.pp, ep=case.ep, moe=case.moe)
+    model = gpt.build(tp=case.tp, pp=case.pp, ep=case.ep, moe=case.moe, sp=case.sp)
     gpt.load_full(model, full)
     if case.ddp:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         model = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(),
                                         module=model)
@@ -72,7 +74,11 @@ def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key,
                 model.zero_grad_buffer()
             gpt.train_step(model, *gpt.local_batch(step))
             if case.ddp:
-                model.finish_grad_sync()
+                finalize_model_grads([model])  # what Megatron's schedules call after the backward
+            if torch.distributed.get_world_size() == 1:  # the reference's own check, by hand
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                values[("hand-grad-l2", step, None, None, None, None)] = float(
+                    torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt())
             optimizer.step()
             optimizer.zero_grad()
         for r in metrics.last_records:

@@ -1,0 +1,73 @@
+"""Megatron-Core 0.16.1 on CPU/gloo: tmetrics attached with only
+``TensorMetrics.from_config(cfg, model=model, optimizer=optimizer)`` gives the numbers of the
+same model trained in one process (rel 1e-6), for TP=2, PP=2, EP=2 with Megatron's DDP (DP=2
+for the dense part), DP=2 with Megatron's DDP and FP32Optimizer, TP=2 x DP=2 on 4 ranks, and
+the MoE model's router metrics (tokens per expert, router logits L2) under EP=2 and EP=2 x expert-DP=2 (4 ranks). MoE with TP > 1 is not trained: Megatron 0.16.1 refuses it
+without sequence parallelism, which its local (non-Transformer-Engine) norms do not support.
+
+The test writes no placement, offset or hook: topology, Shard(partition_dim) on tp, global
+layer and expert ids, gradients in ``main_grad``, the Megatron optimizers' step and the
+router's logits and top-k come from the integration. Three spawned runs (1, 2 and 4 ranks)
+carry all cases.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.integrations.megatron.ranks import Case, run_cases  # noqa: E402
+
+TWO = [
+    Case("tp2", tp=2),
+    Case("pp2", pp=2),
+    Case("ddp_dp2_fp32", ddp=True, optimizer="fp32"),
+    Case("moe_ep2_ddp_chained", ep=2, moe=True, ddp=True, optimizer="chained"),
+]
+FOUR = [
+    Case("ddp_tp2_dp2_fp32", tp=2, ddp=True, optimizer="fp32"),
+    Case("moe_ep2_edp2_ddp_chained", ep=2, moe=True, ddp=True, optimizer="chained"),
+]
+REL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+    reference = run_distributed(run_cases, 1, [Case("dense"), Case("moe", moe=True)], str(root / "one"),
+                                timeout=300)[0]
+    two = run_distributed(run_cases, 2, TWO, str(root / "two"), timeout=400)
+    four = run_distributed(run_cases, 4, FOUR, str(root / "four"), timeout=400)
+    return reference, {c.name: [r[c.name] for r in two] for c in TWO} | {c.name: [r[c.name] for r in four]
+                                                                          for c in FOUR}
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return math.isclose(a, b, rel_tol=REL, abs_tol=1e-12)
+
+
+def test_reference_global_grad_l2_is_the_hand_norm(runs):
+    reference, _ = runs
+    for model in ("dense", "moe"):
+        for step in (1, 2):
+            hand = reference[model][("hand-grad-l2", step, None, None, None, None)]
+            assert _close(reference[model][("global-grad-l2", step, None, None, None, None)], hand)
+
+
+@pytest.mark.parametrize("case", TWO + FOUR, ids=lambda c: c.name)
+def test_equals_one_process(runs, case):
+    reference, got = runs
+    expected = {k: v for k, v in reference["moe" if case.moe else "dense"].items() if k[0] != "hand-grad-l2"}
+    for rank, values in enumerate(got[case.name]):
+        assert set(values) == set(expected), (rank, sorted(set(values) ^ set(expected), key=str)[:5])
+        wrong = {k: (values[k], v) for k, v in expected.items() if not _close(values[k], v)}
+        assert not wrong, (rank, dict(list(wrong.items())[:5]))
+    if case.moe:
+        tokens = [v for k, v in expected.items() if k[0] == "layer-expert-tokens"]
+        assert len(tokens) == 4 and all(sum(t) == 2 * 4 * 8 for t in tokens)  # top-2 of 32 tokens
