@@ -54,9 +54,9 @@ from tmetrics_core.placements import Placement
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.flat import FlatBuffer
+from tmetrics_core.sources.flat import FlatBuffer, read_buffers
 from tmetrics_core.sources.modules import ModuleIndex
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, update_pairs
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.sources.token_plan import TokenPlan
@@ -90,7 +90,9 @@ class TensorMetrics:
         timeout_s: bound on every collective, seconds.
         modules: metric name -> globs of module paths whose outputs an ``activation`` metric reads.
         flat_buffers: ZeRO-style flat shards that hold a source kind (grads, master weights, Adam
-            state) instead of the parameters (see :class:`~tmetrics_core.sources.flat.FlatBuffer`).
+            state) instead of the parameters (see :class:`~tmetrics_core.sources.flat.FlatBuffer`);
+            several of one kind (dense and expert buffers) are all read, each parameter from
+            the one that lists it; parameters in none are read as usual.
         key_rules: sink name -> that sink's key rules, for every configured sink (on every rank,
             logging or not), so tensor names that render to one key are refused before the first step.
 
@@ -122,7 +124,9 @@ class TensorMetrics:
                                        layer_offset=layer_offset, expert_offset=expert_offset)
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
-        self.flat = {fb.kind: fb for fb in flat_buffers}
+        self.flat: dict[str, list[FlatBuffer]] = {}
+        for fb in flat_buffers:  # several of a kind: dense and expert buffers, per dtype or bucket
+            self.flat.setdefault(fb.kind, []).append(fb)
         self.tokens = TokenPlan(self.topology)
         self.last_records: list[MetricRecord] = []
         self.failures: list[MetricFailure] = []
@@ -130,6 +134,7 @@ class TensorMetrics:
         self._warned: set[str] = set()
         self._step: int | None = None
         self._first_step: int | None = None
+        self._last_due: int | None = None
         self._due: list[tuple[TensorMetric, int]] = []
         self._due_names: tuple[str, ...] = ()
         self._prepared: dict[str, tuple[dict[SiteKey, Any], str | None]] = {}
@@ -261,16 +266,25 @@ class TensorMetrics:
         skipped; the training loop's exceptions pass through.
 
         Raises:
-            TMetricsError: on entering the scope after :meth:`close`. After SIGTERM closed
+            TMetricsError: on entering a step not larger than the last due one (one scope per
+                optimizer step: micro-batches go in one scope), or the scope after :meth:`close`. After SIGTERM closed
                 this object, steps still run (their records go nowhere), so a job that shuts
                 down gracefully keeps the same collectives on every rank.
         """
         self._check_open(f"step({step})")
+        if self._last_due is not None and step <= self._last_due:
+            raise TMetricsError(
+                f"metrics.step({step}) entered after step {self._last_due} was measured: step numbers must "
+                "increase, and one optimizer step is one scope. Wrap all micro-batches of an optimizer step "
+                "(every forward and backward, then optimizer.step()) in one `with metrics.step(n)`; "
+                "gradients accumulate and are read once, before the update")
         if self._first_step is None:
             self._first_step = step
         self._step = step
         self._due = [(m, i) for m, i in self.metrics if step % i == 0 or step == self._first_step]
         self._due_names = tuple(m.name for m, _ in self._due)  # keys the facts found once per due set
+        if self._due:
+            self._last_due = step
         self._prepared = {}
         self._phases_done = set()
         self._sites = {}
@@ -547,11 +561,10 @@ class TensorMetrics:
                 tensors.extend(pair[1] if pair is not None else None for pair in pairs)
                 continue
             if kind in self.flat:
-                flat_sites, flat_tensors = self.flat[kind].read(self.manifest, self.topology.names)
+                flat_sites, flat_tensors, covers = read_buffers(self.flat[kind], self.manifest, self.topology.names)
                 plain = read_kind(kind, self.manifest, self.optimizer, self._before)
                 sites.extend(flat_sites)
-                tensors.extend(t if covered else p for t, p, covered in
-                               zip(flat_tensors, plain, self.flat[kind].covers(self.manifest)))
+                tensors.extend(t if covered else p for t, p, covered in zip(flat_tensors, plain, covers))
                 continue
             sites.extend(self._sites_of(kind) if kind != "grad" else self._grad_sites())
             tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
@@ -617,7 +630,8 @@ class TensorMetrics:
         sites = []
         for site, entry in zip(self._sites_of("grad"), self.manifest.entries):
             param = self.manifest.local.get(entry.name)
-            grad = dtensor_placements(param.grad) if param is not None and param.grad is not None else None
+            held = grad_of(param) if param is not None else None
+            grad = dtensor_placements(held) if held is not None else None
             if grad is not None:
                 grad = tuple((a, p) for a, p in grad if not p.is_replica())
                 if grad != site.placements:

@@ -22,13 +22,15 @@ from tests.metrics.cases import (
 )
 from tests.simulation import mesh_coords, run_threaded, sim_topology
 from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.errors import PlacementError
 from tmetrics_core.placements import Shard
 from tmetrics_core.site import Site
 
 
 @st.composite
 def cases(draw):
-    shape, names = draw(st.sampled_from(MESHES))
+    # Without a dp axis the metric is refused at start-up (test_refused_without_a_dp_axis).
+    shape, names = draw(st.sampled_from([m for m in MESHES if "dp" in m[1] or math.prod(m[0]) == 1]))
     other_shape = tuple(s for s, n in zip(shape, names) if n != "dp")
     sites = []
     for i in range(draw(st.integers(1, 4))):
@@ -117,3 +119,15 @@ def test_a_single_flipped_bit_is_detected():
         assert values["tensors-differing"] == 1.0
         # One ulp of the element: between 2**-24 and 2**-23 of its magnitude.
         assert 0 < values["max-sum-diff"] <= abs(full[777].item()) * 2.0**-23
+
+
+def test_refused_without_a_dp_axis():
+    """Nothing to compare would read 0 on every step: a false all-clear."""
+    site = Site("layers.0.w", "param", (4, 4), layer=0)
+    try:
+        build_metric("dp-replica-drift").check(site, sim_topology(0, (2,), ("tp",)))
+    except PlacementError as exc:
+        assert "'dp'" in str(exc) and "['tp']" in str(exc)
+    else:
+        raise AssertionError("dp-replica-drift accepted a topology without a dp axis")
+    build_metric("dp-replica-drift").check(site, sim_topology(0, (2,), ("dp",)))

@@ -34,6 +34,7 @@ import torch
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.base import StatMetric
+from tmetrics_core.errors import PlacementError
 from tmetrics_core.metrics.statistics import Stage, Statistic, flagged_value
 from tmetrics_core.site import Site
 
@@ -197,6 +198,20 @@ class ReplicaDrift(StatMetric):
     def accepts(self, site: Site) -> bool:
         """Sites of the chosen kinds that are ``Replica`` on every drift axis."""
         return super().accepts(site) and all(site.placement(a).is_replica() for a in self.axes)
+
+    def check(self, site: Site, topology: Topology) -> None:
+        """Refuse a multi-rank topology without any of the drift axes: nothing would be compared
+        and every value would read 0, a false all-clear.
+
+        Raises:
+            PlacementError: naming the axes looked for, the topology's axes and the fix.
+        """
+        if topology.world_size > 1 and not any(a in topology.axes for a in self.axes):
+            raise PlacementError(
+                f"it compares replicas across axis {' or '.join(repr(a) for a in self.axes)}, which the topology "
+                f"{list(topology.names)} does not have, so it would always report 0. Name the data-parallel "
+                "axis 'dp' (mesh_dim_names=(..., 'dp', ...) or axes={'dp': group}), or drop the metric")
+        super().check(site, topology)
 
     def finalize(self, stats):
         hashed, summed, sampled = (flagged_value(stats[s.name]) for s in self.statistics)

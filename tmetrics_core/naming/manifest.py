@@ -127,7 +127,8 @@ class Manifest:
     """Every tensor of the model by canonical name, identical on every rank.
 
     ``entries`` holds every tensor of every rank; ``local`` maps canonical names to this rank's
-    parameter objects (absent for tensors held elsewhere).
+    parameter objects (absent for tensors held elsewhere, and for those its placements say are
+    held elsewhere: a copy here of a tensor declared ``Owned`` by another rank).
     """
 
     entries: list[TensorEntry]
@@ -179,6 +180,11 @@ class Manifest:
                                tuple((a, repr(pl)) for a, pl in framework.items())))
         everything = _gather((topology.global_rank, coords, local_rows), topology)
         entries = _merge(everything, topology, overrides or {})
+        # A copy on a rank that a declared Owned(r) says does not hold it (a stale replica on a
+        # non-owner) is not read: that rank joins with a placeholder, like any rank without it.
+        for entry in entries:
+            if entry.name in local and not entry.site("param").holds(coords):
+                del local[entry.name]
         return cls(entries, local)
 
     def mark_verified(self, kind: str, checked: Iterable[tuple[str, str]]) -> None:

@@ -20,7 +20,7 @@ from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.placements import FlatShard
 from tmetrics_core.site import Site
 
-__all__ = ["FlatBuffer"]
+__all__ = ["FlatBuffer", "read_buffers"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +82,29 @@ class FlatBuffer:
             sites.append(dataclasses.replace(site, placements=placements))
             tensors.append(self.buffer.detach()[a - lo:b - lo] if a < b else self.buffer.detach()[:0])
         return sites, tensors
+
+
+def read_buffers(buffers: Sequence[FlatBuffer], manifest: Manifest, topology_axes: Sequence[str]
+                 ) -> tuple[list[Site], list[torch.Tensor | None], list[bool]]:
+    """Sites, local views and whether a buffer holds it, for every manifest entry, from all the
+    buffers of one kind (a distributed optimizer keeps several: dense and expert parameters,
+    one per dtype or per bucket). An entry in no buffer keeps its site and gets None, and is
+    read as usual by the caller.
+
+    Raises:
+        ConfigError: a parameter listed in two buffers of the kind (it would count twice), or
+            what :meth:`FlatBuffer.read` raises.
+    """
+    sites = [e.site(buffers[0].kind) for e in manifest.entries]
+    tensors: list[torch.Tensor | None] = [None] * len(sites)
+    covered = [False] * len(sites)
+    for fb in buffers:
+        mine, local = fb.read(manifest, topology_axes)
+        for i, held in enumerate(fb.covers(manifest)):
+            if not held:
+                continue
+            if covered[i]:
+                raise ConfigError(f"parameter {manifest.entries[i].name!r} is in two flat buffers of kind "
+                                  f"{fb.kind!r}; list each parameter in one buffer per kind")
+            sites[i], tensors[i], covered[i] = mine[i], local[i], True
+    return sites, tensors, covered

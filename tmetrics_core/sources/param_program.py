@@ -27,6 +27,7 @@ from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric, TensorMetric, reads_only_moments
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.params import grad_of
 
 __all__ = ["ParamProgram", "PhasePlan"]
 
@@ -189,14 +190,17 @@ class ParamProgram:
 
     def read_pre(self, params: Sequence[torch.Tensor]) -> list[tuple[StatMetric, BlockState]] | None:
         """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
-        entry, plain tensors) and their gradients (zeros for a None gradient, as ``read_kind``),
-        in one kernel call; None (nothing read) when the kernel does not take a tensor."""
+        entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grad_of`),
+        in one kernel call; None (nothing read) when the kernel does not take a tensor, or a
+        parameter has no gradient (the general path leaves it out of gradient statistics with
+        a placeholder)."""
         tensors = []
         for kind, i in self.reads:
             p = params[i]
             if kind == "grad":
-                grad = p.grad
-                p = grad if grad is not None else torch.zeros_like(p)
+                p = grad_of(p)
+                if p is None:
+                    return None
             tensors.append(p)
         try:
             rows = moments.moments(tensors, sumsq_only=self._squares[0])

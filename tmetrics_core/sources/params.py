@@ -2,8 +2,11 @@
 
 Each source kind maps every manifest entry to the local tensor this rank holds for it (the
 DTensor's local shard, the plain tensor) or None when the tensor is held elsewhere, which the
-metrics turn into a neutral placeholder. Gradients that are None on a rank that holds the
-parameter (an expert no token reached) count as zeros: that is the gradient autograd implies.
+metrics turn into a neutral placeholder. A gradient is read from ``param.main_grad`` where the
+parameter has one (Megatron-Core's DDP accumulates there and leaves ``.grad`` None), else from
+``.grad``. A parameter without a gradient (a frozen weight, an expert no token reached, a branch
+the loss does not use) is not part of gradient statistics: it joins with a placeholder, like a
+tensor held elsewhere, never as zeros (which would lower RMS and raise zero fractions).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 
 from tmetrics_core.naming.manifest import Manifest
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "local_view", "read_kind", "update_pairs"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "grad_of", "local_view", "read_kind", "update_pairs"]
 
 PARAM_KINDS = frozenset({"param", "grad"})
 """Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
@@ -35,11 +38,20 @@ def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return to_local().detach() if to_local is not None else tensor
 
 
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of ``param``: ``param.main_grad`` where set (Megatron-Core's DDP and
+    distributed optimizer keep it there, ``.grad`` None), else ``param.grad``; None when neither
+    is (no gradient this step)."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
 def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | None,
               before: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """Local tensors of ``kind`` for every manifest entry, in manifest order.
 
-    ``param``: the parameter; ``grad``: its gradient (zeros when None); ``exp_avg`` and
+    ``param``: the parameter; ``grad``: its gradient (:func:`grad_of`; None, a placeholder, when
+    it has none); ``exp_avg`` and
     ``exp_avg_sq``: the optimizer state (None when the optimizer has none for it yet);
     ``update``: parameter minus ``before[name]`` (the snapshot taken before the step), written
     into the snapshot tensor itself (no second model-size buffer; the snapshot is consumed, so
@@ -63,8 +75,7 @@ def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | 
         if kind == "param":
             out.append(local_view(p))
         elif kind == "grad":
-            g = local_view(p.grad)
-            out.append(g if g is not None else torch.zeros_like(local_view(p)))
+            out.append(local_view(grad_of(p)))
         else:
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             out.append(local_view(state.get(kind)))

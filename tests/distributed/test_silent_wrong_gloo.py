@@ -1,0 +1,178 @@
+"""Issue 16: cases that used to print a plausible wrong number with no error, on real gloo ranks.
+
+Each case builds a tiny model whose gradients are set by hand, so every expected value is a
+closed form; every rank returns what it measured (or the error it raised, and the warnings it
+logged) and the test checks every rank. Several cases share one spawned run to keep the file
+fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.harness import run_distributed
+from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.tensor_metrics import TensorMetrics
+from tmetrics_core.topology import Axis, Topology
+
+
+def _dp(rank: int, world: int) -> Topology:
+    return Topology([Axis("dp", world, rank, dist.group.WORLD, tuple(range(world)))],
+                    global_rank=rank, world_size=world)
+
+
+def _block(*sizes: int) -> torch.nn.Module:
+    """``layers.0.<a|b|c...>``: one block of bias-free Linear layers ``1 x size`` (one row)."""
+    model = torch.nn.Module()
+    block = torch.nn.ModuleDict({name: torch.nn.Linear(size, 1, bias=False) for name, size in zip("abcd", sizes)})
+    model.layers = torch.nn.ModuleList([block])
+    return model
+
+
+def _metrics(*names: str) -> list:
+    return [(build_metric(name), 1) for name in names]
+
+
+class _Warnings(logging.Handler):
+    """The ``tmetrics`` logger's warnings on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("tmetrics").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _values(metrics: TensorMetrics) -> dict:
+    return {(r.metric, r.layer): r.value for r in metrics.last_records}
+
+
+# -- item 11: gradients in main_grad; item 4: no gradient is not a zero gradient ----------------
+def _gradient_cases(rank: int, world: int) -> dict:
+    out = {}
+    # Megatron-Core DDP: the gradient is in main_grad, .grad stays None.
+    model = _block(2, 3)
+    a, b = model.layers[0]["a"].weight, model.layers[0]["b"].weight
+    a.main_grad = torch.tensor([[3.0, 4.0]])
+    b.main_grad = torch.tensor([[0.0, 12.0, 0.0]])
+    tm = TensorMetrics(model, metrics=_metrics("global-grad-l2", "layer-grad-rms"), topology=_dp(rank, world),
+                       timeout_s=30)
+    with tm.step(1):
+        pass
+    out["main_grad"] = _values(tm)
+    # b gets no gradient: not part of the statistics, on the general path (zero fraction reads
+    # elements) and on the planned one (RMS and L2 from moments rows) alike.
+    for path, names in (("general", ("layer-grad-zero-fraction", "layer-grad-rms")),
+                        ("planned", ("layer-grad-rms", "global-grad-l2"))):
+        model = _block(5, 5)
+        model.layers[0]["a"].weight.grad = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]])
+        tm = TensorMetrics(model, metrics=_metrics(*names), topology=_dp(rank, world), timeout_s=30)
+        with tm.step(1):
+            pass
+        out[path] = _values(tm)
+    return out
+
+
+def test_gradients_from_main_grad_and_missing_gradients():
+    for got in run_distributed(_gradient_cases, 2, timeout=90):
+        assert got["main_grad"][("global-grad-l2", None)] == pytest.approx(13.0)
+        assert got["main_grad"][("layer-grad-rms", 0)] == pytest.approx(math.sqrt(169 / 5))
+        # zeros for b would give 0.6 and sqrt(3) = 1.732
+        assert got["general"][("layer-grad-zero-fraction", 0)] == pytest.approx(0.2)
+        assert got["general"][("layer-grad-rms", 0)] == pytest.approx(math.sqrt(6))
+        assert got["planned"][("layer-grad-rms", 0)] == pytest.approx(math.sqrt(6))
+        assert got["planned"][("global-grad-l2", None)] == pytest.approx(math.sqrt(30))
+
+
+# -- items 9 and 10: a step entered twice; replica drift without a dp axis ----------------------
+def _refusals(rank: int, world: int) -> dict:
+    from tmetrics_core.errors import ConfigError, TMetricsError
+
+    out = {}
+    model = _block(2)
+    tm = TensorMetrics(model, metrics=_metrics("global-grad-l2"), topology=_dp(rank, world), timeout_s=30)
+    model.layers[0]["a"].weight.grad = torch.tensor([[3.0, 4.0]])
+    with tm.step(1):  # first micro-batch
+        pass
+    out["first"] = _values(tm)
+    for again in (1, 0):
+        try:
+            with tm.step(again):  # a second micro-batch in its own scope, or a step number going back
+                pass
+            out[again] = None
+        except TMetricsError as exc:
+            out[again] = (type(exc).__name__, str(exc))
+    fsdp = Topology([Axis("fsdp", world, rank, dist.group.WORLD, tuple(range(world)))],
+                    global_rank=rank, world_size=world)
+    try:
+        TensorMetrics(_block(2), metrics=_metrics("global-grad-l2", "dp-replica-drift"), topology=fsdp, timeout_s=30)
+        out["drift"] = None
+    except ConfigError as exc:
+        out["drift"] = (exc.path, str(exc))
+    return out
+
+
+def test_a_step_entered_twice_and_replica_drift_without_dp_are_refused():
+    for got in run_distributed(_refusals, 2, timeout=90):
+        assert got["first"] == {("global-grad-l2", None): 5.0}
+        for again in (1, 0):
+            name, message = got[again]
+            assert name == "TMetricsError" and "after step 1" in message and "micro-batches" in message
+        path, message = got["drift"]
+        assert path == "metrics[1]" and "dp-replica-drift" in message and "'dp'" in message and "fsdp" in message
+
+
+# -- item 2: a declared Owned(r) reads the owner's copy only ------------------------------------
+def _owned_cases(rank: int, world: int) -> dict:
+    model = _block(2)
+    weight = model.layers[0]["a"].weight
+    with torch.no_grad():
+        weight.copy_(torch.tensor([[3.0, 4.0]]) if rank == 0 else torch.tensor([[0.0, 1.0]]))  # rank 1: stale
+    weight.grad = torch.tensor([[6.0, 8.0]]) if rank == 0 else torch.tensor([[1.0, 1.0]])
+    tm = TensorMetrics(model, metrics=_metrics("global-param-l2", "global-grad-l2", "layer-param-rms"),
+                       topology=_dp(rank, world), placements={"layers.0.a.weight": {"dp": "O0"}}, timeout_s=30)
+    with tm.step(1):
+        pass
+    return _values(tm)
+
+
+def test_declared_owned_reads_only_the_owner():
+    for got in run_distributed(_owned_cases, 2, timeout=90):
+        # the stale copy counted: sqrt(25 + 1) = 5.099
+        assert got == {("global-param-l2", None): 5.0, ("global-grad-l2", None): 10.0,
+                       ("layer-param-rms", 0): pytest.approx(math.sqrt(12.5))}
+
+
+# -- item 3: every flat buffer of a kind is read --------------------------------------------------
+def _flat_cases(rank: int, world: int) -> dict:
+    from tmetrics_core.sources.flat import FlatBuffer
+
+    model = _block(2, 3, 3, 2)
+    a, b, c, d = (model.layers[0][n].weight for n in "abcd")
+    dense = torch.tensor([3.0, 4.0, 0.0, 0.0, 5.0])  # a, b
+    expert = torch.tensor([1.0, 2.0, 2.0])  # c
+    buffers = []
+    for params, full in (((a, b), dense), ((c,), expert)):
+        chunk = -(-full.numel() // world)
+        lo, hi = min(rank * chunk, full.numel()), min((rank + 1) * chunk, full.numel())
+        buffers.append(FlatBuffer("grad", "dp", list(params), full[lo:hi].clone(), lo))
+    d.grad = torch.tensor([[6.0, 8.0]])  # in no buffer: read from .grad
+    tm = TensorMetrics(model, metrics=_metrics("layer-grad-l2", "global-grad-l2"), topology=_dp(rank, world),
+                       flat_buffers=buffers, timeout_s=30)
+    with tm.step(1):
+        pass
+    return _values(tm)
+
+
+def test_every_flat_buffer_of_a_kind_is_read():
+    for got in run_distributed(_flat_cases, 2, timeout=90):
+        # the dense buffer dropped: sqrt(9 + 100) = 10.44
+        assert got == {("layer-grad-l2", 0): pytest.approx(math.sqrt(159)),
+                       ("global-grad-l2", None): pytest.approx(math.sqrt(159))}
