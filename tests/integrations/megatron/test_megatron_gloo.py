@@ -33,6 +33,10 @@ FOUR = [
     Case("moe_ep2_edp2_ddp_chained", ep=2, moe=True, ddp=True, optimizer="chained"),
 ]
 REL = 1e-6
+MOE_STEP2_REL = 1e-5
+"""After one update the MoE runs are no longer the same model to the last bit: Megatron sums
+expert outputs and reduces gradients in another order than one process (fp32), and the step-2
+gradients differ by up to ~3e-6 relative. Step 1 (same model) is held to REL everywhere."""
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +50,10 @@ def runs(tmp_path_factory):
                                                                           for c in FOUR}
 
 
-def _close(a, b) -> bool:
+def _close(a, b, rel: float = REL) -> bool:
     if isinstance(a, tuple):
-        return isinstance(b, tuple) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
-    return math.isclose(a, b, rel_tol=REL, abs_tol=1e-12)
+        return isinstance(b, tuple) and len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b))
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 
 
 def test_reference_global_grad_l2_is_the_hand_norm(runs):
@@ -66,7 +70,8 @@ def test_equals_one_process(runs, case):
     expected = {k: v for k, v in reference["moe" if case.moe else "dense"].items() if k[0] != "hand-grad-l2"}
     for rank, values in enumerate(got[case.name]):
         assert set(values) == set(expected), (rank, sorted(set(values) ^ set(expected), key=str)[:5])
-        wrong = {k: (values[k], v) for k, v in expected.items() if not _close(values[k], v)}
+        wrong = {k: (values[k], v) for k, v in expected.items()
+                 if not _close(values[k], v, MOE_STEP2_REL if case.moe and k[1] == 2 else REL)}
         assert not wrong, (rank, dict(list(wrong.items())[:5]))
     if case.moe:
         tokens = [v for k, v in expected.items() if k[0] == "layer-expert-tokens"]
