@@ -75,6 +75,11 @@ def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key,
             gpt.train_step(model, *gpt.local_batch(step))
             if case.ddp:
                 finalize_model_grads([model])  # what Megatron's schedules call after the backward
+            for name, p in model.named_parameters():  # a replicated tensor of this very run, by hand
+                if name.endswith("mlp.router.weight"):
+                    layer = int(name.split("decoder.layers.")[1].split(".")[0])
+                    grad = p.grad if p.grad is not None else p.main_grad
+                    values[("hand-router-grad-l2", step, layer, None, None, None)] = float(grad.double().norm())
             if torch.distributed.get_world_size() == 1:  # the reference's own check, by hand
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 values[("hand-grad-l2", step, None, None, None, None)] = float(
