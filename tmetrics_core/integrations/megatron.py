@@ -87,10 +87,10 @@ def active() -> bool:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``):
     modules of Megatron that hold no parameter of their own and keep the model at ``.module``."""
-    while (type(model).__module__.startswith("megatron.") and isinstance(getattr(model, "module", None),
-                                                                         torch.nn.Module)
-           and not model._parameters):
-        model = model.module
+    inner = getattr(model, "module", None)
+    while type(model).__module__.startswith("megatron.") and isinstance(inner, torch.nn.Module) \
+            and not model._parameters:
+        model, inner = inner, getattr(inner, "module", None)
     return model
 
 
@@ -166,7 +166,7 @@ def offsets(model: torch.nn.Module) -> tuple[int, int]:
     Raises:
         ConfigError: layers whose global numbers are not one offset from their positions.
     """
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer  # type: ignore[import-untyped]
 
     layer_offsets, expert_offsets = set(), set()
     for name, module in model.named_modules():
@@ -204,7 +204,7 @@ def placements(model: torch.nn.Module, topology: Topology) -> dict[str, dict[str
                 raise ConfigError(f"Megatron parameter {name!r} is tensor-parallel with partition_stride {stride}: "
                                   "its shards are strided, not chunks; declare its placement in the config's "
                                   "placements: or leave it out with select", path="placements")
-            spec["tp"] = Shard(int(p.partition_dim))
+            spec["tp"] = Shard(int(getattr(p, "partition_dim")))
         if not getattr(p, "allreduce", True) and _size("ep", sizes, name) > 1:
             spec["ep"] = Owned(topology.axes["ep"].rank)
         if spec:
@@ -315,7 +315,7 @@ def _main_copies(optimizer: Any) -> dict[int, torch.Tensor]:
 def observe_routers(model: torch.nn.Module) -> list[Any]:
     """Report every ``TopKRouter``'s logits and top-k choice (see the module docstring);
     returns the handles that undo it."""
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router import TopKRouter  # type: ignore[import-untyped]
 
     handles: list[Any] = []
     for module in model.modules():
@@ -328,7 +328,7 @@ def observe_routers(model: torch.nn.Module) -> list[Any]:
 class _GatingWrapper:
     """``router.gating`` replaced by a call that also observes its logits; ``remove()`` undoes it."""
 
-    def __init__(self, router: torch.nn.Module) -> None:
+    def __init__(self, router: Any) -> None:
         self.router = router
         original = router.gating
 
@@ -346,7 +346,7 @@ class _GatingWrapper:
 _WARNED: set[str] = set()
 
 
-def _report_topk(router: torch.nn.Module, args: Any, out: Any) -> None:
+def _report_topk(router: Any, args: Any, out: Any) -> None:
     routing_map = out[1]
     k = int(router.topk)
     chosen = routing_map.reshape(-1, routing_map.shape[-1])
