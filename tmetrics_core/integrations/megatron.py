@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.observe import observe
+from tmetrics_core.observe import observe, watched
 from tmetrics_core.placements import Owned, Placement, Shard
 from tmetrics_core.topology import Topology
 
@@ -334,7 +334,8 @@ class _GatingWrapper:
 
         def gating(*args: Any, **kwargs: Any) -> torch.Tensor:
             logits = original(*args, **kwargs)
-            observe(router, "router_logits", logits.reshape(-1, logits.shape[-1]), kind="router_logits")
+            if watched("router_logits"):
+                observe(router, "router_logits", logits.reshape(-1, logits.shape[-1]), kind="router_logits")
             return logits
 
         router.gating = gating
@@ -347,6 +348,8 @@ _WARNED: set[str] = set()
 
 
 def _report_topk(router: Any, args: Any, out: Any) -> None:
+    if not watched("router_topk"):
+        return
     routing_map = out[1]
     k = int(router.topk)
     chosen = routing_map.reshape(-1, routing_map.shape[-1])
