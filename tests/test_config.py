@@ -131,7 +131,8 @@ def test_dict_form_and_round_trip_through_to_dict() -> None:
         "sample": None,
     }
     assert plain["run"] == {"name": "demo", "dir": "runs/demo"}
-    assert plain["distributed"] == {"collective_timeout_s": 30.0, "check_plan": "always", "log_rank": 1}
+    assert plain["distributed"] == {"collective_timeout_s": 30.0, "check_plan": "always", "verify_replicas": "first",
+                                   "log_rank": 1}
     assert yaml.safe_load(yaml.safe_dump(plain)) == plain  # plain data only
     assert load_config(plain) == config
     plain["sinks"]["mlflow"]["experiment"] = "changed"
@@ -150,7 +151,8 @@ def test_defaults() -> None:
     assert config == Config()
     assert config.run == RunConfig(name="tmetrics", dir="runs/tmetrics")
     assert config.metrics == () and config.sinks == {} and config.placements == {}
-    assert config.distributed == DistributedConfig(collective_timeout_s=60.0, check_plan="first", log_rank=0)
+    assert config.distributed == DistributedConfig(collective_timeout_s=60.0, check_plan="first",
+                                                   verify_replicas="first", log_rank=0)
     assert load_config({"run": {"name": "exp7"}}).run.dir == "runs/exp7"
     assert load_config({"run": None, "metrics": None, "sinks": None, "distributed": None}) == Config()
 
@@ -473,6 +475,11 @@ BAD_MAPPINGS = [
         "got 'frist' (a string) (did you mean 'first'?); need one of first, always, never",
     ),
     (
+        {"distributed": {"verify_replicas": "start-up"}},
+        "distributed.verify_replicas",
+        "got 'start-up' (a string) (did you mean 'startup'?); need one of startup, first, always, never",
+    ),
+    (
         {"distributed": {"log_rank": -1}},
         "distributed.log_rank",
         "got -1; need an integer >= 0 (the global rank that writes to the sinks)",
@@ -480,7 +487,7 @@ BAD_MAPPINGS = [
     (
         {"distributed": {"timeout": 5}},
         "distributed.timeout",
-        "unknown key 'timeout'; valid keys: collective_timeout_s, check_plan, log_rank",
+        "unknown key 'timeout'; valid keys: collective_timeout_s, check_plan, verify_replicas, log_rank",
     ),
     ({1: "x"}, "", "key 1 is not a string; valid keys: run, metrics"),
 ]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.cli.names_table import MANIFEST_KEYS, format_manifest
+from tmetrics_core.cli.names_table import MANIFEST_KEYS, format_declared, format_manifest
 
 ROWS: list[dict[str, Any]] = [
     {
@@ -107,3 +107,16 @@ def test_unknown_format() -> None:
     with pytest.raises(ConfigError, match="valid: 'table', 'json'") as raised:
         format_manifest(ROWS, fmt="yaml")  # type: ignore[arg-type]
     assert raised.value.path == "fmt"
+
+
+def test_declared_placements_say_which_claims_a_run_verifies() -> None:
+    declared = {"layers.*.attn.q.weight": {"tp": "S0"}, "layers.*.attn_norm.weight": {"tp": "R", "dp": "Replica()"}}
+    assert format_declared(declared, "first").splitlines() == [
+        "glob                       axis  placement  origin    verified in a run",
+        "layers.*.attn.q.weight     tp    S0         declared  no (taken as declared)",
+        "layers.*.attn_norm.weight  tp    R          declared  yes (verify_replicas: first)",
+        "layers.*.attn_norm.weight  dp    Replica()  declared  yes (verify_replicas: first)",
+    ]
+    assert "no (verify_replicas: never)" in format_declared(declared, "never")
+    assert format_declared({}, "always") == ("placements: none declared; every placement comes from a framework, "
+                                             "DTensor or inference (Replica claims verified: always)")

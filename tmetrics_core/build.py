@@ -97,7 +97,8 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     modules = {mc.name: mc.modules for mc in config.metrics if mc.modules}
     try:
         tracker = cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
-                      check_plan=config.distributed.check_plan, placements=config.placements,
+                      check_plan=config.distributed.check_plan,
+                      verify_replicas=config.distributed.verify_replicas, placements=config.placements,
                       timeout_s=config.distributed.collective_timeout_s, modules=modules,
                       key_rules={sink.name: sink.key_rules for sink in built}, **kwargs)
     except BaseException:

@@ -43,6 +43,7 @@ from tmetrics_core.errors import ConfigError, PlacementError, TMetricsError
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.distributed.partials import resolve_partials
 from tmetrics_core.distributed.executor import Executor, MetricFailure
+from tmetrics_core.distributed.replicas import replica_claims, verify_replicas
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.naming.manifest import Manifest, dtensor_placements
@@ -80,6 +81,11 @@ class TensorMetrics:
         collectives: override the executor's collectives (tests use an in-process simulation).
         check_plan: ``"first"`` (when a metric first runs or the plan changes), ``"always"`` or
             ``"never"``.
+        verify_replicas: when tensors placed ``Replica`` are compared across their axes
+            (:mod:`tmetrics_core.distributed.replicas`): ``"startup"`` (parameters, here),
+            ``"first"`` (start-up and the first due step of each gradient and Adam-state source),
+            ``"always"`` (start-up and every due step) or ``"never"``. Only tensors some metric
+            reads are checked.
         placements: config overrides, glob on canonical names -> ``{axis: placement}``.
         framework_placements: placements a framework integration knows, keyed by the original
             parameter name (as ``model.named_parameters()`` gives it) -> ``{axis: Placement}``;
@@ -101,12 +107,15 @@ class TensorMetrics:
             source kind the model or optimizer never produces, a placement a metric cannot
             handle (with the metric and tensor named; path ``metrics[i]``), two tensors whose
             labels render to one key of a sink (path ``sinks.<backend>``).
+        PlacementError: on every rank, when a tensor placed Replica differs across its axis
+            (here for parameters; from ``step()`` or the optimizer step for other sources).
     """
 
     def __init__(self, model: torch.nn.Module, *, metrics: Sequence[tuple[TensorMetric, int]],
                  optimizer: torch.optim.Optimizer | None = None, topology: Topology | None = None,
                  hub: Any = None, run: RunInfo | None = None, collectives: Collectives | None = None,
-                 check_plan: str = "first", placements: Mapping[str, Mapping[str, str]] | None = None,
+                 check_plan: str = "first", verify_replicas: str = "first",
+                 placements: Mapping[str, Mapping[str, str]] | None = None,
                  framework_placements: Mapping[str, Mapping[str, Placement]] | None = None,
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
@@ -149,6 +158,11 @@ class TensorMetrics:
         self._closed = False
         self._closed_by_signal = False
         self._check_config(key_rules or {})
+        self._verify_replicas = verify_replicas
+        self._verified_kinds: set[str] = set()
+        if verify_replicas != "never":
+            self._verify("param", [s for s in self._sites_of("param") if s.name in self._read_by_metrics()],
+                         "at start-up")
         self._hooks = []
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
@@ -359,8 +373,48 @@ class TensorMetrics:
         """Prepare the metrics of ``phase`` (see :meth:`_run_phase`) once per step: the later
         calls (the optimizer hooks after ``observe_gradients()``, the step's end) return at once."""
         if phase not in self._phases_done:
+            self._verify_phase(phase)
             self._run_phase(phase)
             self._phases_done.add(phase)
+
+    # -- replica verification ---------------------------------------------------------------------
+    def _read_by_metrics(self) -> frozenset[str]:
+        """Canonical names some configured metric reads from a parameter-side source."""
+        return frozenset(s.name for m, _ in self.metrics for kind in set(m.source_kinds) & (PARAM_KINDS | OPTIMIZER_KINDS)
+                         for s in self._sites_of(kind) if m.accepts(s))
+
+    def _verify_phase(self, phase: str) -> None:
+        """Check the Replica claims of the sources the phase's due metrics read: at the first due
+        step of each (``first``) or at every due step (``always``); flat buffers are not Replica."""
+        if self._verify_replicas not in ("first", "always"):
+            return
+        in_phase, later = self._phase_metrics(phase)
+        metrics = in_phase + later
+        kinds = {k for m in metrics for k in m.source_kinds} & {"param", "grad", "exp_avg", "exp_avg_sq"}
+        for kind in sorted(kinds - set(self.flat)):
+            if self._verify_replicas == "first" and kind in self._verified_kinds:
+                continue
+            sites = self._grad_sites() if kind == "grad" else self._sites_of(kind)
+            self._verify(kind, [s for s in sites if any(m.accepts(s) for m in metrics if kind in m.source_kinds)],
+                         f"at step {self._step}")
+
+    def _verify(self, kind: str, sites: list[Site], when: str) -> None:
+        """Compare the local tensors of ``kind`` of ``sites``' Replica claims across their axes
+        (one packed collective per axis; see :mod:`tmetrics_core.distributed.replicas`) and
+        record the claims that held in the manifest. Raises ``PlacementError`` on every rank."""
+        self._verified_kinds.add(kind)
+        origins = {e.name: dict(e.origins) for e in self.manifest.entries}
+        claims = replica_claims(sites, self.topology, origins)
+        if not claims:
+            return
+        wanted = {c.site.name for c in claims}
+        tensors = {e.name: t for e, t in zip(self.manifest.entries, read_kind(kind, self.manifest, self.optimizer))
+                   if e.name in wanted}
+        checked = verify_replicas(claims, tensors, kind=kind, topology=self.topology, executor=self.executor,
+                                  when=when)
+        self.manifest.mark_verified(kind, checked)
+        if kind != "param" and self.run is not None and self.hub is not None and not isinstance(self.hub, NullHub):
+            _write_manifest(dataclasses.replace(self.run, manifest=tuple(self.manifest.rows(self.topology.world_size))))
 
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def _run_phase(self, phase: str) -> None:
@@ -623,8 +677,10 @@ class TensorMetrics:
     def _grad_sites(self) -> list[Site]:
         """Gradient sites with the gradient's own DTensor placements where they differ from the
         parameter's: a replicated weight fed by sequence-parallel activations has a
-        ``Partial(sum)`` gradient, which is reduced before any norm is taken. Without DTensor
-        parameters (plain gradients) these are the manifest's sites."""
+        ``Partial(sum)`` gradient, which is reduced before any norm is taken. Only the axes of
+        the gradient's mesh whose placement came from DTensor change: a DTensor on a sub-mesh
+        keeps its inferred or declared placements on the other axes (an expert ``Owned`` on
+        ``ep``, a stage on ``pp``). Without DTensor parameters these are the manifest's sites."""
         if not self._dtensor_params():
             return self._sites_of("grad")
         sites = []
@@ -633,9 +689,12 @@ class TensorMetrics:
             held = grad_of(param) if param is not None else None
             grad = dtensor_placements(held) if held is not None else None
             if grad is not None:
-                grad = tuple((a, p) for a, p in grad if not p.is_replica())
-                if grad != site.placements:
-                    site = dataclasses.replace(site, placements=grad)
+                merged = dict(site.placements)
+                merged.update((a, p) for a, p in grad if entry.origin(a) == "dtensor")
+                placements = tuple((a, merged[a]) for a in self.topology.names
+                                   if a in merged and not merged[a].is_replica())
+                if placements != site.placements:
+                    site = dataclasses.replace(site, placements=placements)
             sites.append(site)
         return sites
 

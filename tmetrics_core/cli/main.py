@@ -100,7 +100,12 @@ def names_command(hf: str | None, factory: str | None, run_dir: Path | None, as_
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 @_friendly
 def validate_command(config: Path) -> None:
-    """Check CONFIG (YAML, TOML or JSON) as a run would at start-up, without a model."""
+    """Check CONFIG (YAML, TOML or JSON) as a run would at start-up, without a model.
+
+    Also lists the placements CONFIG declares (origin ``declared``) and when their Replica
+    claims are verified; the other origins need the model: see ``tmetrics names --run-dir``.
+    """
+    from tmetrics_core.cli.names_table import format_declared
     from tmetrics_core.config.schema import check_names, load_config
     from tmetrics_core.metrics.catalogue import build_metric, metric_names, resolve_metric
     from tmetrics_core.sinks.registry import available_sinks, build_sinks
@@ -113,6 +118,7 @@ def validate_command(config: Path) -> None:
     click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
                f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "
                f"sinks {', '.join(loaded.sinks) or 'none'}; run dir {loaded.run.dir}")
+    click.echo(format_declared(loaded.placements, loaded.distributed.verify_replicas))
 
 
 @main.command("compare")

@@ -35,6 +35,7 @@ from tmetrics_core.errors import ConfigError
 
 __all__ = [
     "MANIFEST_KEYS",
+    "format_declared",
     "format_manifest",
 ]
 
@@ -89,6 +90,26 @@ def format_manifest(entries: Sequence[Mapping[str, Any]], *, fmt: Literal["table
         )
         lines.append("  ".join(padded).rstrip())
     return "\n".join(lines)
+
+
+def format_declared(placements: Mapping[str, Mapping[str, str]], verify_replicas: str) -> str:
+    """The config's ``placements:`` as ``tmetrics validate`` prints them: one line per glob and
+    axis (``origin declared``), each saying whether a run verifies it: Replica claims are
+    compared across their axis unless ``verify_replicas`` is ``never``; Shard, Owned and
+    Partial declarations are taken as given (their pieces differ by design)."""
+    if not placements:
+        return (f"placements: none declared; every placement comes from a framework, DTensor or inference "
+                f"(Replica claims verified: {verify_replicas})")
+    rows = [("glob", "axis", "placement", "origin", "verified in a run")]
+    for pattern, spec in placements.items():
+        for axis, tag in spec.items():
+            replica = str(tag).strip() in ("R", "Replica()", "Replicate()")
+            rows.append((pattern, axis, str(tag), "declared",
+                         (f"yes (verify_replicas: {verify_replicas})" if verify_replicas != "never"
+                          else "no (verify_replicas: never)") if replica
+                         else "no (taken as declared)"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _normalized(index: int, entry: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ Shape (DESIGN.md section 6); every section and key is optional::
       mlflow: {tracking_uri: "sqlite:///runs/mlflow.db", experiment: demo}
     placements:                                       # glob on canonical name -> {axis: placement}
       "layers.*.attn.q.weight": {tp: "Shard(0)"}
-    distributed: {collective_timeout_s: 60, check_plan: first, log_rank: 0}
+    distributed: {collective_timeout_s: 60, check_plan: first, verify_replicas: first, log_rank: 0}
 
 ``metrics`` may also be one string in the Megatron-LM ``--tensor-metrics`` form,
 ``"global-param-l2:10 layer-grad-l2:100"`` (space or comma separated), and ``sinks`` a list of
@@ -42,6 +42,7 @@ from tmetrics_core.placements import parse_placement
 __all__ = [
     "CheckPlan",
     "Config",
+    "VerifyReplicas",
     "DistributedConfig",
     "MetricConfig",
     "RunConfig",
@@ -55,6 +56,11 @@ CheckPlan = Literal["first", "always", "never"]
 """When ranks compare their collective plans: on the first pass only, on every pass, or never."""
 
 _CHECK_PLANS: tuple[str, ...] = ("first", "always", "never")
+
+VerifyReplicas = Literal["startup", "first", "always", "never"]
+"""When Replica claims are checked against the values (``tmetrics_core.distributed.replicas``)."""
+
+_VERIFY_REPLICAS: tuple[str, ...] = ("startup", "first", "always", "never")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -130,6 +136,12 @@ class DistributedConfig:
     check_plan: CheckPlan = "first"
     """When ranks compare collective plans before running them: ``first`` (first pass of each
     distinct set of due metrics), ``always`` (every pass; slower) or ``never``."""
+    verify_replicas: VerifyReplicas = "first"
+    """When every tensor placed ``Replica`` on an axis (inferred, declared, by a framework or a
+    DTensor ``Replicate``) is compared across that axis by a fingerprint (one small collective
+    per axis): ``startup`` (the parameters, when TensorMetrics is built), ``first`` (start-up and
+    the first due step of each gradient and optimizer-state source), ``always`` (start-up and
+    every due step; catches replicas that drift later) or ``never``."""
     log_rank: int = 0
     """Global rank that writes to the sinks; the other ranks log nothing."""
 
@@ -148,6 +160,12 @@ class DistributedConfig:
                 f"got {_describe(self.check_plan)}{_suggest(self.check_plan, _CHECK_PLANS)}; "
                 f"need one of {', '.join(_CHECK_PLANS)}",
                 path="check_plan",
+            )
+        if self.verify_replicas not in _VERIFY_REPLICAS:
+            raise ConfigError(
+                f"got {_describe(self.verify_replicas)}{_suggest(self.verify_replicas, _VERIFY_REPLICAS)}; "
+                f"need one of {', '.join(_VERIFY_REPLICAS)}",
+                path="verify_replicas",
             )
         _check_int(self.log_rank, path="log_rank", minimum=0, meaning="the global rank that writes to the sinks")
 

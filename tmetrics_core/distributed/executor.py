@@ -189,6 +189,18 @@ class Executor:
         gathered = self.comm.all_gather(torch.tensor([int(flag)], dtype=torch.int64, device=self.device), None)
         return any(v for g in gathered for v in g.tolist())
 
+    def gather(self, tensor: torch.Tensor, axis: str) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere) over the group of ``axis``, in axis-rank
+        order; ``[tensor]`` when the axis has one rank. One collective, counted on ``axis``."""
+        group = self.topology.axes[axis].group
+        if not self._distributed or group is None:
+            return [tensor]
+        self.stats.add(axis, tensor.numel())
+        start = time.perf_counter()
+        out = self.comm.all_gather(tensor.to(self.device), group)
+        self.stats.seconds += time.perf_counter() - start
+        return out
+
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj`` (slow path: plan changes only)."""
         if not self._distributed:
