@@ -262,7 +262,7 @@ def test_observe_gradients_twice_before_clipping_and_before_backward(monkeypatch
         optimizer.zero_grad()
     fast, ran = _compare(Net, ALL, early, monkeypatch)
     assert ran == (3, 4)
-    assert fast[2][0][("layer-grad-l2", 1, None, None, None)] == 0.0
+    assert ("layer-grad-l2", 1, None, None, None) not in fast[2][0]  # no gradient anywhere: no record
     assert fast[1][0][("layer-grad-l2", 1, None, None, None)] > 0.01  # read before clipping
 
 

@@ -55,7 +55,9 @@ from tmetrics_core.placements import Placement
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer, read_buffers
+from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
@@ -73,7 +75,10 @@ class TensorMetrics:
     Args:
         model: the (possibly wrapped, sharded) model.
         metrics: ``(metric, interval in steps)`` pairs in config order.
-        optimizer: its step hooks read gradients, parameters, Adam state and updates.
+        optimizer: its step hooks read gradients, parameters, Adam state and updates. A
+            framework's wrapper (accelerate, Lightning, Hugging Face Trainer, Megatron-Core,
+            whose ChainedOptimizer steps several) is unwrapped to the torch optimizer(s) inside
+            (:func:`~tmetrics_core.sources.optimizers.unwrap_optimizer`).
         topology: named axes; single process when omitted.
         hub: where records go (a ``SinkHub`` on the logging rank, a ``NullHub`` elsewhere);
             None keeps records only in :attr:`last_records`.
@@ -121,7 +126,7 @@ class TensorMetrics:
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.topology = topology or Topology.single_process()
         self.metrics = list(metrics)
         self.hub = hub
@@ -141,6 +146,9 @@ class TensorMetrics:
         self.failures: list[MetricFailure] = []
         self._checked: set[str] = set()
         self._warned: set[str] = set()
+        self._unfed: set[str] = set()  # due metrics that read no tensor here this step
+        self._no_grad: set[str] = set()  # parameters held here without a gradient this step
+        self._no_grad_said = False
         self._step: int | None = None
         self._first_step: int | None = None
         self._last_due: int | None = None
@@ -164,9 +172,9 @@ class TensorMetrics:
             self._verify("param", [s for s in self._sites_of("param") if s.name in self._read_by_metrics()],
                          "at start-up")
         self._hooks = []
-        if optimizer is not None:
-            self._hooks.append(optimizer.register_step_pre_hook(self._pre_step))
-            self._hooks.append(optimizer.register_step_post_hook(self._post_step))
+        if self.optimizer is not None:
+            self._hooks.append(self.optimizer.register_step_pre_hook(self._pre_step))
+            self._hooks.append(self.optimizer.register_step_post_hook(self._post_step))
         if hub is not None and run is not None:
             run = dataclasses.replace(
                 run, manifest=tuple(self.manifest.rows(self.topology.world_size)),
@@ -300,6 +308,7 @@ class TensorMetrics:
         if self._due:
             self._last_due = step
         self._prepared = {}
+        self._unfed, self._no_grad = set(), set()
         self._phases_done = set()
         self._sites = {}
         self._before = None
@@ -356,13 +365,36 @@ class TensorMetrics:
                 "another run, create a new TensorMetrics (e.g. TensorMetrics.from_config(...))"
             )
 
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Read gradients and parameters, and snapshot what update metrics read. With a closure
+        (``optimizer.step(closure)``: Lightning always passes one, LBFGS needs one), forward and
+        backward run inside the step, after this hook: the closure is wrapped so gradients are
+        read when it first returns (or where it calls :meth:`observe_gradients`)."""
         if self._step is None or not self._due:
-            return
-        self._prepare_phase("pre")
+            return None
+        # torch passes the optimizer itself as args[0]: step(closure) has the closure at args[1].
+        closure = kwargs.get("closure") if "closure" in kwargs else args[1] if len(args) > 1 else None
+        changed = None
+        if callable(closure) and "pre" not in self._phases_done:
+            wrapped = self._after(closure)
+            changed = ((args[0], wrapped, *args[2:]), kwargs) if "closure" not in kwargs else (
+                args, {**kwargs, "closure": wrapped})
+        else:
+            self._prepare_phase("pre")
         names = self._snapshot_names()
         if names:  # only the tensors some update metric reads: the snapshot is their copy
             self._before = snapshot(self.manifest, names)
+        return changed
+
+    def _after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure``, then the pre phase (once per step: LBFGS calls the closure again at
+        other points; its gradients are read at the parameters the step started from)."""
+        def closure_then_read() -> Any:
+            out = closure()
+            if self._step is not None and self._due:
+                self._prepare_phase("pre")
+            return out
+        return closure_then_read
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._step is None or not self._due:
@@ -548,6 +580,9 @@ class TensorMetrics:
         """Prepare ``metrics`` on the local tensors of ``sites`` (Partial ones reduced first) and
         keep their states, with ``failed`` (a reading error) as every metric's error."""
         sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
+        for metric, picked in zip(metrics, self._choices.of(metrics, sites) if failed is None else ()):
+            if all(tensors[i] is None for i in picked):
+                self._unfed.add(metric.name)
         for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo, self._choices):
             self._prepared[metric.name] = (state, failed or error)
         self._sites.update((s.key, s) for s in sites)
@@ -617,11 +652,15 @@ class TensorMetrics:
             if kind in self.flat:
                 flat_sites, flat_tensors, covers = read_buffers(self.flat[kind], self.manifest, self.topology.names)
                 plain = read_kind(kind, self.manifest, self.optimizer, self._before)
+                read = [t if covered else p for t, p, covered in zip(flat_tensors, plain, covers)]
                 sites.extend(flat_sites)
-                tensors.extend(t if covered else p for t, p, covered in zip(flat_tensors, plain, covers))
-                continue
-            sites.extend(self._sites_of(kind) if kind != "grad" else self._grad_sites())
-            tensors.extend(read_kind(kind, self.manifest, self.optimizer, self._before))
+            else:
+                read = read_kind(kind, self.manifest, self.optimizer, self._before)
+                sites.extend(self._sites_of(kind) if kind != "grad" else self._grad_sites())
+            if kind == "grad":
+                self._no_grad.update(e.name for e, t in zip(self.manifest.entries, read)
+                                     if t is None and e.name in self.manifest.local)
+            tensors.extend(read)
         return sites, tensors
 
     def _fused_updates(self, metrics: list[TensorMetric], memo: dict, before: dict
@@ -730,12 +769,15 @@ class TensorMetrics:
         for metric, _ in self._due:
             if observer is not None and set(metric.source_kinds) & TOKEN_KINDS:
                 state, error = self.tokens.state_for(metric, observer)
+                if not len(observer.states.get(metric.name, {})):
+                    self._unfed.add(metric.name)
             else:
                 state, error = self._prepared.get(metric.name, ({}, None))
             due.append((metric, state, error))
         check = self.check_plan == "always" or (
             self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
-        results, failures = self.executor.run(due, sites, check=check)
+        self._say_missing_gradients(step)
+        results, failures = self.executor.run(due, sites, check=check, unfed=self._unfed)
         self._checked.update(m.name for m, _, _ in due)
         records = [
             MetricRecord(metric=name, step=step, value=r.value, layer=r.layer, expert=r.expert, tensor=r.tensor,
@@ -750,8 +792,31 @@ class TensorMetrics:
                 log.warning("tmetrics: metric %r skipped at step %d on every rank (raised on ranks %s): %s. "
                             "Further failures of this metric are counted silently.", failure.metric, step,
                             list(failure.ranks), failure.error)
+        for name in self.executor.unfed:
+            if ("unfed", name) not in self._static and self.topology.global_rank == 0:
+                self._static[("unfed", name)] = True
+                metric = next(m for m, _ in self._due if m.name == name)
+                log.warning("tmetrics: metric %r found nothing to measure on any rank at step %d and wrote no record: "
+                            "%s. Said once; later steps without anything to measure write no record either.", name,
+                            step, what_feeds(metric.source_kinds, self.modules.get(name, ())))
         if self.hub is not None and records:
             self.hub.submit(records, step)
+
+    def _say_missing_gradients(self, step: int) -> None:
+        """At the first due step that reads gradients, warn once (logging rank) which parameters
+        had none on some rank: they are left out of gradient statistics, not counted as zeros.
+        One gather of names, once per run, on every rank alike (the due set is the same)."""
+        if self._no_grad_said or not any("grad" in m.source_kinds for m, _ in self._due):
+            return
+        self._no_grad_said = True
+        everyone = self.executor.gather_objects(sorted(self._no_grad))
+        if self.topology.global_rank != 0 or not any(everyone):
+            return
+        missing = sorted({name for names in everyone for name in names})
+        ranks = [r for r, names in enumerate(everyone) if names]
+        log.warning("tmetrics: at step %d, %d parameter(s) had no gradient (.grad and .main_grad None) on rank(s) %s "
+                    "and are left out of gradient statistics (not counted as zeros): %s%s", step, len(missing), ranks,
+                    missing[:20], " ..." if len(missing) > 20 else "")
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, status: RunStatus = "finished") -> Any:

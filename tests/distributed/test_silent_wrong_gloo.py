@@ -176,3 +176,157 @@ def test_every_flat_buffer_of_a_kind_is_read():
         # the dense buffer dropped: sqrt(9 + 100) = 10.44
         assert got == {("layer-grad-l2", 0): pytest.approx(math.sqrt(159)),
                        ("global-grad-l2", None): pytest.approx(math.sqrt(159))}
+
+
+# -- items 6, 11 and 4: a metric with nothing to measure says so; missing gradients are named ------
+def _unfed_cases(rank: int, world: int) -> dict:
+    out = {}
+    warnings = _Warnings()
+    torch.manual_seed(0)  # as _unfed_model_params
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.ModuleDict({
+        "moe": torch.nn.ModuleDict({"router": torch.nn.Linear(4, 2, bias=False)}),
+        "mlp": torch.nn.Linear(2, 1, bias=False)})])
+    tm = TensorMetrics(model, metrics=_metrics("layer-router-logits-max", "global-grad-l2", "global-param-l2"),
+                       topology=_dp(rank, world), timeout_s=30)
+    for step in (1, 2):  # router outputs never observed; no gradient anywhere
+        with tm.step(step):
+            model.layers[0]["moe"]["router"](torch.ones(3, 4))
+        out[step] = _values(tm)
+    model.layers[0]["mlp"].weight.grad = torch.tensor([[3.0, 4.0]])
+    with tm.step(3):
+        pass
+    out[3] = _values(tm)
+    out["warnings"] = warnings.messages
+    return out
+
+
+def test_metrics_with_nothing_to_measure_warn_once_instead_of_writing_zeros():
+    param = math.sqrt(sum(p.detach().pow(2).sum().item() for p in _unfed_model_params()))
+    for rank, got in enumerate(run_distributed(_unfed_cases, 2, timeout=90)):
+        for step in (1, 2):  # before: a global-grad-l2 of 0.0 on every step, and no word on the router
+            assert got[step] == {("global-param-l2", None): pytest.approx(param)}
+        assert got[3] == {("global-param-l2", None): pytest.approx(param), ("global-grad-l2", None): 5.0}
+        if rank:
+            assert got["warnings"] == []
+            continue
+        router = [w for w in got["warnings"] if "'layer-router-logits-max'" in w]
+        grads = [w for w in got["warnings"] if "'global-grad-l2'" in w]
+        missing = [w for w in got["warnings"] if "had no gradient" in w]
+        assert len(router) == 1 and "tm.observe" in router[0] and "kind='router_logits'" in router[0]
+        assert len(grads) == 1 and ".main_grad" in grads[0]
+        assert len(missing) == 1 and "layers.0.moe.router.weight" in missing[0] and "layers.0.mlp.weight" in missing[0]
+
+
+def _unfed_model_params():
+    torch.manual_seed(0)
+    return [torch.nn.Linear(4, 2, bias=False).weight, torch.nn.Linear(2, 1, bias=False).weight]
+
+
+# -- items 7 and 8: closures read the gradients the update uses; wrapped optimizers are unwrapped --
+def _norm(params) -> float:
+    return math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params))
+
+
+def _closure_cases(rank: int, world: int) -> dict:
+    from accelerate import Accelerator
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from tmetrics_core.errors import ConfigError
+
+    out: dict = {}
+    x = torch.tensor([[1.0, -2.0, 0.5]])
+
+    def closure_for(model, optimizer, seen, then=None):
+        def closure():
+            optimizer.zero_grad()
+            loss = model.layers[0]["a"](x).pow(2).sum()
+            loss.backward()
+            seen.append(_norm(model.parameters()))
+            if then is not None:
+                then()
+            return loss
+        return closure
+
+    # SGD with a positional closure; Adam behind Lightning's LightningOptimizer, stepped as
+    # Lightning's precision plugin steps it (closure=...); LBFGS behind accelerate's wrapper.
+    accelerator = Accelerator(cpu=True)
+    for name in ("sgd", "lightning-adam", "accelerate-lbfgs"):
+        torch.manual_seed(0)
+        model = _block(3)
+        params = list(model.parameters())
+        inner = {"sgd": lambda: torch.optim.SGD(params, lr=0.1), "lightning-adam": lambda: torch.optim.Adam(params, lr=0.1),
+                 "accelerate-lbfgs": lambda: torch.optim.LBFGS(params, lr=0.1, max_iter=3)}[name]()
+        given = {"sgd": inner, "lightning-adam": LightningOptimizer(inner),
+                 "accelerate-lbfgs": accelerator.prepare_optimizer(inner)}[name]
+        tm = TensorMetrics(model, metrics=_metrics("global-grad-l2"), optimizer=given, topology=_dp(rank, world),
+                           timeout_s=30)
+        got, seen = [], []
+        for step in (1, 2, 3):
+            start = len(seen)
+            with tm.step(step):
+                closure = closure_for(model, inner, seen)
+                if name == "sgd":
+                    inner.step(closure)
+                elif name == "lightning-adam":
+                    inner.step(closure=closure)
+                else:
+                    given.step(closure)
+            # LBFGS calls the closure again at other points: the first call's gradients are the
+            # ones at the parameters the step started from, which tmetrics reads.
+            got.append((_values(tm).get(("global-grad-l2", None)), seen[start]))
+        out[name] = ([c.__name__ for c in type(given).__mro__], got, len(seen))
+    # observe_gradients() inside the closure, before clipping.
+    torch.manual_seed(0)
+    model = _block(3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    tm = TensorMetrics(model, metrics=_metrics("global-grad-l2"), optimizer=sgd, topology=_dp(rank, world), timeout_s=30)
+    seen = []
+    with tm.step(1):
+        sgd.step(closure_for(model, sgd, seen, then=lambda: (
+            tm.observe_gradients(), torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01))))
+    out["observed"] = (_values(tm)[("global-grad-l2", None)], seen[0])
+    # Megatron-Core's ChainedOptimizer holds several (dense and expert): Adam state from each.
+    model = _block(2, 2)
+    a, b = model.layers[0]["a"].weight, model.layers[0]["b"].weight
+    first, second = torch.optim.Adam([a], lr=0.1), torch.optim.Adam([b], lr=0.1)
+
+    class Chained:  # the attribute Megatron-Core's ChainedOptimizer keeps its optimizers in
+        chained_optimizers = [first, second]
+
+        def step(self):
+            first.step()
+            second.step()
+
+    tm = TensorMetrics(model, metrics=_metrics("global-grad-l2", "layer-optimizer-state-rms"), optimizer=Chained(),
+                       topology=_dp(rank, world), timeout_s=30)
+    a.grad, b.grad = torch.tensor([[3.0, 4.0]]), torch.tensor([[0.0, 12.0]])
+    with tm.step(1):
+        Chained().step()
+    out["chained"] = {(r.metric, r.stat): r.value for r in tm.last_records}
+    try:
+        TensorMetrics(model, metrics=_metrics("global-grad-l2"), optimizer=object(), topology=_dp(rank, world))
+        out["refused"] = None
+    except ConfigError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def test_closures_and_wrapped_optimizers():
+    for got in run_distributed(_closure_cases, 2, timeout=150):
+        for name, wrapper in (("sgd", "SGD"), ("lightning-adam", "LightningOptimizer"),
+                              ("accelerate-lbfgs", "AcceleratedOptimizer")):
+            given, steps, calls = got[name]
+            assert wrapper in given  # the real wrapper class (Lightning subclasses it per optimizer)
+            for measured, hand in steps:  # before: 0.0 (or no record) at step 1, the previous step's later
+                assert measured == pytest.approx(hand, rel=1e-6), name
+            assert calls == 3 if name != "accelerate-lbfgs" else calls > 3
+        measured, before_clipping = got["observed"]
+        assert measured == pytest.approx(before_clipping, rel=1e-6) and measured > 0.01
+        # Adam after one step: exp_avg = 0.1 g, exp_avg_sq = 0.001 g^2 (per tensor, each optimizer's own)
+        chained = got["chained"]
+        assert chained[("global-grad-l2", None)] == pytest.approx(13.0)
+        assert chained[("layer-optimizer-state-rms", "exp_avg")] == pytest.approx(0.1 * math.sqrt(169 / 4))
+        assert chained[("layer-optimizer-state-rms", "exp_avg_sq")] == pytest.approx(
+            0.001 * math.sqrt((9 ** 2 + 16 ** 2 + 0 + 144 ** 2) / 4))
+        assert "object" in got["refused"] and "torch.optim.Optimizer" in got["refused"] and ".optimizer" in got["refused"]

@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Collection, Hashable, Mapping, Sequence
 
 import torch
 
@@ -102,11 +102,13 @@ class Executor:
         self.comm: Collectives = collectives or TorchCollectives(timeout_s)
         self.device = torch.device(device)
         self.stats = CollectiveStats()
+        self.unfed: tuple[str, ...] = ()
+        """The due metrics of the last :meth:`run` that read no tensor on any rank."""
         self._distributed = topology.world_size > 1
 
     # -- public -------------------------------------------------------------------------------
     def run(self, due: Sequence[tuple[TensorMetric, dict[SiteKey, Any], str | None]],
-            sites: Mapping[SiteKey, Site], *, check: bool = False
+            sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = ()
             ) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
         """Run every due metric to its results.
 
@@ -117,6 +119,9 @@ class Executor:
                 is not ``Round.agreed`` (one small agreement collective after such a round).
             sites: every site of the plan by key (rank-symmetric).
             check: compare plan fingerprints across ranks before the first data collective.
+            unfed: names of due metrics that read no tensor on this rank (placeholders only).
+                A metric unfed on every rank (agreed in the failure agreement's collective, no
+                extra call) gives no results, and its name is put in :attr:`unfed`.
 
         Returns:
             ``(results by metric name, failures)``; failures name the metric, the ranks where
@@ -126,14 +131,15 @@ class Executor:
             PlanMismatchError: on every rank, when ``check`` finds ranks with different plans.
         """
         items = [_Due(m, s, e) for m, s, e in due]
+        self.unfed = ()
         for item in items:
             if item.error is None:
                 try:
                     item.round = item.metric.start(item.state, sites, self.topology)
                 except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
                     item.error = f"{type(exc).__name__}: {exc}"
-        failures = self._agree_failures(items)
-        failed = {f.metric for f in failures}
+        failures = self._agree_failures(items, unfed)
+        failed = {f.metric for f in failures} | set(self.unfed)
         live = [i for i in items if i.metric.name not in failed]
         first = True
         while True:
@@ -340,8 +346,10 @@ class Executor:
         return out
 
     # -- agreement and checks -------------------------------------------------------------------
-    def _agree_failures(self, items: Sequence[_Due]) -> list[MetricFailure]:
-        mine = [1 if i.error else 0 for i in items] or [0]
+    def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = ()) -> list[MetricFailure]:
+        """Metrics that raised on any rank (flag 1); with ``unfed``, also sets :attr:`unfed` to
+        the metrics unfed on every rank (flag 2, same collective)."""
+        mine = [(1 if i.error else 0) | (2 if i.metric.name in unfed else 0) for i in items] or [0]
         if self._distributed:
             flags = torch.tensor(mine, dtype=torch.int64, device=self.device)
             self.stats.add("world", flags.numel())
@@ -350,10 +358,13 @@ class Executor:
             table = [mine]
         # Slow path, only when something failed: every rank learns the lowest failing rank's
         # error text, so the one warning (logged where the sinks are) says what went wrong.
-        texts = self.gather_objects([i.error for i in items]) if any(v for row in table for v in row) else None
+        texts = self.gather_objects([i.error for i in items]) if any(v & 1 for row in table for v in row) else None
+        if unfed:
+            self.unfed = tuple(item.metric.name for index, item in enumerate(items)
+                               if all(row[index] & 2 for row in table))
         failures = []
         for index, item in enumerate(items):
-            ranks = tuple(r for r, row in enumerate(table) if row[index] != 0)
+            ranks = tuple(r for r, row in enumerate(table) if row[index] & 1)
             if ranks:
                 error = texts[ranks[0]][index] if texts is not None else item.error
                 failures.append(MetricFailure(item.metric.name, ranks, error or f"raised on rank(s) {list(ranks)}"))

@@ -1,0 +1,102 @@
+"""The torch optimizers behind what a training framework hands out.
+
+Frameworks wrap the optimizer: accelerate's ``AcceleratedOptimizer`` (a ``torch.optim.Optimizer``
+subclass that never runs its ``__init__``, so it has no hook tables), Lightning's
+``LightningOptimizer`` (not an Optimizer; ``.optimizer``), Hugging Face Trainer's optimizer (an
+``AcceleratedOptimizer``), Megatron-Core's optimizers (``.optimizer``) and its
+``ChainedOptimizer``, which steps several in turn (``.chained_optimizers``: dense and expert
+parameters). tmetrics hooks the torch optimizers themselves: :func:`unwrap_optimizer` follows
+those attributes down to them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from tmetrics_core.errors import ConfigError
+
+__all__ = ["OptimizerChain", "unwrap_optimizer"]
+
+_DEPTH = 8
+"""Most wrappers followed (frameworks nest two or three)."""
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | OptimizerChain:
+    """The torch optimizer inside ``optimizer``, or an :class:`OptimizerChain` of several.
+
+    Follows ``.chained_optimizers`` (Megatron's ChainedOptimizer), then ``.optimizer``
+    (accelerate, Lightning, Megatron), down to ``torch.optim.Optimizer`` instances.
+
+    Raises:
+        ConfigError: nothing that leads to a torch optimizer (with the type found and what is
+            accepted).
+    """
+    inner = _inner(optimizer, 0, type(optimizer).__name__)
+    return inner[0] if len(inner) == 1 else OptimizerChain(inner)
+
+
+def _inner(obj: Any, depth: int, given: str) -> list[torch.optim.Optimizer]:
+    # Chained first: Megatron's ChainedOptimizer.optimizer asserts there is only one.
+    chained = getattr(obj, "chained_optimizers", None) if depth < _DEPTH else None
+    if chained:
+        return [o for c in chained for o in _inner(c, depth + 1, given)]
+    wrapped = getattr(obj, "optimizer", None) if depth < _DEPTH else None
+    if wrapped is not None and wrapped is not obj:
+        return _inner(wrapped, depth + 1, given)
+    if isinstance(obj, torch.optim.Optimizer) and hasattr(obj, "_optimizer_step_pre_hooks"):
+        return [obj]
+    raise ConfigError(
+        f"optimizer= is a {given} and tmetrics found no torch.optim.Optimizer in it (reached a "
+        f"{type(obj).__name__}). Pass a torch.optim.Optimizer, or a wrapper that holds one in .optimizer "
+        "(accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer, Megatron-Core's optimizers) or "
+        "several in .chained_optimizers (Megatron-Core's ChainedOptimizer)", path="optimizer")
+
+
+class _ChainedState(Mapping[Any, Any]):
+    """``state[param]`` from whichever optimizer of the chain holds ``param``."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def __getitem__(self, param: Any) -> Any:
+        for optimizer in self._optimizers:
+            if param in optimizer.state:
+                return optimizer.state[param]
+        raise KeyError(param)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (p for o in self._optimizers for p in o.state)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self._optimizers)
+
+
+class OptimizerChain:
+    """Several torch optimizers stepped in turn as one optimizer step (Megatron-Core's
+    ``ChainedOptimizer``): the step pre-hook is the first one's, the post-hook the last one's,
+    and Adam state is looked up in whichever holds the parameter.
+
+    Attributes:
+        optimizers: the torch optimizers, in step order.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = tuple(optimizers)
+        self.state = _ChainedState(self.optimizers)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The hyperparameter names every optimizer of the chain has (``betas`` when all are Adam)."""
+        keys = set.intersection(*(set(o.defaults) for o in self.optimizers))
+        return {k: self.optimizers[0].defaults[k] for k in keys}
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        return self.optimizers[0].register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        return self.optimizers[-1].register_step_post_hook(hook)
+
+    def __repr__(self) -> str:
+        return f"OptimizerChain({', '.join(type(o).__name__ for o in self.optimizers)})"
