@@ -40,8 +40,11 @@ refused for now).
 **Optimizers**: a Megatron optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
 ``ChainedOptimizer`` of them) is not a ``torch.optim.Optimizer``; :class:`MegatronSteps` gives
 tmetrics its step hooks and reads Adam state from its inner torch optimizers (through the fp32
-main copy of a float16 parameter). Gradients are read before Megatron's step (``main_grad``
-under Megatron's DDP wrapper).
+main copy of a float16 parameter). Its hooks wrap Megatron's whole ``step()``, not the inner
+torch optimizer's: gradients are read before Megatron clips them (``main_grad`` under
+Megatron's DDP wrapper), and parameters after Megatron copied its fp32 main params back into a
+bf16 model (hooks on the inner optimizer would see an update of 0 there). fp16 with loss
+scaling is refused (``main_grad`` is still scaled when the step begins).
 
 **Router**: each ``TopKRouter`` reports its logits ``[tokens, E]`` (from ``gating()``) and the
 global expert ids it chose ``[tokens, k]`` (from its ``routing_map``) through
@@ -248,7 +251,7 @@ class MegatronSteps:
     """
 
     def __init__(self, optimizer: Any) -> None:
-        self.optimizer = optimizer
+        self.wrapped = optimizer  # not .optimizer: that would read as a wrapper to unwrap
         self.inner = [(o.optimizer, _main_copies(o)) for o in _leaves(optimizer)]
         self._pre: OrderedDict[int, Callable[..., None]] = OrderedDict()  # weakly referenced by handles
         self._post: OrderedDict[int, Callable[..., None]] = OrderedDict()
@@ -295,6 +298,10 @@ def _leaves(optimizer: Any) -> list[Any]:
                           "shards; tmetrics does not read them yet. Use its non-distributed optimizer "
                           "(use_distributed_optimizer=False) or pass the model without optimizer= for "
                           "parameter and gradient metrics")
+    if getattr(optimizer, "grad_scaler", None) is not None:
+        raise ConfigError(f"{type(optimizer).__name__} scales the loss (fp16 with a grad scaler): the gradients in "
+                          "main_grad are scaled when its step begins; tmetrics reads Megatron's fp32 and bf16 "
+                          "optimizers, not fp16 with loss scaling yet")
     if not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         raise ConfigError(f"optimizer {type(optimizer).__name__} is a Megatron optimizer without a torch optimizer "
                           "at .optimizer; tmetrics reads FP32Optimizer, Float16OptimizerWithFloat16Params and a "

@@ -56,6 +56,7 @@ def test_float16_optimizer_state_is_read_through_the_fp32_main_copy():
     inner.step()
     optimizer = object.__new__(Float16OptimizerWithFloat16Params)
     optimizer.optimizer = inner
+    optimizer.grad_scaler = None  # bf16: no loss scaling
     optimizer.float16_groups = [[model_param]]
     optimizer.fp32_from_float16_groups = [[main_param]]
     optimizer.step = lambda: None
@@ -74,3 +75,20 @@ def test_virtual_pipeline_chunks_are_refused_clearly():
     chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     with pytest.raises(ConfigError, match="virtual pipeline"):
         megatron.setup(chunks, None, Topology.single_process())
+
+
+def test_fp16_loss_scaling_is_refused_clearly():
+    optimizer = object.__new__(Float16OptimizerWithFloat16Params)
+    optimizer.optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    optimizer.grad_scaler = object()
+    with pytest.raises(ConfigError, match="loss scaling"):
+        megatron.MegatronSteps(optimizer)
+
+
+def test_tensor_metrics_keeps_the_adapter_around_megatrons_whole_step():
+    from tmetrics_core.sources.optimizers import unwrap_optimizer
+
+    cpu_shims.cuda_tensors_on_cpu()
+    p = torch.nn.Parameter(torch.ones(2))
+    steps = megatron.MegatronSteps(FP32Optimizer(torch.optim.Adam([p]), OptimizerConfig(clip_grad=0.0), None))
+    assert unwrap_optimizer(steps) is steps
