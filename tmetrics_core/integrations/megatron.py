@@ -129,7 +129,7 @@ def topology(model: Any = None) -> Topology:
     if "etp" in members and members.pop("etp") != members["tp"]:
         raise ConfigError("Megatron's expert-tensor-parallel group is not its tensor-parallel group; pass axes={...}")
     _check_grid(members)
-    sequence_parallel = any(getattr(getattr(m, "config", None), "sequence_parallel", False)
+    sequence_parallel = any(getattr(getattr(unwrap(m), "config", None), "sequence_parallel", False)
                             for m in chunks(model) if m is not None)
     population = ("dp", "ep", "cp") + (("tp",) if sequence_parallel else ())
     return Topology.from_groups({a: groups[a] if len(members[a]) > 1 else None for a in AXES},

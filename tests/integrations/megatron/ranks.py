@@ -12,7 +12,7 @@ from tests.integrations.megatron import cpu_shims, gpt
 
 STEPS = 2
 METRICS = ["global-grad-l2", "layer-param-l2", "layer-grad-l2", "layer-update-ratio", "tensor-grad-l2",
-           "layer-residual-accumulator-l2"]
+           "layer-residual-accumulator-l2", "layer-residual-contribution-l2"]
 MOE_METRICS = METRICS + ["layer-expert-tokens", "layer-router-logits-l2"]
 
 
