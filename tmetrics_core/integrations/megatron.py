@@ -398,6 +398,9 @@ def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
                           "virtual pipeline stages are not supported yet")
     inner = unwrap(parts[0])
     layer_offset, expert_offset = offsets(inner)
+    found = placements(inner, topology)
+    # Last, after every check: the adapter wraps the optimizer's step (a pass-through once
+    # TensorMetrics removes its hooks) and the routers report until the handles are removed.
     steps = MegatronSteps(optimizer) if optimizer is not None and is_megatron_optimizer(optimizer) else optimizer
-    return MegatronSetup(model=inner, optimizer=steps, placements=placements(inner, topology), layer_offset=layer_offset,
+    return MegatronSetup(model=inner, optimizer=steps, placements=found, layer_offset=layer_offset,
                          expert_offset=expert_offset, handles=observe_routers(inner))

@@ -31,7 +31,8 @@ def config(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         bias_activation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, sequence_parallel=sp, params_dtype=torch.float32, pipeline_dtype=torch.float32, **extra)
+        expert_model_parallel_size=ep, sequence_parallel=sp, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, **extra)
 
 
 def build(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool = False) -> torch.nn.Module:

@@ -28,6 +28,7 @@ class Case:
     sp: bool = False  # sequence parallel (Megatron needs it for MoE with tp > 1)
     ddp: bool = False
     optimizer: str = "torch"  # "torch" (Adam), "fp32" (FP32Optimizer), "chained" (ChainedOptimizer)
+    user_axes: bool = False  # pass axes={"dp": ..., "tp": ...} as the user did (they win)
 
 
 Key = tuple[str, int, Any, Any, Any, Any]
@@ -67,8 +68,20 @@ def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key,
     optimizer = _optimizer(case, model)
     cfg = {"run": {"name": case.name, "dir": run_dir}, "sinks": {},
            "metrics": MOE_METRICS if case.moe else METRICS}
-    metrics = tm.TensorMetrics.from_config(cfg, model=model, optimizer=optimizer)
     values: dict[Key, float] = {}
+    axes = None
+    if case.user_axes:
+        from megatron.core import parallel_state as ps
+
+        from tmetrics_core.errors import ConfigError
+
+        try:  # without tp, Megatron's tensor-parallel weights cannot be placed: a clear error
+            tm.TensorMetrics.from_config(cfg, model=model, optimizer=optimizer,
+                                         axes={"dp": ps.get_data_parallel_group()})
+        except ConfigError as exc:
+            values[("error-without-tp", 0, None, None, None, str(exc)[:300])] = 1.0
+        axes = {"dp": ps.get_data_parallel_group(), "tp": ps.get_tensor_model_parallel_group()}
+    metrics = tm.TensorMetrics.from_config(cfg, model=model, optimizer=optimizer, axes=axes)
     for step in range(1, STEPS + 1):
         with metrics.step(step):
             if case.ddp:

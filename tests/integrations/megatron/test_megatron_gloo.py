@@ -1,9 +1,11 @@
 """Megatron-Core 0.16.1 on CPU/gloo: tmetrics attached with only
 ``TensorMetrics.from_config(cfg, model=model, optimizer=optimizer)`` gives the numbers of the
-same model trained in one process (rel 1e-6), for TP=2, PP=2, EP=2 with Megatron's DDP (DP=2
-for the dense part), DP=2 with Megatron's DDP and FP32Optimizer, TP=2 x DP=2 on 4 ranks, and
-the MoE model's router metrics (tokens per expert, router logits L2) under EP=2 and EP=2 x expert-DP=2 (4 ranks). MoE with TP > 1 is not trained: Megatron 0.16.1 refuses it
-without sequence parallelism, which its local (non-Transformer-Engine) norms do not support.
+same model trained in one process (rel 1e-6), for TP=2 (also with the user's own
+``axes={dp, tp}``), PP=2, DP=2 with Megatron's DDP and FP32Optimizer, TP=2 x DP=2 on 4 ranks,
+and the MoE model (EP=2 with DDP and ChainedOptimizer, 2 ranks; EP=2 x expert-DP=2, 4 ranks)
+with its router metrics (tokens per expert, router logits L2). MoE with TP > 1 is not trained:
+Megatron 0.16.1 refuses it without sequence parallelism, which its local
+(non-Transformer-Engine) norms do not support.
 
 The test writes no placement, offset or hook: topology, Shard(partition_dim) on tp, global
 layer and expert ids, gradients in ``main_grad``, the Megatron optimizers' step and the
@@ -24,6 +26,7 @@ from tests.integrations.megatron.ranks import Case, run_cases  # noqa: E402
 
 TWO = [
     Case("tp2", tp=2),
+    Case("tp2_user_axes", tp=2, user_axes=True),
     Case("pp2", pp=2),
     Case("ddp_dp2_fp32", ddp=True, optimizer="fp32"),
     Case("moe_ep2_ddp_chained", ep=2, moe=True, ddp=True, optimizer="chained"),
@@ -74,7 +77,10 @@ def test_equals_one_process(runs, case):
             # one pipeline stage), so its local gradient's norm is the truth.
             key = ("tensor-grad-l2", step, layer, None, f"layers.{layer}.moe.router.weight", None)
             assert _close(values[key], hand, 1e-12), (rank, key, values[key], hand)
-        values = {k: v for k, v in values.items() if not k[0].startswith("hand-")}
+        errors = [k for k in values if k[0] == "error-without-tp"]
+        if case.user_axes:  # the issue's axes={dp, tp} (exact now), and a clear error without tp
+            assert len(errors) == 1 and "split over 2 tp ranks" in errors[0][5], errors
+        values = {k: v for k, v in values.items() if not k[0].startswith(("hand-", "error-"))}
         assert set(values) == set(expected), (rank, sorted(set(values) ^ set(expected), key=str)[:5])
         wrong = {k: (values[k], v) for k, v in expected.items()
                  if not _close(values[k], v, MOE_STEP2_REL if case.moe and k[1] == 2 else REL)}
