@@ -168,8 +168,8 @@ class TensorMetrics:
         self._check_config(key_rules or {})
         self._verify_replicas = verify_replicas
         self._verified_kinds: set[str] = set()
-        if verify_replicas != "never":
-            self._verify("param", [s for s in self._sites_of("param") if s.name in self._read_by_metrics()],
+        if verify_replicas != "never" and "param" not in self.flat:  # flat buffers hold no Replica
+            self._verify(["param"], [s for s in self._sites_of("param") if s.name in self._read_by_metrics()],
                          "at start-up")
         self._hooks = []
         if self.optimizer is not None:
@@ -417,35 +417,43 @@ class TensorMetrics:
 
     def _verify_phase(self, phase: str) -> None:
         """Check the Replica claims of the sources the phase's due metrics read: at the first due
-        step of each (``first``) or at every due step (``always``); flat buffers are not Replica."""
+        step of each (``first``) or at every due step (``always``), all sources of the phase in
+        one verification; flat buffers hold no Replica."""
         if self._verify_replicas not in ("first", "always"):
             return
         in_phase, later = self._phase_metrics(phase)
         metrics = in_phase + later
         kinds = {k for m in metrics for k in m.source_kinds} & {"param", "grad", "exp_avg", "exp_avg_sq"}
-        for kind in sorted(kinds - set(self.flat)):
-            if self._verify_replicas == "first" and kind in self._verified_kinds:
-                continue
-            sites = self._grad_sites() if kind == "grad" else self._sites_of(kind)
-            self._verify(kind, [s for s in sites if any(m.accepts(s) for m in metrics if kind in m.source_kinds)],
-                         f"at step {self._step}")
+        due = sorted(k for k in kinds - set(self.flat) if self._verify_replicas == "always" or k not in self._verified_kinds)
+        sites, absent = [], set()
+        for kind in due:
+            sites += [s for s in self._sites_of(kind) if any(m.accepts(s) for m in metrics if kind in m.source_kinds)]
+            if kind == "grad":
+                # A gradient placed otherwise than its parameter here (a DTensor Partial gradient)
+                # is no replica; it is left out locally, so the claims are the same on every rank.
+                absent = {g.key for g, s in zip(self._grad_sites(), self._sites_of(kind)) if g != s}
+        self._verify(due, sites, f"at step {self._step}", absent)
 
-    def _verify(self, kind: str, sites: list[Site], when: str) -> None:
-        """Compare the local tensors of ``kind`` of ``sites``' Replica claims across their axes
-        (one packed collective per axis; see :mod:`tmetrics_core.distributed.replicas`) and
+    def _verify(self, kinds: Sequence[str], sites: list[Site], when: str, absent: Any = ()) -> None:
+        """Compare the local tensors of ``sites`` (of the source ``kinds``) claimed Replica across
+        their axes (one packed collective per axis for all of them; see
+        :mod:`tmetrics_core.distributed.replicas`), not reading the site keys in ``absent``, and
         record the claims that held in the manifest. Raises ``PlacementError`` on every rank."""
-        self._verified_kinds.add(kind)
+        self._verified_kinds.update(kinds)
         origins = {e.name: dict(e.origins) for e in self.manifest.entries}
         claims = replica_claims(sites, self.topology, origins)
         if not claims:
             return
-        wanted = {c.site.name for c in claims}
-        tensors = {e.name: t for e, t in zip(self.manifest.entries, read_kind(kind, self.manifest, self.optimizer))
-                   if e.name in wanted}
-        checked = verify_replicas(claims, tensors, kind=kind, topology=self.topology, executor=self.executor,
-                                  when=when)
-        self.manifest.mark_verified(kind, checked)
-        if kind != "param" and self.run is not None and self.hub is not None and not isinstance(self.hub, NullHub):
+        wanted = {c.site.key for c in claims} - set(absent)
+        tensors = {}
+        for kind in kinds:
+            tensors.update(((e.name, kind), t) for e, t in zip(self.manifest.entries,
+                                                               read_kind(kind, self.manifest, self.optimizer))
+                           if (e.name, kind) in wanted)
+        checked = verify_replicas(claims, tensors, topology=self.topology, executor=self.executor, when=when)
+        for kind in kinds:
+            self.manifest.mark_verified(kind, [(name, axis) for name, k, axis in checked if k == kind])
+        if kinds != ["param"] and self.run is not None and self.hub is not None and not isinstance(self.hub, NullHub):
             _write_manifest(dataclasses.replace(self.run, manifest=tuple(self.manifest.rows(self.topology.world_size))))
 
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)

@@ -190,7 +190,7 @@ def test_gradients_that_differ_are_refused_at_their_first_due_step(world2):
     for out in world2:
         kind, step, message = out["unsynced grads"]
         assert (kind, step) == ("error", 1)
-        assert "(grad, at step 1)" in message
+        assert "differ across ranks (at step 1)" in message
         assert "'layers.0.attn_norm.weight' [grad] inferred Replica on axis 'tp'" in message
         assert "rank 0: sum=6 sumsq=14 " in message and "rank 1: sum=12 sumsq=56 " in message
         kind, _, verified = out["unsynced grads, startup"]  # only the parameters are checked, at start-up
@@ -202,7 +202,7 @@ def test_a_replica_that_drifts_later_is_caught_under_always_only(world2):
         kind, step, message = out["drift, always"]
         assert (kind, step) == ("error", 3)
         assert "'layers.0.attn_norm.weight' [param] inferred Replica on axis 'tp'" in message
-        assert "(param, at step 3)" in message
+        assert "differ across ranks (at step 3)" in message
         kind, _, verified = out["drift, first"]
         assert kind == "ok" and verified == {"layers.0.attn_norm.weight": (("tp", "param"),)}
 

@@ -8,13 +8,16 @@ depend on the rank. Every Replica claim, whatever its origin (declared, framewor
 ``Replicate``, inferred), is therefore compared across its axis:
 
 * each rank computes a fingerprint per tensor (:func:`fingerprints`, float64): presence, the
-  sum, the sum of squares, and two position-weighted sums (weights ``1..n`` along the first and
-  along the last dim), so shards that are permutations of each other differ too;
-* the fingerprints of every checked tensor are packed into one ``[tensors, 5]`` table and
-  all-gathered ONCE per axis (``Executor.gather``, bounded by the collective timeout);
+  sum, the sum of squares, the largest and smallest element (one read of the tensor with the
+  fused moments kernel where it takes the tensor), and a position-weighted sum of
+  ``SAMPLE`` evenly spaced elements, so pieces holding the same values in another order differ;
+* the fingerprints of every checked tensor, of every source checked at that moment, are packed
+  into one ``[claims, 6]`` table and all-gathered ONCE per axis (``Executor.gather``, bounded
+  by the collective timeout);
 * one tiny world collective agrees whether any rank found a difference, so the
   :class:`~tmetrics_core.errors.PlacementError` is raised on EVERY rank (ranks of other groups
-  of the axis included), never leaving one waiting in a collective.
+  of the axis included), never leaving one waiting in a collective; where every checked axis
+  spans the whole world (plain DDP), every rank saw the same tables and this step is skipped.
 
 NOTE [exact comparison]: fingerprints are compared for equality, bit for bit, with no
 tolerance. Replicas are bitwise equal by construction: DDP, FSDP/HSDP and DTensor ``Replicate``
@@ -30,20 +33,26 @@ Tensors absent on a rank (held elsewhere, or a gradient that is None) are not co
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 
 from tmetrics_core.distributed.executor import Executor
+from tmetrics_core.kernels import moments
 from tmetrics_core.errors import PlacementError
-from tmetrics_core.site import Site
+from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.topology import Topology
 
 __all__ = ["FINGERPRINT", "ReplicaClaim", "fingerprints", "replica_claims", "verify_replicas"]
 
-FINGERPRINT = ("present", "sum", "sumsq", "row-weighted", "column-weighted")
+FINGERPRINT = ("present", "sum", "sumsq", "max", "min", "sampled")
 """The columns of :func:`fingerprints`."""
+
+SAMPLE = 64
+"""Elements, evenly spaced in the flattening, in the position-weighted column."""
 
 _SHOWN = 4
 """Tensors named in full in one error; the others are counted."""
@@ -54,8 +63,9 @@ _ROW_PARALLEL = ("attn.o", "mlp.down", "mlp.fc2", "down", "fc2", "o_proj", "down
 
 @dataclass(frozen=True, slots=True)
 class ReplicaClaim:
-    """One tensor claimed ``Replica`` on ``axis``: its site and where the claim came from
-    (``declared``, ``framework``, ``dtensor``, ``inferred``)."""
+    """One tensor claimed ``Replica`` on ``axis``: its site (whose ``kind`` is the source:
+    ``param``, ``grad``...) and where the claim came from (``declared``, ``framework``,
+    ``dtensor``, ``inferred``)."""
 
     site: Site
     axis: str
@@ -78,44 +88,69 @@ def replica_claims(sites: Sequence[Site], topology: Topology, origins: Mapping[s
 
 @torch.no_grad()
 def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    """``[len(tensors), 5]`` float64 on ``device``: per tensor the columns of :data:`FINGERPRINT`;
-    a None tensor is a row of zeros (``present`` 0). Sums are accumulated in float64 from the
-    tensor's own values; the weighted sums use weights ``1..n`` along dim 0 and along the last
-    dim (a scalar's are its value), so equal multisets of values at other positions differ."""
-    rows = []
-    for t in tensors:
-        if t is None:
-            rows.append(torch.zeros(5, dtype=torch.float64, device=device))
-            continue
-        x = t.detach().to(torch.float64)
-        if x.numel() == 0:  # an empty shard (uneven FSDP): present, all sums zero
-            rows.append(torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=device))
-            continue
-        if x.dim() == 0:
-            x = x.reshape(1, 1)
-        first = x.reshape(x.shape[0], -1).sum(1)
-        last = x.reshape(-1, x.shape[-1]).sum(0)
-        weights = (torch.arange(1, first.numel() + 1, dtype=torch.float64, device=x.device),
-                   torch.arange(1, last.numel() + 1, dtype=torch.float64, device=x.device))
-        row = torch.stack([torch.ones((), dtype=torch.float64, device=x.device), x.sum(), (x * x).sum(),
-                           (first * weights[0]).sum(), (last * weights[1]).sum()])
-        rows.append(row.to(device))
-    if not rows:
-        return torch.zeros(0, 5, dtype=torch.float64, device=device)
-    return torch.stack(rows)
+    """``[len(tensors), 6]`` float64 on ``device``: per tensor the columns of :data:`FINGERPRINT`;
+    a None tensor is a row of zeros (``present`` 0), an empty one ``[1, 0, 0, -inf, inf, 0]``.
+
+    Sums accumulate in float64. Tensors the fused moments kernel takes are read once by it
+    (:func:`tmetrics_core.kernels.moments.moments`); the others (accelerator tensors, other
+    dtypes) by torch reductions. Either way a tensor's row is a deterministic function of its
+    bits, its shape and the path taken, which is the same on every rank of an axis (the ranks
+    hold the same kind of tensor there). The ``sampled`` column is ``sum(w_i * x[p_i])`` over
+    ``SAMPLE`` evenly spaced flat positions ``p_i`` (rounded; repeated in tensors of fewer
+    elements) with weights ``w_i = 1..SAMPLE``.
+    """
+    out = torch.zeros(len(tensors), len(FINGERPRINT), dtype=torch.float64)
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    if not present:
+        return out.to(device)
+    out[present, 0] = 1.0
+    fused = [i for i in present if moments.available() and moments.takes(tensors[i])]  # type: ignore[arg-type]
+    if fused:
+        rows = moments.moments([tensors[i] for i in fused])  # type: ignore[misc]  # sumsq, sum, max, min, zeros
+        out[fused, 1:5] = rows[:, [1, 0, 2, 3]]
+    taken = set(fused)
+    for i in present:
+        if i not in taken:
+            out[i, 1:5] = _moments(tensors[i].detach()).cpu()  # type: ignore[union-attr]
+    sampled = [i for i in present if tensors[i].numel()]  # type: ignore[union-attr]
+    if sampled:
+        picks = torch.stack([_sample(tensors[i].detach()).cpu() for i in sampled])  # type: ignore[union-attr]
+        out[sampled, 5] = picks @ torch.arange(1, SAMPLE + 1, dtype=torch.float64)
+    return out.to(device)
 
 
-def verify_replicas(claims: Sequence[ReplicaClaim], tensors: Mapping[str, torch.Tensor | None], *, kind: str,
-                    topology: Topology, executor: Executor, when: str) -> list[tuple[str, str]]:
-    """Check every claim of ``claims`` (rank-symmetric) against the local ``tensors`` (canonical
-    name -> this rank's local tensor of source ``kind``, None or absent when not held): one
+def _sample(x: torch.Tensor) -> torch.Tensor:
+    """``SAMPLE`` elements of ``x`` (non-empty) at evenly spaced flat positions (repeated when
+    ``x`` has fewer), as float64."""
+    return x.reshape(-1)[_positions(x.numel(), x.device)].to(torch.float64)
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(numel: int, device: torch.device) -> torch.Tensor:
+    return torch.linspace(0, numel - 1, SAMPLE, dtype=torch.float64, device=device).round().long()
+
+
+def _moments(x: torch.Tensor) -> torch.Tensor:
+    """``[sum, sumsq, max, min]`` in float64 by torch reductions, on ``x``'s device."""
+    if not x.numel():
+        return torch.tensor([0.0, 0.0, -math.inf, math.inf], dtype=torch.float64, device=x.device)
+    wide = x.to(torch.float64)
+    low, high = torch.aminmax(wide)
+    return torch.stack([wide.sum(), wide.square().sum(), high, low])
+
+
+def verify_replicas(claims: Sequence[ReplicaClaim], tensors: Mapping[SiteKey, torch.Tensor | None], *,
+                    topology: Topology, executor: Executor, when: str) -> list[tuple[str, str, str]]:
+    """Check every claim of ``claims`` (rank-symmetric) against the local ``tensors`` (site key
+    ``(canonical name, kind)`` -> this rank's local tensor, None or absent when not held): one
     all_gather of a packed fingerprint table per axis, then one world agreement.
 
     Args:
         when: for the message, e.g. ``"at start-up"`` or ``"at step 3"``.
 
     Returns:
-        ``(canonical name, axis)`` of every claim that held on every rank of its axis group.
+        ``(canonical name, kind, axis)`` of every claim that held on every rank of this rank's
+        group of the axis (at least two of them holding the tensor).
 
     Raises:
         PlacementError: on every rank when the copies of some claimed Replica differ on any
@@ -126,25 +161,29 @@ def verify_replicas(claims: Sequence[ReplicaClaim], tensors: Mapping[str, torch.
     for claim in claims:
         by_axis.setdefault(claim.axis, []).append(claim)
     problems: list[str] = []
-    checked: list[tuple[str, str]] = []
+    checked: list[tuple[str, str, str]] = []
     for axis, group in by_axis.items():
-        mine = fingerprints([tensors.get(c.site.name) for c in group], executor.device)
-        table = torch.stack(executor.gather(mine, axis)).cpu()  # [axis ranks, claims, 5]
+        mine = fingerprints([tensors.get(c.site.key) for c in group], executor.device)
+        table = torch.stack(executor.gather(mine, axis)).cpu()  # [axis ranks, claims, columns]
         ranks = topology.axes[axis].ranks
         for index, claim in enumerate(group):
             rows = table[:, index]
             present = [r for r in range(rows.shape[0]) if rows[r, 0] != 0]
-            if all(_same(rows[present[0]], rows[r]) for r in present[1:]):  # vacuous with 0 or 1 holders
-                checked.append((claim.site.name, axis))
+            if len(present) < 2:  # nothing to compare in this group
                 continue
-            problems.append(_describe(claim, kind, [(ranks[r], rows[r]) for r in present], topology))
-    if executor.any_rank(bool(problems)):
-        everyone = executor.gather_objects(problems)
+            if all(_same(rows[present[0]], rows[r]) for r in present[1:]):
+                checked.append((claim.site.name, claim.site.kind, axis))
+                continue
+            problems.append(_describe(claim, [(ranks[r], rows[r]) for r in present], topology))
+    # Where every checked axis spans the world, every rank saw the same tables: no agreement needed.
+    alone = all(topology.axes[a].size == topology.world_size for a in by_axis)
+    if problems if alone else executor.any_rank(bool(problems)):
+        everyone = [problems] if alone else executor.gather_objects(problems)
         unique = list(dict.fromkeys(p for rank_problems in everyone for p in rank_problems))
         shown = "\n  ".join(unique[:_SHOWN])
         more = f"\n  ... and {len(unique) - _SHOWN} more" if len(unique) > _SHOWN else ""
         raise PlacementError(
-            f"tensors claimed Replica differ across ranks ({kind}, {when}); measuring them as replicas would count "
+            f"tensors claimed Replica differ across ranks ({when}); measuring them as replicas would count "
             f"one rank's copy as the whole tensor:\n  {shown}{more}\nIf the copies were meant to be equal (data "
             "parallel replicas), their synchronisation failed: check the gradient all-reduce. To skip this check "
             "(not advised), set distributed.verify_replicas: never."
@@ -157,13 +196,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-def _describe(claim: ReplicaClaim, kind: str, rows: list[tuple[int, torch.Tensor]], topology: Topology) -> str:
+def _describe(claim: ReplicaClaim, rows: list[tuple[int, torch.Tensor]], topology: Topology) -> str:
     site, axis = claim.site, claim.axis
     size = topology.axes[axis].size
     shape = list(site.local_shape(topology.coords(), {a.name: a.size for a in topology.axes.values()}))
     prints = "; ".join(f"rank {rank}: sum={row[1].item():.9g} sumsq={row[2].item():.9g} "
-                       f"weighted={row[3].item():.9g}/{row[4].item():.9g}" for rank, row in rows)
-    return (f"{site.name!r} [{kind}] {claim.origin} Replica on axis {axis!r}, local shape {shape}, differs on global "
+                       f"max={row[3].item():.9g} min={row[4].item():.9g} sampled={row[5].item():.9g}"
+                       for rank, row in rows)
+    return (f"{site.name!r} [{site.kind}] {claim.origin} Replica on axis {axis!r}, local shape {shape}, differs on global "
             f"ranks {[rank for rank, _ in rows]} ({prints}). Likely fix: {_fix(site, axis, size, shape, claim.origin)}")
 
 
