@@ -16,7 +16,8 @@ A metric is due at step ``n`` when ``n % interval == 0``, and at the first step 
 every metric and its plan are checked at once). On steps where nothing is due, ``step()``
 installs nothing and the optimizer hooks return at once. Parameters and gradients are read in
 the optimizer's step pre-hook (before the update, gradients before ``zero_grad``; call
-:meth:`observe_gradients` to read them earlier, e.g. before clipping); Adam state and updates
+:meth:`observe_gradients` to read them earlier, e.g. before clipping), or, for
+``optimizer.step(closure)``, when the closure has run; Adam state and updates
 in its post-hook; activations while the forward runs. At the step's end the executor reduces
 every due metric in one pass and the records go to the sinks (logging rank only).
 """
@@ -344,7 +345,8 @@ class TensorMetrics:
 
     def observe_gradients(self) -> None:
         """Read gradients (and parameters) now, e.g. before clipping, instead of in the optimizer's
-        pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``. Metrics
+        pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``, or inside
+        the closure of ``optimizer.step(closure)`` after its ``backward()``. Metrics
         of parameters alone still see them as the optimizer step does when an update metric is
         due: they are read from its snapshot (see :meth:`_from_snapshot`).
 

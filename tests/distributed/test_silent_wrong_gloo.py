@@ -2,14 +2,15 @@
 
 Each case builds a tiny model whose gradients are set by hand, so every expected value is a
 closed form; every rank returns what it measured (or the error it raised, and the warnings it
-logged) and the test checks every rank. Several cases share one spawned run to keep the file
-fast.
+logged) and the test checks every rank. All cases share one spawned run of two ranks (the
+``ranks`` fixture) to keep the file fast.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import traceback
 
 import pytest
 import torch
@@ -54,6 +55,31 @@ def _values(metrics: TensorMetrics) -> dict:
     return {(r.metric, r.layer): r.value for r in metrics.last_records}
 
 
+def _all_cases(rank: int, world: int) -> dict:
+    """Every case below, in one spawned run (each case's traceback instead of its result when
+    it raises, so one broken case does not hide the others)."""
+    out = {}
+    for case in _CASES:
+        try:
+            out[case.__name__] = case(rank, world)
+        except Exception:  # noqa: BLE001 - reported by the case's test
+            out[case.__name__] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_all_cases, 2, timeout=300)
+
+
+def _case(ranks: list[dict], case) -> list:
+    """Every rank's result of ``case``; fails with the traceback of a case that raised."""
+    got = [r[case.__name__] for r in ranks]
+    for rank, value in enumerate(got):
+        assert not isinstance(value, str), f"rank {rank}:\n{value}"
+    return got
+
+
 # -- item 11: gradients in main_grad; item 4: no gradient is not a zero gradient ----------------
 def _gradient_cases(rank: int, world: int) -> dict:
     out = {}
@@ -80,8 +106,8 @@ def _gradient_cases(rank: int, world: int) -> dict:
     return out
 
 
-def test_gradients_from_main_grad_and_missing_gradients():
-    for got in run_distributed(_gradient_cases, 2, timeout=90):
+def test_gradients_from_main_grad_and_missing_gradients(ranks):
+    for got in _case(ranks, _gradient_cases):
         assert got["main_grad"][("global-grad-l2", None)] == pytest.approx(13.0)
         assert got["main_grad"][("layer-grad-rms", 0)] == pytest.approx(math.sqrt(169 / 5))
         # zeros for b would give 0.6 and sqrt(3) = 1.732
@@ -119,8 +145,8 @@ def _refusals(rank: int, world: int) -> dict:
     return out
 
 
-def test_a_step_entered_twice_and_replica_drift_without_dp_are_refused():
-    for got in run_distributed(_refusals, 2, timeout=90):
+def test_a_step_entered_twice_and_replica_drift_without_dp_are_refused(ranks):
+    for got in _case(ranks, _refusals):
         assert got["first"] == {("global-grad-l2", None): 5.0}
         for again in (1, 0):
             name, message = got[again]
@@ -143,8 +169,8 @@ def _owned_cases(rank: int, world: int) -> dict:
     return _values(tm)
 
 
-def test_declared_owned_reads_only_the_owner():
-    for got in run_distributed(_owned_cases, 2, timeout=90):
+def test_declared_owned_reads_only_the_owner(ranks):
+    for got in _case(ranks, _owned_cases):
         # the stale copy counted: sqrt(25 + 1) = 5.099
         assert got == {("global-param-l2", None): 5.0, ("global-grad-l2", None): 10.0,
                        ("layer-param-rms", 0): pytest.approx(math.sqrt(12.5))}
@@ -171,8 +197,8 @@ def _flat_cases(rank: int, world: int) -> dict:
     return _values(tm)
 
 
-def test_every_flat_buffer_of_a_kind_is_read():
-    for got in run_distributed(_flat_cases, 2, timeout=90):
+def test_every_flat_buffer_of_a_kind_is_read(ranks):
+    for got in _case(ranks, _flat_cases):
         # the dense buffer dropped: sqrt(9 + 100) = 10.44
         assert got == {("layer-grad-l2", 0): pytest.approx(math.sqrt(159)),
                        ("global-grad-l2", None): pytest.approx(math.sqrt(159))}
@@ -198,12 +224,13 @@ def _unfed_cases(rank: int, world: int) -> dict:
         pass
     out[3] = _values(tm)
     out["warnings"] = warnings.messages
+    logging.getLogger("tmetrics").removeHandler(warnings)
     return out
 
 
-def test_metrics_with_nothing_to_measure_warn_once_instead_of_writing_zeros():
+def test_metrics_with_nothing_to_measure_warn_once_instead_of_writing_zeros(ranks):
     param = math.sqrt(sum(p.detach().pow(2).sum().item() for p in _unfed_model_params()))
-    for rank, got in enumerate(run_distributed(_unfed_cases, 2, timeout=90)):
+    for rank, got in enumerate(_case(ranks, _unfed_cases)):
         for step in (1, 2):  # before: a global-grad-l2 of 0.0 on every step, and no word on the router
             assert got[step] == {("global-param-l2", None): pytest.approx(param)}
         assert got[3] == {("global-param-l2", None): pytest.approx(param), ("global-grad-l2", None): 5.0}
@@ -312,8 +339,8 @@ def _closure_cases(rank: int, world: int) -> dict:
     return out
 
 
-def test_closures_and_wrapped_optimizers():
-    for got in run_distributed(_closure_cases, 2, timeout=150):
+def test_closures_and_wrapped_optimizers(ranks):
+    for got in _case(ranks, _closure_cases):
         for name, wrapper in (("sgd", "SGD"), ("lightning-adam", "LightningOptimizer"),
                               ("accelerate-lbfgs", "AcceleratedOptimizer")):
             given, steps, calls = got[name]
@@ -330,3 +357,34 @@ def test_closures_and_wrapped_optimizers():
         assert chained[("layer-optimizer-state-rms", "exp_avg_sq")] == pytest.approx(
             0.001 * math.sqrt((9 ** 2 + 16 ** 2 + 0 + 144 ** 2) / 4))
         assert "object" in got["refused"] and "torch.optim.Optimizer" in got["refused"] and ".optimizer" in got["refused"]
+
+
+# -- item 4 on DTensor parameters: a sharded and a Partial(sum) gradient beside one without -------
+def _dtensor_cases(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = _block(4, 4, 4)
+    a, b, c = (model.layers[0][n] for n in "abc")
+    a.weight = torch.nn.Parameter(distribute_tensor(torch.ones(1, 4), mesh, [Shard(1)]))
+    b.weight = torch.nn.Parameter(distribute_tensor(torch.ones(1, 4), mesh, [Replicate()]))
+    c.weight = torch.nn.Parameter(distribute_tensor(torch.ones(1, 4), mesh, [Replicate()]))  # no gradient
+    a.weight.grad = distribute_tensor(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), mesh, [Shard(1)])
+    # Partial(sum): the ranks' parts add up to [[4, 4, 4, 4]]
+    b.weight.grad = DTensor.from_local(torch.full((1, 4), 4.0 / world), mesh, [Partial()])
+    tm = TensorMetrics(model, metrics=_metrics("layer-grad-rms", "layer-grad-zero-fraction"),
+                       topology=Topology.from_mesh(mesh), timeout_s=30)
+    with tm.step(1):
+        pass
+    return _values(tm)
+
+
+def test_dtensor_gradients_without_one_are_left_out(ranks):
+    for got in _case(ranks, _dtensor_cases):
+        # zeros for c would give sqrt(78 / 12) = 2.550 and 5/12 = 0.417
+        assert got == {("layer-grad-rms", 0): pytest.approx(math.sqrt(78 / 8)),
+                       ("layer-grad-zero-fraction", 0): pytest.approx(1 / 8)}
+
+
+_CASES = (_gradient_cases, _dtensor_cases, _refusals, _owned_cases, _flat_cases, _unfed_cases, _closure_cases)

@@ -361,7 +361,7 @@ class Executor:
         texts = self.gather_objects([i.error for i in items]) if any(v & 1 for row in table for v in row) else None
         if unfed:
             self.unfed = tuple(item.metric.name for index, item in enumerate(items)
-                               if all(row[index] & 2 for row in table))
+                               if all(row[index] & 2 for row in table) and not any(row[index] & 1 for row in table))
         failures = []
         for index, item in enumerate(items):
             ranks = tuple(r for r, row in enumerate(table) if row[index] & 1)

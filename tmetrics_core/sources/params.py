@@ -11,6 +11,7 @@ tensor held elsewhere, never as zeros (which would lower RMS and raise zero frac
 
 from __future__ import annotations
 
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
     return main if main is not None else param.grad
 
 
-def read_kind(kind: str, manifest: Manifest, optimizer: torch.optim.Optimizer | None,
+def read_kind(kind: str, manifest: Manifest, optimizer: Any,
               before: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """Local tensors of ``kind`` for every manifest entry, in manifest order.
 
