@@ -32,26 +32,29 @@ _log = logging.getLogger("tmetrics")
 __all__ = ["build_from_config", "topology_for"]
 
 
-def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None,
-                 model: torch.nn.Module | None = None) -> Topology:
-    """The topology from a DeviceMesh, torchtitan's ``ParallelDims``, an ``{axis: process
-    group}`` mapping, or neither: then the meshes of ``model``'s parameters when every one is a
-    DTensor, else one process. Raises ``ConfigError`` when torch.distributed runs several ranks
-    but none of these was given (tmetrics cannot guess which ranks hold replicas and which
-    hold shards)."""
+def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None, model: Any = None) -> Topology:
+    """The topology, from the first of: a DeviceMesh or torchtitan's ``ParallelDims`` (``mesh``),
+    an ``{axis: process group}`` mapping (``axes``), Megatron-Core's initialized parallel state
+    (``model`` tells its sequence parallelism), the meshes of ``model``'s parameters when every
+    one is a DTensor; else one process. Raises ``ConfigError`` when torch.distributed runs
+    several ranks but none of these says how (tmetrics cannot guess which ranks hold replicas
+    and which hold shards)."""
     from tmetrics_core.integrations import torchtitan
 
     if mesh is not None and axes is not None:
         raise ConfigError("pass either mesh= or axes=, not both")
     if torchtitan.is_parallel_dims(mesh):
         return torchtitan.parallel_dims_topology(mesh)
-    found = torchtitan.parameter_topology(model) if mesh is None and axes is None and model is not None else None
-    if found is not None and found.world_size > 1:
-        return found
     if mesh is not None:
         return Topology.from_mesh(mesh)
     if axes is not None:
         return Topology.from_groups(axes)
+    megatron = _megatron()
+    if megatron is not None:
+        return megatron.topology(model)
+    found = torchtitan.parameter_topology(model) if isinstance(model, torch.nn.Module) else None
+    if found is not None and found.world_size > 1:
+        return found
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ConfigError(
             f"torch.distributed runs {dist.get_world_size()} ranks but no topology was given; pass "
@@ -74,6 +77,13 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     config = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(),
                          sink_names=[name for name, _ in available_sinks()])
     topology = topology_for(mesh, axes, model)
+    megatron = _megatron()
+    if megatron is not None:
+        found = megatron.setup(model, optimizer, topology)
+        model, optimizer = found.model, found.optimizer
+        kwargs.setdefault("framework_placements", found.placements)
+        kwargs.setdefault("layer_offset", found.layer_offset)
+        kwargs.setdefault("expert_offset", found.expert_offset)
     metrics = []
     for i, mc in enumerate(config.metrics):
         try:
@@ -96,9 +106,25 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
                   tags={"model": type(model).__name__, **topology.tags()},
                   metrics=tuple(m.name for m, _ in metrics))
     modules = {mc.name: mc.modules for mc in config.metrics if mc.modules}
-    return cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
-               check_plan=config.distributed.check_plan, verify_replicas=config.distributed.verify_replicas,
-               placements=config.placements,
-               timeout_s=config.distributed.collective_timeout_s, modules=modules,
-               key_rules={sink.name: sink.key_rules for sink in built}, log_rank=config.distributed.log_rank,
-               **kwargs)
+    try:
+        tracker = cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
+                      check_plan=config.distributed.check_plan,
+                      verify_replicas=config.distributed.verify_replicas, placements=config.placements,
+                      timeout_s=config.distributed.collective_timeout_s, modules=modules,
+                      key_rules={sink.name: sink.key_rules for sink in built},
+                      log_rank=config.distributed.log_rank, **kwargs)
+    except BaseException:
+        for handle in found.handles if megatron is not None else ():
+            handle.remove()
+        raise
+    if megatron is not None:
+        tracker._hooks.extend(found.handles)  # removed by close() with the optimizer hooks
+    return tracker
+
+
+def _megatron() -> Any:
+    """The Megatron-Core integration module when Megatron is imported and its parallel state
+    initialized, else None (imported lazily: integrations sit above this module)."""
+    from tmetrics_core.integrations import megatron
+
+    return megatron if megatron.active() else None

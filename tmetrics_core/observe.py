@@ -14,7 +14,7 @@ from typing import Iterator, Protocol
 
 import torch
 
-__all__ = ["Observer", "observe", "observing"]
+__all__ = ["Observer", "observe", "observing", "watched"]
 
 
 class Observer(Protocol):
@@ -58,6 +58,13 @@ def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: s
     if observer is None or kind not in observer.kinds:
         return
     observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim)
+
+
+def watched(kind: str) -> bool:
+    """Whether a due metric of the current step watches site ``kind``: lets an integration's
+    hook skip preparing a tensor for :func:`observe` (one context-variable read)."""
+    observer = _ACTIVE.get()
+    return observer is not None and kind in observer.kinds
 
 
 @contextmanager

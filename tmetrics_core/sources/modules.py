@@ -87,7 +87,8 @@ class ModuleIndex:
         handles = []
         if residual or contribution:
             for _, _, block in self.blocks:
-                handles.append(block.register_forward_hook(_residual_hook(record_residual, residual, contribution)))
+                handles.append(block.register_forward_hook(_residual_hook(record_residual, residual, contribution),
+                                                           with_kwargs=True))
         if logits and self.head is not None:
             head = self.head[1]
             vocab = _logical_out(head)
@@ -123,10 +124,13 @@ the model (hooks installed only on steps where a due metric reads router outputs
 
 
 def _residual_hook(record_residual: Callable[..., None], residual: bool, contribution: bool):
-    def hook(module, args, out):
+    """A block's input is its first positional argument, or its first tensor keyword argument
+    when called by keyword (Megatron-Core calls ``layer(hidden_states=..., ...)``)."""
+    def hook(module, args, kwargs, out):
         h = _first(out)
-        fits = contribution and args and isinstance(args[0], torch.Tensor) and args[0].shape == h.shape
-        x = args[0] if fits else None
+        given = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+        fits = contribution and isinstance(given, torch.Tensor) and given.shape == h.shape
+        x = given if fits else None
         if residual or x is not None:
             record_residual(module, h, x, accumulator=residual)
     return hook

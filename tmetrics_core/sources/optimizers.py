@@ -27,12 +27,18 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | OptimizerChain:
     """The torch optimizer inside ``optimizer``, or an :class:`OptimizerChain` of several.
 
     Follows ``.chained_optimizers`` (Megatron's ChainedOptimizer), then ``.optimizer``
-    (accelerate, Lightning, Megatron), down to ``torch.optim.Optimizer`` instances.
+    (accelerate, Lightning, Megatron), down to ``torch.optim.Optimizer`` instances. An object
+    that is no torch optimizer but has its own ``register_step_pre_hook`` and
+    ``register_step_post_hook`` (an integration's adapter around a framework's step, e.g.
+    ``integrations.megatron.MegatronSteps``) is taken as it is.
 
     Raises:
         ConfigError: nothing that leads to a torch optimizer (with the type found and what is
             accepted).
     """
+    if not isinstance(optimizer, torch.optim.Optimizer) and all(
+            callable(getattr(optimizer, hook, None)) for hook in ("register_step_pre_hook", "register_step_post_hook")):
+        return optimizer
     inner = _inner(optimizer, 0, type(optimizer).__name__)
     return inner[0] if len(inner) == 1 else OptimizerChain(inner)
 

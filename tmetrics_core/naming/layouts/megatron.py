@@ -2,8 +2,10 @@
 Engine specs.
 
 Megatron numbers layers from 0 on every pipeline stage and experts from 0 on every
-expert-parallel rank: pass the stage's first global layer and the rank's first global expert
-as offsets. Transformer Engine fuses the pre-attention and pre-MLP norms into
+expert-parallel rank: the global numbers need the stage's first global layer and the rank's
+first global expert as offsets, which ``tmetrics_core.integrations.megatron`` reads from
+``TransformerLayer.layer_number`` and ``MoELayer.local_expert_indices`` (pass them by hand only
+without it). Transformer Engine fuses the pre-attention and pre-MLP norms into
 ``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``; those are the norms.
 ``linear_fc1`` holds gate and up rows when the MLP is gated (SwiGLU) and is named ``fc1``
 either way. Grouped GEMM keeps one tensor per local expert (``linear_fc1.weight3``); the

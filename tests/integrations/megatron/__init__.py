@@ -1,0 +1,1 @@
+"""Megatron-Core on CPU with gloo: the integration checked against one-process training."""

@@ -1,0 +1,406 @@
+"""Megatron-Core, natively: after ``initialize_model_parallel(...)`` a user writes only
+``tm.TensorMetrics.from_config(cfg, model=model, optimizer=optimizer)``.
+
+Megatron is never imported here unless the user already did: :func:`active` looks for its
+parallel state in ``sys.modules`` and asks whether it is initialized.
+
+**Axes** (outer to inner), from Megatron's parallel state (``mesh=``/``axes=`` given to
+``from_config`` win):
+
+======  ===================================================================================
+``pp``  pipeline-model-parallel group: each stage holds contiguous layers (``Owned``)
+``dp``  data parallel. Dense: Megatron's data-parallel group (context parallel excluded).
+        With expert parallelism: Megatron's *expert-data-parallel* group, and the dense
+        data-parallel group is then ``dp`` x ``ep``
+``ep``  expert-model-parallel group: rank ``r`` owns experts ``r*E/ep .. (r+1)*E/ep - 1``
+``cp``  context parallel: each rank holds a chunk of every sequence, weights replicated
+``tp``  tensor-model-parallel group; Megatron's expert-tensor-parallel group must be this same
+        group (checked), so expert weights are sharded on ``tp`` too
+======  ===================================================================================
+
+The axes must tile the world as a grid (each axis group = the ranks differing only along it);
+this is checked at start-up and a layout that is not one (expert parallelism cutting across
+context parallelism, an expert-tensor-parallel size other than ``tp``) is a ``ConfigError``
+asking for ``axes=``. Ranks hold different tokens on ``dp``, ``ep`` and ``cp`` (and on ``tp``
+under sequence parallelism): those are the population axes of activations and router outputs.
+
+**Placements** from parameter attributes: ``tensor_model_parallel`` with ``partition_dim`` d
+is ``Shard(d)`` on ``tp`` (a ``partition_stride`` other than 1 is refused: strided shards are
+not contiguous chunks); an expert weight under expert parallelism (``allreduce == False``) is
+``Owned(ep rank)`` on ``ep``; everything else (norms, sequence-parallel norms whose gradients
+Megatron all-reduces, biases of row-parallel layers, the router) is left to tmetrics'
+inference, which finds it replicated or owned by a pipeline stage, and verifies replicas.
+The config's ``placements:`` win over these.
+
+**Global indices**: a stage's first layer is ``TransformerLayer.layer_number - 1`` of its first
+block; an expert-parallel rank's first expert is ``MoELayer.local_expert_indices[0]``. Both
+are checked to be one offset per model (virtual pipeline chunks, with several offsets, are
+refused for now).
+
+**Optimizers**: a Megatron optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
+``ChainedOptimizer`` of them) is not a ``torch.optim.Optimizer``; :class:`MegatronSteps` gives
+tmetrics its step hooks and reads Adam state from its inner torch optimizers (through the fp32
+main copy of a float16 parameter). Its hooks wrap Megatron's whole ``step()``, not the inner
+torch optimizer's: gradients are read before Megatron clips them (``main_grad`` under
+Megatron's DDP wrapper), and parameters after Megatron copied its fp32 main params back into a
+bf16 model (hooks on the inner optimizer would see an update of 0 there). fp16 with loss
+scaling is refused (``main_grad`` is still scaled when the step begins).
+
+**Router**: each ``TopKRouter`` reports its logits ``[tokens, E]`` (from ``gating()``) and the
+global expert ids it chose ``[tokens, k]`` (from its ``routing_map``) through
+:func:`tmetrics_core.observe`, which costs one context-variable read on steps where no router
+metric is due.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.observe import observe, watched
+from tmetrics_core.placements import Owned, Placement, Shard
+from tmetrics_core.topology import Topology
+
+__all__ = ["MegatronSetup", "MegatronSteps", "active", "placements", "setup", "topology"]
+
+log = logging.getLogger("tmetrics")
+
+AXES = ("pp", "dp", "ep", "cp", "tp")
+"""Axis names in reduction order (outer to inner)."""
+
+
+def _state() -> Any:
+    return sys.modules.get("megatron.core.parallel_state")
+
+
+def active() -> bool:
+    """Whether Megatron-Core is imported and its model-parallel state initialized."""
+    ps = _state()
+    return ps is not None and bool(ps.model_parallel_is_initialized())
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``):
+    modules of Megatron that hold no parameter of their own and keep the model at ``.module``."""
+    inner = getattr(model, "module", None)
+    while type(model).__module__.startswith("megatron.") and isinstance(inner, torch.nn.Module) \
+            and not model._parameters:
+        model, inner = inner, getattr(inner, "module", None)
+    return model
+
+
+def chunks(model: Any) -> list[torch.nn.Module]:
+    """The model chunks: a list/tuple of them (virtual pipeline) or one module."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def topology(model: Any = None) -> Topology:
+    """The axes of Megatron's initialized parallel state (see the module docstring).
+
+    Raises:
+        ConfigError: the expert-tensor-parallel size differs from ``tp``, or the groups do not
+            tile the world as a grid of the axes (say which; pass ``axes=`` yourself then).
+    """
+    ps = _state()
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
+    if etp != tp:
+        raise ConfigError(f"Megatron's expert-tensor-parallel size {etp} differs from its tensor-parallel size {tp}; "
+                          "tmetrics maps both to one axis tp. Pass axes={...} with the groups you want measured")
+    groups = {
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "dp": ps.get_expert_data_parallel_group() if ep > 1 else ps.get_data_parallel_group(),
+        "ep": ps.get_expert_model_parallel_group() if ep > 1 else None,
+        "cp": ps.get_context_parallel_group(),
+        "tp": ps.get_tensor_model_parallel_group(),
+    }
+    if ep > 1 and tp > 1:
+        groups["etp"] = ps.get_expert_tensor_parallel_group()
+    members = {a: tuple(dist.get_process_group_ranks(g)) if g is not None else (dist.get_rank(),)
+               for a, g in groups.items()}
+    if "etp" in members and members.pop("etp") != members["tp"]:
+        raise ConfigError("Megatron's expert-tensor-parallel group is not its tensor-parallel group; pass axes={...}")
+    _check_grid(members)
+    sequence_parallel = any(getattr(getattr(unwrap(m), "config", None), "sequence_parallel", False)
+                            for m in chunks(model) if m is not None)
+    population = ("dp", "ep", "cp") + (("tp",) if sequence_parallel else ())
+    return Topology.from_groups({a: groups[a] if len(members[a]) > 1 else None for a in AXES},
+                                population_axes=population)
+
+
+def _check_grid(members: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise ``ConfigError`` unless the axis groups tile the world as a grid: their sizes
+    multiply to the world size and each group is the ranks differing only along its axis."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    size = 1
+    for ranks in members.values():
+        size *= len(ranks)
+    if size != world:
+        raise ConfigError(
+            f"Megatron's groups {dict((a, len(r)) for a, r in members.items())} multiply to {size} ranks, not the "
+            f"world size {world} (expert parallelism across context parallelism?); pass axes={{...}} yourself")
+    if world == 1:
+        return
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, {a: (r.index(dist.get_rank()), r) for a, r in members.items()})
+    coords = {rank: tuple(everyone[rank][a][0] for a in AXES) for rank in range(world)}
+    for rank in range(world):
+        for k, axis in enumerate(AXES):
+            same = tuple(sorted(s for s in range(world)
+                                if all(coords[s][j] == coords[rank][j] for j in range(len(AXES)) if j != k)))
+            if tuple(sorted(everyone[rank][axis][1])) != same:
+                raise ConfigError(f"Megatron's {axis} group of rank {rank} is {sorted(everyone[rank][axis][1])}, but "
+                                  f"the ranks differing from it only along {axis} are {list(same)}: its groups are "
+                                  "not a grid of pp, dp, ep, cp, tp; pass axes={...} yourself")
+
+
+def offsets(model: torch.nn.Module) -> tuple[int, int]:
+    """``(first global layer, first global expert)`` of this rank's model, from Megatron's
+    ``TransformerLayer.layer_number`` (1-based, global) and ``MoELayer.local_expert_indices``.
+
+    Raises:
+        ConfigError: layers whose global numbers are not one offset from their positions.
+    """
+    from megatron.core.transformer.transformer_layer import TransformerLayer  # type: ignore[import-untyped]
+
+    layer_offsets, expert_offsets = set(), set()
+    for name, module in model.named_modules():
+        if isinstance(module, TransformerLayer):
+            position = name.rpartition(".")[2]
+            if position.isdigit():
+                layer_offsets.add(module.layer_number - 1 - int(position))
+        indices = getattr(module, "local_expert_indices", None)
+        if indices:
+            if list(indices) != list(range(indices[0], indices[0] + len(indices))):
+                raise ConfigError(f"Megatron MoE layer {name!r} holds experts {list(indices)}, not a contiguous range")
+            expert_offsets.add(int(indices[0]))
+    if len(layer_offsets) > 1 or len(expert_offsets) > 1:
+        raise ConfigError(f"one model chunk with layer offsets {sorted(layer_offsets)} and expert offsets "
+                          f"{sorted(expert_offsets)}; tmetrics takes one of each per chunk")
+    return min(layer_offsets, default=0), min(expert_offsets, default=0)
+
+
+def placements(model: torch.nn.Module, topology: Topology) -> dict[str, dict[str, Placement]]:
+    """``{parameter name: {axis: placement}}`` from Megatron's parameter attributes (names as
+    ``model.named_parameters()`` gives them), for ``TensorMetrics(framework_placements=)``.
+
+    Raises:
+        ConfigError: a tensor-parallel weight with ``partition_stride`` other than 1; a
+            tensor-parallel or expert-parallel model whose topology lacks ``tp``/``ep`` of
+            Megatron's size.
+    """
+    sizes = {a: topology.axes[a].size for a in topology.names}
+    out: dict[str, dict[str, Placement]] = {}
+    for name, p in model.named_parameters():
+        spec: dict[str, Placement] = {}
+        if getattr(p, "tensor_model_parallel", False) and _size("tp", sizes, name) > 1:
+            stride = getattr(p, "partition_stride", 1)
+            if stride != 1:
+                raise ConfigError(f"Megatron parameter {name!r} is tensor-parallel with partition_stride {stride}: "
+                                  "its shards are strided, not chunks; declare its placement in the config's "
+                                  "placements: or leave it out with select", path="placements")
+            spec["tp"] = Shard(int(getattr(p, "partition_dim")))
+        if not getattr(p, "allreduce", True) and _size("ep", sizes, name) > 1:
+            spec["ep"] = Owned(topology.axes["ep"].rank)
+        if spec:
+            out[name] = spec
+    return out
+
+
+def _size(axis: str, sizes: Mapping[str, int], name: str) -> int:
+    ps = _state()
+    want = (ps.get_tensor_model_parallel_world_size() if axis == "tp"
+            else ps.get_expert_model_parallel_world_size())
+    if want > 1 and sizes.get(axis, 1) != want:
+        raise ConfigError(f"Megatron parameter {name!r} is split over {want} {axis} ranks, but the topology has "
+                          f"{axis} of size {sizes.get(axis, 1)}; name Megatron's {axis} group in axes= (or leave "
+                          "axes= out to take Megatron's parallel state)")
+    return want
+
+
+class _StateView:
+    """``state.get(model param)``: the inner torch optimizer's state of the parameter it updates
+    (the parameter itself, or the fp32 main copy of a float16 one)."""
+
+    def __init__(self, steps: "MegatronSteps") -> None:
+        self._steps = steps
+
+    def get(self, param: torch.Tensor, default: Any = None) -> Any:
+        for inner, main_of in self._steps.inner:
+            main = main_of.get(id(param), param)
+            if main in inner.state:
+                return inner.state[main]
+        return default
+
+
+class MegatronSteps:
+    """A Megatron optimizer seen as tmetrics sees a torch one: step pre/post hooks around its
+    ``step()`` (gradients are read before it: ``main_grad`` under Megatron's DDP, the update
+    after it), ``defaults`` and ``state`` of its inner torch optimizer(s).
+
+    Raises ``ConfigError`` for a Megatron optimizer without a reachable torch optimizer
+    (``DistributedOptimizer`` is read from flat shards, not supported here yet).
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self.wrapped = optimizer  # not .optimizer: that would read as a wrapper to unwrap
+        self.inner = [(o.optimizer, _main_copies(o)) for o in _leaves(optimizer)]
+        self._pre: OrderedDict[int, Callable[..., None]] = OrderedDict()  # weakly referenced by handles
+        self._post: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        original = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            for hook in list(self._pre.values()):
+                hook(self, args, kwargs)
+            out = original(*args, **kwargs)
+            for hook in list(self._post.values()):
+                hook(self, args, kwargs)
+            return out
+
+        optimizer.step = step
+        self.state = _StateView(self)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The first inner torch optimizer's defaults (``betas`` tells Adam)."""
+        return dict(self.inner[0][0].defaults) if self.inner else {}
+
+    def register_step_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self._pre)
+        self._pre[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self._post)
+        self._post[handle.id] = hook
+        return handle
+
+
+def is_megatron_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is one of Megatron's (``megatron.core.optimizer``) classes."""
+    return any(c.__module__.startswith("megatron.core.optimizer") for c in type(optimizer).__mro__)
+
+
+def _leaves(optimizer: Any) -> list[Any]:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [leaf for o in chained for leaf in _leaves(o)]
+    if type(optimizer).__name__ == "DistributedOptimizer":
+        raise ConfigError("Megatron's DistributedOptimizer keeps fp32 main params, grads and Adam state as flat "
+                          "shards; tmetrics does not read them yet. Use its non-distributed optimizer "
+                          "(use_distributed_optimizer=False) or pass the model without optimizer= for "
+                          "parameter and gradient metrics")
+    if getattr(optimizer, "grad_scaler", None) is not None:
+        raise ConfigError(f"{type(optimizer).__name__} scales the loss (fp16 with a grad scaler): the gradients in "
+                          "main_grad are scaled when its step begins; tmetrics reads Megatron's fp32 and bf16 "
+                          "optimizers, not fp16 with loss scaling yet")
+    if not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        raise ConfigError(f"optimizer {type(optimizer).__name__} is a Megatron optimizer without a torch optimizer "
+                          "at .optimizer; tmetrics reads FP32Optimizer, Float16OptimizerWithFloat16Params and a "
+                          "ChainedOptimizer of them")
+    return [optimizer]
+
+
+def _main_copies(optimizer: Any) -> dict[int, torch.Tensor]:
+    """``id(model param) -> fp32 main param`` of a mixed-precision Megatron optimizer."""
+    out: dict[int, torch.Tensor] = {}
+    for model_group, main_group in zip(getattr(optimizer, "float16_groups", ()),
+                                       getattr(optimizer, "fp32_from_float16_groups", ())):
+        for model_param, main_param in zip(model_group, main_group):
+            out[id(model_param)] = main_param
+    return out
+
+
+def observe_routers(model: torch.nn.Module) -> list[Any]:
+    """Report every ``TopKRouter``'s logits and top-k choice (see the module docstring);
+    returns the handles that undo it."""
+    from megatron.core.transformer.moe.router import TopKRouter  # type: ignore[import-untyped]
+
+    handles: list[Any] = []
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            handles.append(_GatingWrapper(module))
+            handles.append(module.register_forward_hook(_report_topk))
+    return handles
+
+
+class _GatingWrapper:
+    """``router.gating`` replaced by a call that also observes its logits; ``remove()`` undoes it."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        original = router.gating
+
+        def gating(*args: Any, **kwargs: Any) -> torch.Tensor:
+            logits = original(*args, **kwargs)
+            if watched("router_logits"):
+                observe(router, "router_logits", logits.reshape(-1, logits.shape[-1]), kind="router_logits")
+            return logits
+
+        router.gating = gating
+
+    def remove(self) -> None:
+        self.router.__dict__.pop("gating", None)
+
+
+_WARNED: set[str] = set()
+
+
+def _report_topk(router: Any, args: Any, out: Any) -> None:
+    if not watched("router_topk"):
+        return
+    routing_map = out[1]
+    k = int(router.topk)
+    chosen = routing_map.reshape(-1, routing_map.shape[-1])
+    per_token = chosen.sum(dim=1)
+    if not bool((per_token == k).all()):
+        if "topk" not in _WARNED:
+            _WARNED.add("topk")
+            log.warning("tmetrics: a Megatron router dispatched other than top-%d experts to some tokens (token "
+                        "dropping?); its top-k choice is not observed", k)
+        return
+    ids = chosen.nonzero()[:, 1].reshape(-1, k)
+    observe(router, "router_topk", ids, kind="router_topk")
+
+
+@dataclass
+class MegatronSetup:
+    """What :func:`setup` hands to ``TensorMetrics``."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    placements: dict[str, dict[str, Placement]]
+    layer_offset: int
+    expert_offset: int
+    handles: list[Any] = field(default_factory=list)
+
+
+def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
+    """The model inside Megatron's wrappers, the optimizer (a Megatron one adapted by
+    :class:`MegatronSteps`), placements from parameter attributes (the config's
+    ``placements:`` win over them), the global offsets and the router observation handles.
+
+    Raises:
+        ConfigError: several model chunks (virtual pipeline, not supported yet), and those of
+            :func:`offsets`, :func:`placements`, :class:`MegatronSteps`.
+    """
+    parts = chunks(model)
+    if len(parts) != 1:
+        raise ConfigError(f"{len(parts)} model chunks (virtual pipeline parallelism): tmetrics takes one model; "
+                          "virtual pipeline stages are not supported yet")
+    inner = unwrap(parts[0])
+    layer_offset, expert_offset = offsets(inner)
+    found = placements(inner, topology)
+    # Last, after every check: the adapter wraps the optimizer's step (a pass-through once
+    # TensorMetrics removes its hooks) and the routers report until the handles are removed.
+    steps = MegatronSteps(optimizer) if optimizer is not None and is_megatron_optimizer(optimizer) else optimizer
+    return MegatronSetup(model=inner, optimizer=steps, placements=found, layer_offset=layer_offset,
+                         expert_offset=expert_offset, handles=observe_routers(inner))
