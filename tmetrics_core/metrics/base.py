@@ -290,7 +290,7 @@ class StatMetric:
 
     def finish(self, continuation, host):
         groups, labels = self.grouped(continuation, host)
-        results = []
+        results: list[MetricResult] = []
         for gkey in sorted(groups, key=_sort_key):
             value = self.finalize(groups[gkey])
             base = self._labels(labels[gkey])
