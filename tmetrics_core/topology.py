@@ -199,5 +199,6 @@ class Topology:
 
 def _new_subgroups(lists: list[list[int]]) -> Any:
     """This rank's group among ``lists`` (every rank calls this with the same lists)."""
-    group, _ = dist.new_subgroups_by_enumeration(lists)
+    # torch leaves new_subgroups_by_enumeration unannotated (torch 2.13).
+    group, _ = dist.new_subgroups_by_enumeration(lists)  # type: ignore[no-untyped-call]
     return group

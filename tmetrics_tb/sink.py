@@ -148,7 +148,7 @@ class TensorBoardSink:
                 labels = (record.metric, record.layer, record.expert, record.tensor, stat)
                 value = float(nonfinite)
             scalars.append(self._prefix(labels))
-            scalars.append(_float32(value))  # type: ignore[arg-type]
+            scalars.append(_float32(value))
         summary = summary_pb2.Summary.FromString(b"".join(scalars))
         summary.value.extend(histograms)
         if self._layout_dirty:

@@ -81,7 +81,7 @@ class LayerHeatmap:
             norm = LogNorm(vmin=float(finite.min()), vmax=float(finite.max()))
         num_layers = max(values.shape[0], 1)
         figure = Figure(figsize=(8.0, min(2.0 + 0.12 * num_layers, 14.0)), dpi=80)
-        FigureCanvasAgg(figure)
+        canvas = FigureCanvasAgg(figure)  # also becomes figure.canvas
         axes = figure.add_subplot()
         shown = np.ma.masked_invalid(values) if values.size else np.ma.masked_all((1, 1))
         x = np.asarray(steps if steps else [0], dtype=np.float64)
@@ -95,8 +95,8 @@ class LayerHeatmap:
         axes.set_ylabel("layer")
         axes.set_title(self.title)
         figure.tight_layout()
-        figure.canvas.draw()
-        rgba = np.asarray(figure.canvas.buffer_rgba())
+        canvas.draw()
+        rgba = np.asarray(canvas.buffer_rgba())
         return np.ascontiguousarray(rgba[..., :3])
 
 

@@ -35,7 +35,7 @@ import math
 import netrc
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, cast
 from urllib.parse import urlparse
 
 from tmetrics_core.alerts.alert import COLUMNS, Alert
@@ -56,6 +56,7 @@ ALERTS_KEY = "tmetrics/alerts"
 
 _OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every", "heatmap_metrics", "reuse_run")
 _MODES = ("online", "offline", "disabled")
+_Mode = Literal["online", "offline", "disabled"]
 _VECTOR_BINS = 30
 # Directories W&B would otherwise create under HOME; set (unless already set) below `dir`.
 _HOME_DIRS = {
@@ -130,7 +131,7 @@ class WandbSink:
         self.entity = _optional_str("entity", entity)
         if mode is not None and mode not in _MODES:
             raise _option_error("mode", f"got {mode!r}; valid modes are {', '.join(_MODES)} (or leave it unset)")
-        self.mode = mode
+        self.mode = cast("_Mode | None", mode)  # one of _MODES, checked above
         if dir is not None and not isinstance(dir, (str, os.PathLike)):
             raise _option_error("dir", f"got {dir!r}; need a directory path (a string)")
         self.dir = None if dir is None else Path(dir)
@@ -238,7 +239,9 @@ class WandbSink:
             key = self._book.add(record.metric, record.layer, record.expert, record.tensor, record.stat)
             value = record.value
             if isinstance(value, Histogram):
-                data[key] = wandb.Histogram(np_histogram=_bins_with_zeros(value))
+                # wandb annotates np_histogram as two ndarrays; it takes lists as well (it calls
+                # .tolist() only where there is one), and lists keep the counts exact ints.
+                data[key] = wandb.Histogram(np_histogram=_bins_with_zeros(value))  # type: ignore[arg-type]
                 nonfinite = value.nan + value.posinf + value.neginf
             elif isinstance(value, tuple):
                 data[key] = _vector_histogram(wandb, value)

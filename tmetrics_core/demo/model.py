@@ -200,6 +200,9 @@ class MoE(nn.Module):
     expert indices), both for this rank's own tokens.
     """
 
+    expert_bias: torch.Tensor
+    """Buffer [E] (registered in ``__init__``): added to the logits for the top-k choice only."""
+
     def __init__(self, config: ModelConfig, *, experts: Iterable[int] | None = None) -> None:
         super().__init__()
         self.top_k = config.top_k

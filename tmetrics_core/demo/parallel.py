@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from tmetrics_core.demo.expert_collectives import all_gather, reduce_scatter
@@ -90,18 +90,20 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
     config = model.config
-    col, row = ("gate", "up"), "down"
+    col: tuple[str, ...] = ("gate", "up")
+    row = "down"
     if config.activation == "gelu":
         col, row = ("fc1",), "fc2"
     for block in model.layers.values():
-        plan: dict[str, ColwiseParallel | RowwiseParallel] = {
+        plan: dict[str, ParallelStyle] = {
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.o": RowwiseParallel(),
         }
         mlps = ["mlp"]
-        if hasattr(block, "moe"):
-            block.moe.dispatch = fixed_shape_dispatch
-            mlps = [f"moe.experts.{e}" for e in block.moe.experts]
+        moe = getattr(block, "moe", None)
+        if isinstance(moe, MoE):
+            moe.dispatch = fixed_shape_dispatch
+            mlps = [f"moe.experts.{e}" for e in moe.experts]
         for prefix in mlps:
             plan.update({f"{prefix}.{name}": ColwiseParallel() for name in col})
             plan[f"{prefix}.{row}"] = RowwiseParallel()
@@ -114,6 +116,7 @@ def _apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> list[str]
     scale = 1.0 / ep_mesh.size()
 
     def average_over_ep(param: torch.Tensor) -> None:
+        assert param.grad is not None  # a post-accumulate-grad hook runs once the gradient is there
         param.grad.mul_(scale)
 
     names = []
@@ -166,19 +169,25 @@ def parallelize(config: ModelConfig, topology: ParallelDegrees, *, seed: int, ba
                           f"{world} are running; change --nproc or the degrees", path="--nproc")
     mesh = topology.build_mesh()
     names = {name for name, _ in topology.axes}
-    stage = mesh["pp"].get_local_rank() if "pp" in names else 0
-    ep_rank = mesh["ep"].get_local_rank() if "ep" in names else 0
+    stage = _submesh(mesh, "pp").get_local_rank() if "pp" in names else 0
+    ep_rank = _submesh(mesh, "ep").get_local_rank() if "ep" in names else 0
     model = Transformer(
         config, seed=seed, layers=topology.stage_layers(config.n_layers, stage),
         experts=topology.stage_experts(config.n_experts, ep_rank) if "ep" in names else None,
         embed=stage == 0, head=stage == topology.pp - 1,
     )
     if "tp" in names:
-        _apply_tensor_parallel(model, mesh["tp"])
-    expert_names = _apply_expert_parallel(model, mesh["ep"]) if "ep" in names else []
+        _apply_tensor_parallel(model, _submesh(mesh, "tp"))
+    expert_names = _apply_expert_parallel(model, _submesh(mesh, "ep")) if "ep" in names else []
     module = _apply_data_parallel(model, topology, mesh, expert_names) if mesh is not None else model
     return ParallelModel(model=model, module=module, topology=topology, mesh=mesh,
                          batch_size=batch_size, seq_len=config.seq_len)
+
+
+def _submesh(mesh: DeviceMesh | None, axis: str) -> DeviceMesh:
+    """``mesh[axis]`` of an axis of the degrees (size > 1, so several processes and a mesh)."""
+    assert mesh is not None, f"axis {axis!r} of size > 1 without a DeviceMesh"
+    return mesh[axis]
 
 
 class ParallelModel:
@@ -198,12 +207,12 @@ class ParallelModel:
         self.topology = topology
         self.mesh = mesh
         self._names = {name for name, _ in topology.axes}
-        self.stage = self.mesh["pp"].get_local_rank() if "pp" in self._names else 0
+        self.stage = _submesh(self.mesh, "pp").get_local_rank() if "pp" in self._names else 0
         self._hidden_shape = (batch_size // topology.data_parallel, seq_len, model.config.d_model)
 
     def axis_rank(self, axis: str) -> int:
         """This rank's coordinate on ``axis`` (0 when the axis is absent)."""
-        return self.mesh[axis].get_local_rank() if axis in self._names else 0
+        return _submesh(self.mesh, axis).get_local_rank() if axis in self._names else 0
 
     @property
     def data_index(self) -> int:
@@ -231,7 +240,7 @@ class ParallelModel:
             loss = self._loss(self.module(inputs), targets)
             loss.backward()
             return self._global_loss(loss.detach())
-        group = self.mesh["pp"].get_group()
+        group = _submesh(self.mesh, "pp").get_group()
         last = self.topology.pp - 1
         if self.stage > 0:
             inputs = torch.empty(self._hidden_shape)
@@ -249,6 +258,7 @@ class ParallelModel:
             out.backward(grad)
             value = torch.zeros(())
         if self.stage > 0:
+            assert inputs.grad is not None  # inputs require grad and the backward reached them
             dist.send(inputs.grad.contiguous(), group=group, group_dst=self.stage - 1)
         return self._global_loss(value)
 

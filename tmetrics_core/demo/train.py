@@ -30,7 +30,7 @@ from torch.optim import AdamW, Optimizer
 from tqdm import tqdm
 
 from tmetrics_core.demo.data import ByteCorpus
-from tmetrics_core.demo.model import ModelConfig
+from tmetrics_core.demo.model import Block, ModelConfig
 from tmetrics_core.demo.parallel import ParallelModel
 from tmetrics_core.errors import ConfigError
 
@@ -239,12 +239,17 @@ class Trainer:
         inject = self.config.inject
         layers = self.parallel.model.layers
         if inject and inject.kind == "dead-expert" and step == inject.start_step and str(inject.layer) in layers:
-            layers[str(inject.layer)].moe.expert_bias[inject.expert] = _DEAD_BIAS
+            block = layers[str(inject.layer)]
+            assert isinstance(block, Block)  # the layers of the demo model are Blocks
+            block.moe.expert_bias[inject.expert] = _DEAD_BIAS
         batch = self.corpus.batch(step, batch_size=self.config.batch_size,
                                   seq_len=self.parallel.model.config.seq_len, seed=self.config.seed)
         loss = self.parallel.forward_backward(batch)
         if inject and inject.kind == "nan-grad" and step == inject.start_step and str(inject.layer) in layers:
-            grad = layers[str(inject.layer)].attn.q.weight.grad
+            block = layers[str(inject.layer)]
+            assert isinstance(block, Block)
+            grad = block.attn.q.weight.grad
+            assert grad is not None  # the backward just ran through this layer
             (grad.to_local() if isinstance(grad, DTensor) else grad).fill_(float("nan"))
         return loss
 

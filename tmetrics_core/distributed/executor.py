@@ -37,6 +37,7 @@ from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import Collectives, TorchCollectives
 from tmetrics_core.errors import PlanMismatchError
 from tmetrics_core.metrics.base import CollectiveRequest, MetricResult, Round, TensorMetric
+from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.site import Site, SiteKey
 
 __all__ = ["CollectiveStats", "Executor", "MetricFailure"]
@@ -46,6 +47,12 @@ log = logging.getLogger(__name__)
 _GATHER_LIMIT = 1 << 19
 """Most elements an all_gather of buckets may collect on one rank (members x values; 4 MiB in
 float64); larger buckets are all-reduced."""
+
+_REDUCE_OF: dict[str, ReduceOpName] = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
+"""The reduction that materializes a ``Partial`` op (``avg``: a sum, divided after)."""
+
+_Buckets = dict[tuple[tuple[str, ...], ReduceOpName, torch.dtype], list[CollectiveRequest]]
+"""Requests by (axes, op, dtype); ``min`` rides in ``max`` negated, so op is ``sum`` or ``max``."""
 
 @dataclass(slots=True)
 class CollectiveStats:
@@ -81,7 +88,8 @@ class _Due:
     metric: TensorMetric
     state: dict[SiteKey, Any]
     error: str | None = None
-    round: Round | None = None
+    round: Round = field(default_factory=lambda: Round(done=True))
+    """The metric's current round: done (nothing to run) until ``start`` returns its first."""
 
 
 class Executor:
@@ -213,7 +221,7 @@ class Executor:
                     ops: Sequence[str]) -> list[torch.Tensor]:
         """Reduce whole local tensors of ``Partial`` placements (``ops[i]`` over ``axes[i]``),
         packed like any round; returns the full tensors in the input shapes."""
-        requests = [CollectiveRequest(("materialize", i), a, "sum" if op == "avg" else op,
+        requests = [CollectiveRequest(("materialize", i), a, _REDUCE_OF[op],
                                       t.detach().reshape(-1).to(torch.float64))
                     for i, (t, a, op) in enumerate(zip(tensors, axes, ops))]
         results = self._reduce(requests)
@@ -241,11 +249,11 @@ class Executor:
         distinct axis set and dtype."""
         self.stats.rounds += 1
         current = {r.key: r.value if r.value.device == self.device else r.value.to(self.device) for r in requests}
-        buckets: dict[tuple[tuple[str, ...], str, torch.dtype], list[CollectiveRequest]] = {}
+        buckets: _Buckets = {}
         for r in requests:
             axes = tuple(a for a in self.topology.names if a in r.axes and self.topology.axes[a].size > 1)
             if axes:
-                op = "max" if r.op == "min" else r.op
+                op: ReduceOpName = "max" if r.op == "min" else r.op
                 buckets.setdefault((axes, op, current[r.key].dtype), []).append(r)
         # One collective for the whole round when every value has one length on all ranks;
         # else one per axis set that has several buckets (NOTE [gathered rounds]).
@@ -253,7 +261,7 @@ class Executor:
             union = tuple(a for a in self.topology.names if any(a in axes for axes, _, _ in buckets))
             if self._gathered(union, buckets, current):
                 return current
-        by_axes: dict[tuple[str, ...], dict] = {}
+        by_axes: dict[tuple[str, ...], _Buckets] = {}
         for key, bucket in buckets.items():
             by_axes.setdefault(key[0], {})[key] = bucket
         for axes, same in by_axes.items():
@@ -274,7 +282,7 @@ class Executor:
         return current
 
     def _gathered(self, union: tuple[str, ...],
-                  buckets: Mapping[tuple[tuple[str, ...], str, torch.dtype], list[CollectiveRequest]],
+                  buckets: _Buckets,
                   current: dict[Hashable, torch.Tensor]) -> bool:
         """Reduce ``buckets`` (each over axes within ``union``) with ONE collective: their values
         are packed in one float64 buffer, all-gathered over the joint group of ``union``, and
@@ -374,7 +382,7 @@ class Executor:
         if not self._distributed:
             return
         names = self.topology.names
-        owner = {}
+        owner: dict[Hashable, str] = {}
         for item in pending:
             for req in item.round.requests:
                 owner.setdefault(req.key, item.metric.name)
@@ -417,7 +425,7 @@ class Executor:
 def _layout(requests: Sequence[CollectiveRequest], axis: str,
             owner: Mapping[Hashable, str]) -> list[tuple[str, str, str, int, str]]:
     """What this rank will send over ``axis``: (key, op, dtype, elements, metric) per request."""
-    rows = []
+    rows: list[tuple[str, str, str, int, str]] = []
     for r in requests:
         if axis not in r.axes:
             continue

@@ -41,8 +41,10 @@ def resolve_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site],
     if not need:
         return list(sites), list(tensors)
     new_sites, new_tensors = list(sites), list(tensors)
-    locals_ = {i: tensors[i] if tensors[i] is not None else torch.zeros(_shape(sites[i], None, topology))
-               for i in need}
+    locals_: dict[int, torch.Tensor] = {}
+    for i in need:
+        held = tensors[i]
+        locals_[i] = held if held is not None else torch.zeros(_shape(sites[i], None, topology))
     # NOTE [nested partials]: with Partial on several axes the logical tensor is the outer
     # axis's op over the inner axis's op, so reduce the innermost axis (last in topology order)
     # first; one packed round per axis that has partial sites.

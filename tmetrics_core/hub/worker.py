@@ -336,6 +336,10 @@ class SinkWorker:
     def _spool_note(self) -> str:
         return f"it goes to the spool; the sink is probed again in {self._probe_delay:.3g} s"
 
+    def _sleep(self, seconds: float) -> None:
+        """tenacity's sleep between attempts: wakes early when the hub abandons this worker."""
+        self._abandoned.wait(seconds)
+
     def _try(self, call: Callable[[], Any], *, attempts: int, what: str, then: str) -> tuple[bool, bool]:
         """``(succeeded, needed a retry)``; exceptions are counted and logged, never raised
         (except :class:`_Abandoned`)."""
@@ -348,7 +352,7 @@ class SinkWorker:
         retrying = Retrying(
             stop=stop_after_attempt(attempts),
             wait=wait_exponential_jitter(initial=self._backoff, max=self._backoff_max, jitter=self._backoff),
-            sleep=self._abandoned.wait,
+            sleep=self._sleep,
             retry=retry_if_exception(_retryable),
             before_sleep=note_retry,
             reraise=True,

@@ -34,7 +34,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence, cast
 
 import torch
 
@@ -275,7 +275,7 @@ def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | 
     base = buffer.data_ptr()
     dsts = array.array("Q", [base + offset for offset in offsets])
     threads = torch.get_num_threads() if total >= 4 * _PARALLEL else 1
-    if _library().tm_copy(len(offsets), _address(srcs), _address(dsts), _address(sizes), threads):
+    if _kernel().tm_copy(len(offsets), _address(srcs), _address(dsts), _address(sizes), threads):
         raise RuntimeError("the kernel's copy ran out of memory")
     return buffer, offsets
 
@@ -324,7 +324,7 @@ def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held
         n = t.numel()
         if m is None:
             ys.append(0)
-        elif type(m) is tuple:
+        elif isinstance(m, tuple):
             if m[2] is not t.dtype or m[1] != n:
                 raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {n} elements)")
             ys.append(m[0])
@@ -446,13 +446,12 @@ def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[
         # library is only looked for when some tensor needs it (not on accelerator-only runs).
         taken = [i for i in missing if takes(tensors[i])]
         lib = _library() if taken else None
-        taken = taken if lib is not None else []
         table.update((keys[i], None) for i in missing)
-        if taken:
+        if lib is not None:
             block = _run(lib, _packed([tensors[i] for i in taken], [None] * len(taken), taken=True))
             table.update((keys[i], (block, j)) for j, i in enumerate(taken))
         entries = list(map(table.__getitem__, keys))
-    return entries
+    return cast("list[tuple[torch.Tensor, int] | None]", entries)  # every key is in the table now
 
 
 def moments_rows(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[Hashable, Any]
@@ -465,7 +464,7 @@ def moments_rows(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: d
     entries = _entries(tensors, sites, memo)
     if None in entries:
         return None
-    return _rows(entries)  # type: ignore[arg-type]
+    return _rows(cast("list[tuple[torch.Tensor, int]]", entries))
 
 
 def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: Sequence[Site],
@@ -478,14 +477,15 @@ def statistic_vectors(stat: Statistic, tensors: Sequence[torch.Tensor], sites: S
         return stat.compute(tensors, sites, topology)
     entries = _entries(tensors, sites, memo)
     fused = [i for i, entry in enumerate(entries) if entry is not None]
+    present = [entry for entry in entries if entry is not None]
     if len(fused) == len(tensors):
-        return stat.from_moments(_rows([entries[i] for i in fused]), tensors)
+        return stat.from_moments(_rows(present), tensors)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     if fused:
-        rows = _rows([entries[i] for i in fused])
+        rows = _rows(present)
         for i, vec in zip(fused, stat.from_moments(rows, [tensors[i] for i in fused])):
             out[i] = vec
     rest = [i for i in range(len(tensors)) if out[i] is None]
     for i, vec in zip(rest, stat.compute([tensors[i] for i in rest], [sites[i] for i in rest], topology)):
         out[i] = vec
-    return out  # type: ignore[return-value]
+    return cast("list[torch.Tensor]", out)  # every index is filled: fused or rest

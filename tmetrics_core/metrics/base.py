@@ -16,7 +16,7 @@ import itertools
 import operator
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Hashable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Hashable, Literal, Mapping, Protocol, Sequence, cast, runtime_checkable
 
 import torch
 
@@ -217,10 +217,11 @@ class StatMetric:
                 or not all((s.moments and not s.reads_elements) or s.shape_only for s in stats)
                 or any(map(operator.is_, tensors, itertools.repeat(None)))):
             return None
-        rows = moments_rows(tensors, sites, memo)  # type: ignore[arg-type]
+        held = cast("Sequence[torch.Tensor]", tensors)  # none is None (checked above)
+        rows = moments_rows(held, sites, memo)
         if rows is None:
             return None
-        return BlockState(tuple(map(_KEY, sites)), [stat.moments_matrix(rows, tensors) for stat in stats])
+        return BlockState(tuple(map(_KEY, sites)), [stat.moments_matrix(rows, held) for stat in stats])
 
     def merge(self, a, b):
         out = dict(a)
@@ -289,7 +290,7 @@ class StatMetric:
 
     def finish(self, continuation, host):
         groups, labels = self.grouped(continuation, host)
-        results = []
+        results: list[MetricResult] = []
         for gkey in sorted(groups, key=_sort_key):
             value = self.finalize(groups[gkey])
             base = self._labels(labels[gkey])

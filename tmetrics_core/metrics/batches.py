@@ -72,7 +72,7 @@ def _reduces(stage: Stage, topology: Topology) -> bool:
     return any(topology.axes[a].size > 1 for a in stage.axes if a in topology.axes)
 
 
-def _stack(vectors: Sequence[torch.Tensor]) -> torch.Tensor:
+def _stack(vectors: list[torch.Tensor]) -> torch.Tensor:
     """``[len(vectors), length]`` from vectors of one length (1-D, as statistics return them)."""
     width = vectors[0].numel()
     return (vectors[0] if len(vectors) == 1 else torch.stack(vectors)).reshape(len(vectors), width)
@@ -189,7 +189,7 @@ def merged_outputs(batches: Sequence[Batch], group_of: Callable[[Site], tuple], 
                    ) -> dict[Hashable, torch.Tensor]:
     """The finished batches' rows merged per (group, kind) slot, as flat output vectors keyed
     ``(owner, batch number)``; sets ``out_key`` and ``slots`` on each batch."""
-    outputs = {}
+    outputs: dict[Hashable, torch.Tensor] = {}
     for n, b in enumerate(batches):
         merge = b.merge if b.merge is not None else _merge_of(b.sites, group_of)
         b.out_key, b.slots = (owner, n), merge.slots
@@ -246,8 +246,8 @@ class BatchPlan:
         signature = (id(topology), tuple(map(id, chosen)), lengths)
         cached = self._cached  # one read: a metric shared by threads never sees half an update
         if cached is None or cached[0] != signature:
-            cut = self._cut(chosen, vectors or list(state.values()), topology)
-            cached = self._cached = (signature, (topology, chosen), cut)
+            cuts = self._cut(chosen, vectors or list(state.values()), topology)
+            cached = self._cached = (signature, (topology, chosen), cuts)
         out = []
         for cut in cached[2]:
             j = cut.stat_index

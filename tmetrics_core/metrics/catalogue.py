@@ -284,8 +284,8 @@ def build_metric(name: str, *, select: str | Sequence[str] | None = None,
             raise ConfigError(
                 f"metric {canonical!r} takes no {option!r} option (it takes: {takes}); remove "
                 f"{option!r} from this metric's entry", path=option)
-    if "select" in options:
-        options["select"] = (options["select"],) if isinstance(options["select"], str) else tuple(options["select"])
+    if "select" in options and select is not None:
+        options["select"] = (select,) if isinstance(select, str) else tuple(select)
     return entry.build(name=canonical, **options)
 
 

@@ -82,7 +82,8 @@ class RowSoftmax(Statistic):
 
     def _split(self, site: Site, topology: Topology) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(axes that cut rows, axes that split the row population), in topology order."""
-        cut, population = [], []
+        cut: list[str] = []
+        population: list[str] = []
         for name in topology.names:
             p = site.placement(name)
             if topology.axes[name].size == 1 or not p.splits():

@@ -33,7 +33,7 @@ class ModuleIndex:
         self.paths: dict[int, str] = {}
         self.named: list[tuple[str, torch.nn.Module]] = []
         self.blocks: list[tuple[str, int, torch.nn.Module]] = []
-        self.head: tuple[str, torch.nn.Module] | None = None
+        self.head: tuple[str, torch.nn.Linear] | None = None
         renamed: dict[str, str] = {}  # local block path -> global one (pipeline stages' ModuleLists)
         for raw, module in model.named_modules():
             path = strip_wrappers(raw) if raw else ""

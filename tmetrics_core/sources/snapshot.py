@@ -11,7 +11,7 @@ float64 or non-contiguous parameters, the kernel off) torch copies them, one bat
 
 from __future__ import annotations
 
-from typing import Iterator, MutableMapping, Sequence
+from typing import Iterator, MutableMapping, Sequence, cast
 
 import torch
 
@@ -39,7 +39,10 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
     def __init__(self, copies: dict[str, torch.Tensor] | None = None,
                  flat: tuple[torch.Tensor, dict[str, tuple[int, torch.Size, torch.dtype]]] | None = None) -> None:
         self._copies: dict[str, torch.Tensor] = dict(copies or {})
-        self._buffer, self._layout = flat if flat is not None else (None, {})
+        self._buffer: torch.Tensor | None = None
+        self._layout: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
+        if flat is not None:
+            self._buffer, self._layout = flat
         self._handed_out = False
 
     def held(self, names: Sequence[str]) -> list[moments.Held] | None:
@@ -61,6 +64,7 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
         copy = self._copies.get(name)
         if copy is None:
             offset, shape, dtype = self._layout[name]  # KeyError for a name without a copy
+            assert self._buffer is not None  # layout entries lie in the flat buffer
             size = shape.numel() * dtype.itemsize
             copy = self._copies[name] = self._buffer[offset:offset + size].view(dtype).view(shape)
             del self._layout[name]
@@ -98,7 +102,9 @@ def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None)
     Raises:
         RuntimeError: the kernel ran out of memory.
     """
-    chosen = [(n, local_view(p)) for n, p in manifest.local.items() if names is None or n in names]
+    # local_view of a parameter (never None) is a tensor
+    chosen = cast("list[tuple[str, torch.Tensor]]",
+                  [(n, local_view(p)) for n, p in manifest.local.items() if names is None or n in names])
     tensors = [t for _, t in chosen]
     flat = moments.copied(tensors) if tensors else None
     if flat is None:
