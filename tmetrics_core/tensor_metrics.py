@@ -411,7 +411,7 @@ class TensorMetrics:
         params = self._local_params()
         if phase == "pre":
             try:
-                states = program.read_pre(params)
+                states = program.read_pre(params, self._local_views())
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
                 states = None
         else:
@@ -421,7 +421,7 @@ class TensorMetrics:
             if held is None:
                 return False
             try:
-                states = program.read_post(params, held)
+                states = program.read_post(params, held, self._local_views())
             except Exception:  # noqa: BLE001 - as above
                 states = None
         if states is None:
@@ -437,6 +437,13 @@ class TensorMetrics:
         if "local params" not in self._static:
             self._static["local params"] = [self.manifest.local.get(e.name) for e in self.manifest.entries]
         return self._static["local params"]
+
+    def _local_views(self) -> list[Any]:
+        """Per manifest entry, how its tensor is read from its parameter's (an expert slice of a
+        stacked tensor: ``Manifest.views``) or None (the whole tensor); found once."""
+        if "local views" not in self._static:
+            self._static["local views"] = [self.manifest.views.get(e.name) for e in self.manifest.entries]
+        return self._static["local views"]
 
     def _plan_program(self) -> ParamProgram | None:
         """The due set's :class:`ParamProgram`: only over plain parameters held here (no flat
@@ -611,6 +618,10 @@ class TensorMetrics:
         for site, entry in zip(self._sites_of("grad"), self.manifest.entries):
             param = self.manifest.local.get(entry.name)
             grad = dtensor_placements(param.grad) if param is not None and param.grad is not None else None
+            if grad is not None and entry.name in self.manifest.slices:
+                # An expert slice: the gradient's placements as the slice sees them (Owned on
+                # the expert axes, Partial kept); a gradient sharded otherwise raises here.
+                grad = self.manifest.slice_placements(entry.name, param.grad, self.topology)
             if grad is not None:
                 grad = tuple((a, p) for a, p in grad if not p.is_replica())
                 if grad != site.placements:

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import ConfigError, PlacementError
-from tmetrics_core.naming.canonical import canonicalize
+from tmetrics_core.naming.canonical import CanonicalName, canonicalize
+from tmetrics_core.naming.slices import SliceView, place_slice
 from tmetrics_core.placements import Owned, Partial, Placement, Replica, Shard, parse_placement
 from tmetrics_core.site import Site
 
@@ -96,11 +97,16 @@ class Manifest:
     """Every tensor of the model by canonical name, identical on every rank.
 
     ``entries`` holds every tensor of every rank; ``local`` maps canonical names to this rank's
-    parameter objects (absent for tensors held elsewhere).
+    parameter objects (absent for tensors held elsewhere). A stacked expert tensor is one entry
+    per expert (and fused part), each mapped in ``local`` to the stored parameter and in
+    ``views`` to how its slice is read from that parameter's local tensor (see `viewed`).
     """
 
     entries: list[TensorEntry]
     local: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    views: dict[str, SliceView] = field(default_factory=dict)
+    slices: dict[str, CanonicalName] = field(default_factory=dict)
+    """Canonical names of the expert slices held here (regions in global coordinates)."""
 
     @classmethod
     def build(cls, model: torch.nn.Module, topology: Topology, *,
@@ -114,10 +120,13 @@ class Manifest:
                 coordinates of an axis without an override saying how.
         """
         params = dict(model.named_parameters())
-        names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset, layout=layout)
+        names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset, layout=layout,
+                             split_stacked=True)
         coords = topology.coords()
         local_rows = []
         local: dict[str, torch.nn.Parameter] = {}
+        views: dict[str, SliceView] = {}
+        slices: dict[str, CanonicalName] = {}
         for cn in names:
             p = params[cn.original]
             placements = dtensor_placements(p) or ()
@@ -127,13 +136,48 @@ class Manifest:
                         f"parameter {cn.original!r} is a DTensor on mesh dim {axis!r}, which is not an axis "
                         f"of the topology {list(topology.names)}; pass mesh= with the full DeviceMesh"
                     )
+            shape = tuple(p.shape)
+            if cn.region:
+                placements, view = _slice_of(cn, p, topology)
+                if view is None:
+                    continue  # an expert slice held by other ranks only: they list it
+                views[cn.name] = view
+                slices[cn.name] = cn
+                shape = tuple(cn.view(torch.empty(p.shape, device="meta")).shape)
             local[cn.name] = p
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
-                               tuple(p.shape), str(p.dtype).replace("torch.", ""),
+                               shape, str(p.dtype).replace("torch.", ""),
                                tuple((a, repr(pl)) for a, pl in placements)))
         everything = _gather((topology.global_rank, coords, local_rows), topology)
         entries = _merge(everything, topology, overrides or {})
-        return cls(entries, local)
+        return cls(entries, local, views, slices)
+
+    def slice_placements(self, name: str, tensor: torch.Tensor, topology: Topology
+                         ) -> tuple[tuple[str, Placement], ...] | None:
+        """The non-Replica placements of expert slice ``name`` of ``tensor`` (a DTensor of its
+        stored parameter's global shape, e.g. its gradient, whose placements may differ from the
+        parameter's: ``Partial``), or None when ``name`` is not a slice or ``tensor`` no DTensor.
+
+        Raises:
+            PlacementError: ``tensor`` is sharded otherwise than the parameter (its slice would
+                lie elsewhere than the view reads), or as `place_slice` raises.
+        """
+        cn = self.slices.get(name)
+        if cn is None or dtensor_placements(tensor) is None:
+            return None
+        placements, view = _slice_of(cn, tensor, topology)
+        if view != self.views.get(name):
+            raise PlacementError(f"{name}: {cn.original!r} is sharded as {tuple(tensor.placements)} "  # type: ignore[attr-defined]
+                                 "here but its parameter otherwise; tmetrics reads the slice where the parameter "
+                                 "holds it, so it cannot read this tensor's slice")
+        return tuple(p for p in placements if not p[1].is_replica())
+
+    def viewed(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor`` (a local tensor of the stored parameter's local shape: the parameter, its
+        gradient, optimizer state or snapshot) as entry ``name`` reads it: the expert slice's
+        view for a stacked tensor, else ``tensor`` itself. None stays None."""
+        view = self.views.get(name)
+        return tensor if view is None or tensor is None else view(tensor)
 
     def sites(self, kind: str) -> list[Site]:
         """One site per tensor for ``kind``, in manifest order (sorted by canonical name)."""
@@ -152,6 +196,21 @@ class Manifest:
     def num_experts(self) -> int:
         """Highest global expert index + 1 (0 without experts)."""
         return 1 + max((e.expert for e in self.entries if e.expert is not None), default=-1)
+
+
+def _slice_of(cn: CanonicalName, p: torch.Tensor, topology: Topology
+              ) -> tuple[tuple[tuple[str, Placement], ...], SliceView | None]:
+    """Placements of the expert slice ``cn`` of stored parameter ``p`` and its view here (None
+    when another rank holds it); see `tmetrics_core.naming.slices.place_slice`."""
+    from torch.distributed.tensor import DTensor
+
+    mesh_axes: tuple[tuple[str, Any], ...] = ()
+    if isinstance(p, DTensor):
+        mesh_axes = tuple(zip(p.device_mesh.mesh_dim_names or (), p.placements))
+    squeeze = cn.expert_dim if cn.expert is not None else None
+    sizes = {a: topology.axes[a].size for a in topology.names}
+    return place_slice(cn.name, cn.original, cn.region, squeeze, cn.transposed, tuple(p.shape), mesh_axes,
+                       topology.coords(), sizes)
 
 
 def _gather(mine: Any, topology: Topology) -> list[Any]:

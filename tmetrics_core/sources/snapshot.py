@@ -98,7 +98,7 @@ def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None)
     Raises:
         RuntimeError: the kernel ran out of memory.
     """
-    chosen = [(n, local_view(p)) for n, p in manifest.local.items() if names is None or n in names]
+    chosen = [(n, manifest.viewed(n, local_view(p))) for n, p in manifest.local.items() if names is None or n in names]
     tensors = [t for _, t in chosen]
     flat = moments.copied(tensors) if tensors else None
     if flat is None:
