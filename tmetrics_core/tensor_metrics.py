@@ -56,6 +56,7 @@ from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind, update_pairs
+from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.sources.token_plan import TokenPlan
@@ -133,7 +134,8 @@ class TensorMetrics:
         self._choices = SiteChoices()
         self._static: dict[Hashable, Any] = {}
         self._token_sites = TokenSites()  # token sites and their placement checks, kept across steps
-        self._num_experts = self.manifest.num_experts
+        self.routers = find_routers(model, self.index)  # routers a framework integration recognises
+        self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False
         self._closed_by_signal = False
         self._check_config(key_rules or {})
@@ -197,6 +199,12 @@ class TensorMetrics:
                 raise ConfigError(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
                                   "parameter (canonical component moe.router); drop it for a dense model",
                                   path=path)
+            counts = {r.num_experts for r in self.routers}
+            if kinds & ROUTER_OUTPUT_KINDS and counts and counts != {self._num_experts}:
+                raise ConfigError(f"metric {metric.name!r}: the model's config says {sorted(counts)} experts per "
+                                  f"router but its expert parameters number {self.manifest.num_experts} (global "
+                                  "ids); pass expert_offset= on each expert-parallel rank, or shard the stacked "
+                                  "expert tensors as DTensors", path=path)
             if kinds & {"residual_accumulator", "residual_contribution"} and not present["blocks"]:
                 raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
                                   "decoder.layers; none found in the model", path=path)
@@ -279,6 +287,8 @@ class TensorMetrics:
                                          residual="residual_accumulator" in kinds,
                                          contribution="residual_contribution" in kinds, logits="logits" in kinds,
                                          patterns=patterns)
+            if self.routers and kinds & ROUTER_OUTPUT_KINDS:
+                handles += install_routers(self.routers, observer.record, observer.fail, kinds)
             reset = _ACTIVE.set(observer)
         failed = False
         try:

@@ -109,6 +109,13 @@ class TokenObserver:
         self._row_buffer: torch.Tensor | None = None
         self._rows_used = 0
 
+    def fail(self, reason: str) -> None:
+        """Fail this step's metrics that read router outputs with ``reason`` (an automatically
+        found router whose output is not what it was recognised as); the first reason is kept."""
+        for metric in self.metrics:
+            if set(metric.source_kinds) & ROUTER_KINDS:
+                self.errors.setdefault(metric.name, reason)
+
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
         """Observe ``tensor`` (``tensor - minus`` when ``minus`` is given: same shape, local)."""

@@ -1,0 +1,1 @@
+"""Framework integrations, one module per framework, each importing its framework lazily."""
