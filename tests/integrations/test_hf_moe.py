@@ -1,0 +1,110 @@
+"""Hugging Face MoE models out of the box (transformers 5, experts stacked ``[E, ...]``): tiny models
+built from configs, 2 optimizer steps on CPU, no user hooks and no private attributes. Tokens per
+expert equal the counts of the router's own top-k choices; per-expert gradient and parameter L2
+equal float64 hand norms of each expert's slices of the stacked tensors; the global gradient L2
+counts every element once. The references are read by the test's own hooks on the routers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.tensor_metrics import TensorMetrics
+
+transformers = pytest.importorskip("transformers")
+
+EXPERTS, TOP_K, VOCAB = 4, 2, 64
+_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
+              max_position_embeddings=64)
+FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, intermediate_size=16)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=16, intermediate_size=16,
+                       shared_expert_intermediate_size=16)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=16, intermediate_size=16,
+                       head_dim=16)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                                     intermediate_size=16)),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=16,
+                         intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=16,
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_shared_experts=1)),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                                          intermediate_size=16, head_dim=16)),
+}
+NAMES = ("expert-grad-l2", "expert-param-l2", "global-grad-l2", "layer-expert-tokens", "layer-router-logits-l2")
+
+
+def _model(family: str) -> torch.nn.Module:
+    model_class, config_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**_SMALL, **extra)
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():  # some families initialise routers to zero: give every expert a chance
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+def _routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Layer -> the transformers router module of that layer (for the test's own references)."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        router = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
+        if router is not None and type(router).__name__.lower().endswith("router"):
+            out[i] = router
+    return out
+
+
+def _stacked(model: torch.nn.Module) -> dict[int, list[torch.nn.Parameter]]:
+    """Layer -> its stacked expert tensors ``[E, ...]`` (weights and biases)."""
+    return {i: [p for _, p in layer.mlp.experts.named_parameters()] for i, layer in enumerate(model.model.layers)
+            if hasattr(layer.mlp, "experts")}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_router_and_expert_metrics_equal_the_models_own_choices_and_hand_norms(family: str) -> None:
+    model = _model(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in NAMES], optimizer=optimizer)
+    assert metrics.manifest.num_experts == EXPERTS
+    routers, stacked = _routers(model), _stacked(model)
+    assert sorted(routers) == sorted(stacked) and routers
+    seen: dict[int, list] = {}
+    hooks = [r.register_forward_hook(lambda m, a, out, i=i: seen.setdefault(i, []).append(out))
+             for i, r in routers.items()]
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    for step in (1, 2):
+        seen.clear()
+        with metrics.step(step):
+            model(input_ids=ids, labels=ids).loss.backward()
+            grads = {i: [p.grad.double() for p in ps] for i, ps in stacked.items()}
+            params = {i: [p.detach().double().clone() for p in ps] for i, ps in stacked.items()}
+            total = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()
+                                  if p.grad is not None))
+            optimizer.step()
+            optimizer.zero_grad()
+        records = {(r.metric, r.layer, r.expert): r.value for r in metrics.last_records}
+        assert not metrics.failures
+        assert math.isclose(records[("global-grad-l2", None, None)], total, rel_tol=1e-9)
+        for layer, outs in seen.items():
+            logits, chosen = torch.cat([o[0] for o in outs]), torch.cat([o[2] for o in outs])
+            counts = torch.bincount(chosen.flatten(), minlength=EXPERTS).tolist()
+            assert list(records[("layer-expert-tokens", layer, None)]) == counts
+            assert math.isclose(records[("layer-router-logits-l2", layer, None)],
+                                float(logits.detach().double().norm()), rel_tol=1e-6)
+        for layer in stacked:
+            for e in range(EXPERTS):
+                want = math.sqrt(sum(float(g[e].pow(2).sum()) for g in grads[layer]))
+                assert math.isclose(records[("expert-grad-l2", layer, e)], want, rel_tol=1e-6), (layer, e)
+                want = math.sqrt(sum(float(p[e].pow(2).sum()) for p in params[layer]))
+                assert math.isclose(records[("expert-param-l2", layer, e)], want, rel_tol=1e-6), (layer, e)
+        assert {k[1] for k in records if k[0] == "layer-expert-tokens"} == set(seen)
+    for h in hooks:
+        h.remove()
+    metrics.close()
