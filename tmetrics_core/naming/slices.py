@@ -70,10 +70,10 @@ def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]]
         coords, sizes: this rank's coordinate on, and the size of, every axis.
 
     Raises:
-        PlacementError: a mesh dim shards a dim the slice is narrowed on with a placement other
-            than DTensor's plain ``Shard`` (``_StridedShard``: the slice's rows are interleaved
-            across ranks), or a piece boundary cuts the slice's range (it would be split
-            unevenly across some of the axis ranks, which no placement expresses).
+        PlacementError: a mesh dim places the tensor otherwise than DTensor's plain ``Shard``,
+            ``Replicate`` or ``Partial`` (``_StridedShard`` interleaves a dim across ranks), or a
+            piece boundary cuts the slice's range (it would be split unevenly across some of the
+            axis ranks, which no placement expresses).
     """
     from torch.distributed.tensor import Shard as DTensorShard
 
@@ -88,9 +88,16 @@ def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]]
             op = str(getattr(p, "reduce_op", "sum"))
             placements.append((axis, Partial(op if op in ("sum", "avg", "max", "min") else "sum")))  # type: ignore[arg-type]
             continue
-        if not p.is_shard():
-            placements.append((axis, Replica()))
-            continue
+        if type(p) is not DTensorShard:
+            if p.is_replicate():
+                placements.append((axis, Replica()))
+                continue
+            raise PlacementError(
+                f"{name}: its stored tensor {original!r} is placed {p!r} on axis {axis!r}; tmetrics places expert "
+                "slices of tensors that are Shard(dim) (plain), Replicate or Partial on each mesh dim, and this "
+                "placement (e.g. _StridedShard, which interleaves a dim across ranks) it cannot place exactly. "
+                "Shard the experts with a plain Shard(dim) (e.g. FSDP2 shard_placement_fn) or leave the tensor "
+                "unsharded there")
         dim = p.dim % len(global_shape)
         if dim not in wanted:
             logical = _logical_dim(dim, squeeze, transposed, len(global_shape))
@@ -99,12 +106,6 @@ def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]]
             held_lo[dim] += start
             held_len[dim] = length
             continue
-        if type(p) is not DTensorShard:
-            raise PlacementError(
-                f"{name}: its stored tensor {original!r} is sharded on dim {dim} over axis {axis!r} with "
-                f"{p!r}, which interleaves that dim across ranks; tmetrics cannot place one expert's slice "
-                "of it exactly. Shard the experts with a plain Shard(dim) (e.g. FSDP2 shard_placement_fn) "
-                "or leave the tensor unsharded on that dim")
         start, stop = wanted[dim]
         owner = None
         for c in range(size):
