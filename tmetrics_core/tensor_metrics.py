@@ -46,6 +46,7 @@ from tmetrics_core.distributed.executor import Executor, MetricFailure
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.naming.manifest import Manifest, dtensor_placements
+from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.catalogue import catalogue_entries
@@ -213,8 +214,11 @@ class TensorMetrics:
                                   "output_layer as an nn.Linear); none found", path=path)
             patterns = self.modules.get(metric.name, ())
             if "activation" in kinds and patterns and not present["modules"].get(metric.name):
-                raise ConfigError(f"metric {metric.name!r}: modules pattern {list(patterns)} matches no module; "
-                                  f"module paths look like {[p for p, _ in self.index.named[1:4]]}", path=path)
+                near = nearest(patterns, [*self.index.canonical.values(), *(p for p, _ in self.index.named if p)])
+                raise ConfigError(f"metric {metric.name!r}: modules {list(patterns)} match no module. modules: globs "
+                                  "take canonical module names, the naming of select: less the leaf (layers.3.attn, "
+                                  "layers.3.mlp, layers.3.moe; see `tmetrics names`), or the model's module paths; "
+                                  f"nearest: {near!r}", path=path)
             chosen = [s for s in param_sites if metric.accepts(s)]
             if param_sites and not chosen:
                 raise ConfigError(_nothing_chosen(metric, param_sites, self.manifest), path=path)
@@ -737,8 +741,12 @@ def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manif
     select = tuple(getattr(metric, "select", ()))
     matched = [s for s in sites if not select or any(fnmatchcase(s.name, p) for p in select)]
     if not matched:
-        return (f"metric {metric.name!r}: select {list(select)} matches no tensor; canonical names look like "
-                f"{[e.name for e in manifest.entries[:3]]} (see `tmetrics names`)")
+        framework = next(((p, e) for p in select for e in manifest.entries if fnmatchcase(e.original, p)), None)
+        hint = (f"; {framework[0]!r} matches the framework's name {framework[1].original!r}, whose canonical name "
+                f"is {framework[1].name!r}" if framework is not None else "")
+        return (f"metric {metric.name!r}: select {list(select)} matches no tensor. select: globs take canonical "
+                f"tensor names (see `tmetrics names`), e.g. {[e.name for e in manifest.entries[:3]]}; nearest: "
+                f"{nearest(select, (s.name for s in sites), prefixes=True)!r}" + hint)
     scope = getattr(metric, "scope", None)
     if scope in ("layer", "expert") and not any(s.layer is not None for s in matched):
         return (f"metric {metric.name!r} is per {scope}, but no tensor got a layer index: tmetrics finds "

@@ -108,3 +108,34 @@ def test_router_and_expert_metrics_equal_the_models_own_choices_and_hand_norms(f
     for h in hooks:
         h.remove()
     metrics.close()
+
+
+@pytest.mark.parametrize("glob", ["layers.*.moe", "model.layers.*.mlp"])
+def test_modules_globs_take_canonical_module_names_or_module_paths(glob: str) -> None:
+    model = _model("mixtral")
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-activation-rms", modules=glob), 1)],
+                            modules={"layer-activation-rms": (glob,)})
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = [layer.mlp.register_forward_hook(lambda m, a, out, i=i: outputs.__setitem__(i, out.detach()))
+             for i, layer in enumerate(model.model.layers)]
+    with metrics.step(1):
+        model(input_ids=torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2)))
+    records = {r.tensor: r.value for r in metrics.last_records}
+    assert sorted(records) == ["layers.0.moe", "layers.1.moe"]  # canonical names label the sites
+    for i, out in outputs.items():
+        assert math.isclose(records[f"layers.{i}.moe"], float(out.double().pow(2).mean().sqrt()), rel_tol=1e-6)
+    for h in hooks:
+        h.remove()
+
+
+def test_globs_in_another_naming_are_refused_with_the_naming_and_the_nearest_name() -> None:
+    from tmetrics_core.errors import ConfigError
+
+    model = _model("mixtral")
+    with pytest.raises(ConfigError, match=r"modules: globs take canonical module names.*nearest: 'layers\.\*\.moe'"):
+        TensorMetrics(model, metrics=[(build_metric("layer-activation-rms", modules="layers.*.mlp"), 1)],
+                      modules={"layer-activation-rms": ("layers.*.mlp",)})
+    with pytest.raises(ConfigError, match=r"select: globs take canonical tensor names.*matches the framework's name "
+                                          r"'model\.layers\.0\.mlp\.gate\.weight', whose canonical name is "
+                                          r"'layers\.0\.moe\.router\.weight'"):
+        TensorMetrics(model, metrics=[(build_metric("layer-grad-l2", select="model.layers.*.mlp.gate.*"), 1)])

@@ -21,7 +21,6 @@ the model; the executor then skips it on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -230,7 +229,7 @@ class TokenObserver:
         # Only token rows are padded: an expert_bias [E] as long as the micro-batch is not.
         masked = kind in TOKEN_KINDS and self._mask is not None and self._mask.numel() == x.shape[0]
         path = self.index.path(module)
-        full = ".".join(p for p in (path, name) if p)
+        full = ".".join(p for p in (self.index.name_of(path), name) if p)  # canonical where it has one
         site = self._site(full, kind, x, shard_dim, path, split_axes)
         readers = self._readers(site, path)
         # A route is kept for the site built from this call's own width and dtype (a second
@@ -387,7 +386,7 @@ class TokenObserver:
             for metric in self.metrics:
                 patterns = self.modules.get(metric.name)
                 if not metric.accepts(site) or (site.kind == "activation" and patterns
-                                                and not any(fnmatchcase(path, p) for p in patterns)):
+                                                and not self.index.matches(path, patterns)):
                     continue
                 readers.append((metric, site.kind in ROUTER_KINDS or _joint(metric)))
             self.known.readers[key] = readers
@@ -432,8 +431,9 @@ class TokenObserver:
             experts = width
         site = Site(name=name, kind=kind, logical_shape=(-1, width), dtype=str(x.dtype).replace("torch.", ""),
                     placements=tuple(placements), layer=self.index.layer_of(path),
-                    family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}" if name != path else ""),
-                    num_experts=experts)
+                    family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}"
+                                                          if name != self.index.name_of(path) else ""),
+                    num_experts=experts, meta=(("module", path),))
         return site
 
 
