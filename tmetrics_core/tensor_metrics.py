@@ -632,10 +632,10 @@ class TensorMetrics:
         for site, entry in zip(self._sites_of("grad"), self.manifest.entries):
             param = self.manifest.local.get(entry.name)
             grad = dtensor_placements(param.grad) if param is not None and param.grad is not None else None
-            if grad is not None and entry.name in self.manifest.slices:
+            if grad is not None and param is not None and entry.name in self.manifest.slices:
                 # An expert slice: the gradient's placements as the slice sees them (Owned on
                 # the expert axes, Partial kept); a gradient sharded otherwise raises here.
-                grad = self.manifest.slice_placements(entry.name, param.grad, self.topology)
+                grad = self.manifest.slice_placements(entry.name, param.grad, self.topology)  # type: ignore[arg-type]
             if grad is not None:
                 grad = tuple((a, p) for a, p in grad if not p.is_replica())
                 if grad != site.placements:

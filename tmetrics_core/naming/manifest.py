@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, overload
 
 import torch
 import torch.distributed as dist
@@ -171,6 +171,12 @@ class Manifest:
                                  "here but its parameter otherwise; tmetrics reads the slice where the parameter "
                                  "holds it, so it cannot read this tensor's slice")
         return tuple(p for p in placements if not p[1].is_replica())
+
+    @overload
+    def viewed(self, name: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def viewed(self, name: str, tensor: None) -> None: ...
 
     def viewed(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """``tensor`` (a local tensor of the stored parameter's local shape: the parameter, its

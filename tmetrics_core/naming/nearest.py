@@ -21,10 +21,10 @@ def nearest(patterns: Sequence[str], names: Iterable[str], *, prefixes: bool = F
     """The name (indices as ``*``) of ``names`` most like one of ``patterns`` by
     ``difflib.SequenceMatcher`` ratio, or None without names. With ``prefixes``, the globs of
     every module level are candidates too (``layers.*.mlp.*`` for ``layers.*.mlp.up.weight``)."""
-    families = {_INDEX.sub("*", name) for name in names}
+    found = {_INDEX.sub("*", name) for name in names}
     if prefixes:
-        families |= {".".join(f.split(".")[:n]) + ".*" for f in families for n in range(1, f.count(".") + 1)}
-    families = sorted(families)
+        found |= {".".join(f.split(".")[:n]) + ".*" for f in found for n in range(1, f.count(".") + 1)}
+    families = sorted(found)
     best, score = None, -1.0
     for pattern in patterns:
         for family in families:

@@ -99,5 +99,5 @@ def _range_of(name: str, manifest: Manifest, param: torch.Tensor, stored: tuple[
         raise ConfigError(f"{name} is a slice of {list(param.shape)} that is not one run of the flattened "
                           "parameter in its own row-major order, so its part of the flat buffer has no FlatShard "
                           "placement; keep that parameter out of the flat buffer")
-    start = stored[0] + piece.storage_offset()
-    return start, start + piece.numel()
+    start = stored[0] + int(piece.storage_offset())
+    return start, start + int(piece.numel())
