@@ -4,8 +4,9 @@ torchtitan keeps layers in a ``ModuleDict`` keyed by the global layer id, and pi
 stages delete the layers they do not own, so names already carry global layer indices: keep
 ``layer_offset=0``. Routed experts are stacked: ``moe.experts.w1`` is ``[E, hidden, dim]``
 (a DTensor of global shape under expert parallelism). ``w1`` is the gate, ``w3`` up, ``w2``
-down. ``wq``/``wk`` rows are permuted for RoPE relative to Hugging Face; norms and maxima are
-unchanged by a row permutation.
+down; torchtitan 0.3.0 calls them ``moe.routed_experts.inner_experts.w1_EFD``, ``w3_EFD``
+(``[E, hidden, dim]``) and ``w2_EDF`` (``[E, dim, hidden]``). ``wq``/``wk`` rows are permuted
+for RoPE relative to Hugging Face; norms and maxima are unchanged by a row permutation.
 """
 
 from __future__ import annotations
@@ -60,6 +61,25 @@ TORCHTITAN = Layout(
         ),
         Rule(
             "layers.{L}.moe.experts.w2",
+            "layers.{L}.moe.experts.down.weight",
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.down.weight",
+        ),
+        # torchtitan 0.3.0 names the stacked experts by their dims (E experts, F hidden, D model)
+        Rule(
+            "layers.{L}.moe.routed_experts.inner_experts.w1_EFD",
+            "layers.{L}.moe.experts.gate.weight",
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.gate.weight",
+        ),
+        Rule(
+            "layers.{L}.moe.routed_experts.inner_experts.w3_EFD",
+            "layers.{L}.moe.experts.up.weight",
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.up.weight",
+        ),
+        Rule(
+            "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
             "layers.{L}.moe.experts.down.weight",
             expert_dim=0,
             each="layers.{L}.moe.experts.{E}.down.weight",
