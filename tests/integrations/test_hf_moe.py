@@ -169,3 +169,11 @@ def test_updates_and_adam_state_of_expert_slices_are_read_as_views_on_both_paths
         state = [optimizer.state[p]["exp_avg_sq"].double() for p in layer.parameters()]
         rms = math.sqrt(sum(float(s.pow(2).sum()) for s in state) / sum(s.numel() for s in state))
         assert math.isclose(records[("layer-optimizer-state-rms", i, "exp_avg_sq")], rms, rel_tol=1e-6)
+
+
+def test_an_expert_count_that_disagrees_with_the_config_is_refused() -> None:
+    from tmetrics_core.errors import ConfigError
+
+    model = _model("mixtral")  # 4 experts; an offset of 4 would number them 4..7 of 8
+    with pytest.raises(ConfigError, match=r"config says \[4\] experts per router but its expert parameters number 8"):
+        TensorMetrics(model, metrics=[(build_metric("layer-expert-tokens"), 1)], expert_offset=4)
