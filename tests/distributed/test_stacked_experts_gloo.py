@@ -1,5 +1,6 @@
 """Stacked experts (transformers 5.x layout ``[E, ...]``) as DTensors sharded Shard(0) on the
-expert dim over 2 gloo ranks, 3 experts (uneven: rank 0 holds experts 0 and 1, rank 1 expert 2),
+expert dim, 3 experts: over 2 gloo ranks (uneven: rank 0 holds experts 0 and 1, rank 1 expert 2)
+and over a 2 x 2 mesh sharding the expert dim on both axes (nested pieces, one empty),
 against float64 hand references of the unsharded tensors: per-expert parameter and gradient L2,
 per-layer and global gradient L2 (every element once), update ratio (the snapshot's slices)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -83,16 +85,17 @@ def _expected(tensors: dict[tuple[int, str], torch.Tensor]) -> dict[tuple[int, i
             for layer in range(LAYERS) for e in range(EXPERTS)}
 
 
-def _run(rank: int, world: int) -> dict:
+def _run(rank: int, world: int, shape: tuple[int, ...], axes: tuple[str, ...]) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=axes)
     model = Model()
     for layer in model.model.layers:
         experts = layer.mlp.experts
         for name in ("gate_up_proj", "down_proj"):
             stored = getattr(experts, name).detach()
-            setattr(experts, name, torch.nn.Parameter(distribute_tensor(stored, mesh, [Shard(0)])))
+            placed = distribute_tensor(stored, mesh, [Shard(0)] * len(axes))
+            setattr(experts, name, torch.nn.Parameter(placed))
     reference = Model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in NAMES], optimizer=optimizer,
@@ -124,11 +127,16 @@ def _run(rank: int, world: int) -> dict:
             "ratio": ratio, "up": float(grads[(1, "gate_up_proj")][2, INTER:].double().norm())}
 
 
-def test_expert_sharded_stacked_tensors_match_the_unsharded_reference() -> None:
-    outcomes = run_distributed(_run, 2, timeout=240)
-    assert outcomes[0]["held"] == [f"layers.0.moe.experts.{e}.{p}.weight" for e in (0, 1)
-                                   for p in ("down", "gate", "up")]
-    assert outcomes[1]["held"] == [f"layers.0.moe.experts.2.{p}.weight" for p in ("down", "gate", "up")]
+@pytest.mark.parametrize("shape, axes, holds", [
+    ((2,), ("ep",), [(0, 1), (2,)]),
+    # nested: dp cuts experts [0, 2) | [2, 3), then ep cuts each piece; rank 3's piece is empty
+    ((2, 2), ("dp", "ep"), [(0,), (1,), (2,), ()]),
+], ids=["ep2", "dp2xep2"])
+def test_expert_sharded_stacked_tensors_match_the_unsharded_reference(shape, axes, holds) -> None:
+    outcomes = run_distributed(_run, math.prod(shape), shape, axes, timeout=300)
+    for rank, experts in enumerate(holds):
+        assert outcomes[rank]["held"] == [f"layers.0.moe.experts.{e}.{p}.weight" for e in experts
+                                          for p in ("down", "gate", "up")]
     out = outcomes[0]
     records = out["records"]
     assert {k for k in records if k[0] == "expert-grad-l2"} == {
@@ -143,4 +151,4 @@ def test_expert_sharded_stacked_tensors_match_the_unsharded_reference() -> None:
     # tensor scope: one value per slice, named as transformers 4.x names its per-expert tensors
     up = out["up"]
     assert math.isclose(records[("tensor-grad-l2", 1, 2, "layers.1.moe.experts.2.up.weight")], up, rel_tol=1e-6)
-    assert outcomes[1]["records"] == records
+    assert all(o["records"] == records for o in outcomes)
