@@ -48,6 +48,7 @@ from tmetrics_core.distributed.replicas import replica_claims, verify_replicas
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.naming.manifest import Manifest, dtensor_placements
+from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.catalogue import catalogue_entries
@@ -61,6 +62,7 @@ from tmetrics_core.sources.flat import FlatBuffer, read_buffers
 from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
+from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.sources.token_plan import TokenPlan
@@ -166,7 +168,8 @@ class TensorMetrics:
         self._choices = SiteChoices()
         self._static: dict[Hashable, Any] = {}
         self._token_sites = TokenSites()  # token sites and their placement checks, kept across steps
-        self._num_experts = self.manifest.num_experts
+        self.routers = find_routers(model, self.index)  # routers a framework integration recognises
+        self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False
         self._closed_by_signal = False
         self._check_config(key_rules or {})
@@ -235,6 +238,12 @@ class TensorMetrics:
                 raise ConfigError(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
                                   "parameter (canonical component moe.router); drop it for a dense model",
                                   path=path)
+            counts = {r.num_experts for r in self.routers}
+            if kinds & ROUTER_OUTPUT_KINDS and counts and counts != {self._num_experts}:
+                raise ConfigError(f"metric {metric.name!r}: the model's config says {sorted(counts)} experts per "
+                                  f"router but its expert parameters number {self.manifest.num_experts} (global "
+                                  "ids); pass expert_offset= on each expert-parallel rank, or shard the stacked "
+                                  "expert tensors as DTensors", path=path)
             if kinds & {"residual_accumulator", "residual_contribution"} and not present["blocks"]:
                 raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
                                   "decoder.layers; none found in the model", path=path)
@@ -243,8 +252,11 @@ class TensorMetrics:
                                   "output_layer as an nn.Linear); none found", path=path)
             patterns = self.modules.get(metric.name, ())
             if "activation" in kinds and patterns and not present["modules"].get(metric.name):
-                raise ConfigError(f"metric {metric.name!r}: modules pattern {list(patterns)} matches no module; "
-                                  f"module paths look like {[p for p, _ in self.index.named[1:4]]}", path=path)
+                near = nearest(patterns, [*self.index.canonical.values(), *(p for p, _ in self.index.named if p)])
+                raise ConfigError(f"metric {metric.name!r}: modules {list(patterns)} match no module. modules: globs "
+                                  "take canonical module names, the naming of select: less the leaf (layers.3.attn, "
+                                  "layers.3.mlp, layers.3.moe; see `tmetrics names`), or the model's module paths; "
+                                  f"nearest: {near!r}", path=path)
             chosen = [s for s in param_sites if metric.accepts(s)]
             if param_sites and not chosen:
                 raise ConfigError(_nothing_chosen(metric, param_sites, self.manifest), path=path)
@@ -327,6 +339,8 @@ class TensorMetrics:
                                          residual="residual_accumulator" in kinds,
                                          contribution="residual_contribution" in kinds, logits="logits" in kinds,
                                          patterns=patterns, routers=bool(kinds & {"router_topk", "router_scores"}))
+            if self.routers and kinds & ROUTER_OUTPUT_KINDS:
+                handles += install_routers(self.routers, observer.record, observer.fail, kinds)
             reset = _ACTIVE.set(observer)
         failed = False
         try:
@@ -531,7 +545,7 @@ class TensorMetrics:
         params = self._local_params()
         if phase == "pre":
             try:
-                states = program.read_pre(params)
+                states = program.read_pre(params, self._local_views())
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
                 states = None
         else:
@@ -541,7 +555,7 @@ class TensorMetrics:
             if held is None:
                 return False
             try:
-                states = program.read_post(params, held)
+                states = program.read_post(params, held, self._local_views())
             except Exception:  # noqa: BLE001 - as above
                 states = None
         if states is None:
@@ -557,6 +571,13 @@ class TensorMetrics:
         if "local params" not in self._static:
             self._static["local params"] = [self.manifest.local.get(e.name) for e in self.manifest.entries]
         return self._static["local params"]
+
+    def _local_views(self) -> list[Any]:
+        """Per manifest entry, how its tensor is read from its parameter's (an expert slice of a
+        stacked tensor: ``Manifest.views``) or None (the whole tensor); found once."""
+        if "local views" not in self._static:
+            self._static["local views"] = [self.manifest.views.get(e.name) for e in self.manifest.entries]
+        return self._static["local views"]
 
     def _plan_program(self) -> ParamProgram | None:
         """The due set's :class:`ParamProgram`: only over plain parameters held here (no flat
@@ -740,6 +761,10 @@ class TensorMetrics:
             param = self.manifest.local.get(entry.name)
             held = grad_of(param) if param is not None else None
             grad = dtensor_placements(held) if held is not None else None
+            if grad is not None and held is not None and entry.name in self.manifest.slices:
+                # An expert slice: the gradient's placements as the slice sees them (Owned on
+                # the expert axes, Partial kept); a gradient sharded otherwise raises here.
+                grad = self.manifest.slice_placements(entry.name, held, self.topology)
             if grad is not None:
                 merged = dict(site.placements)
                 merged.update((a, p) for a, p in grad if entry.origin(a) == "dtensor")
@@ -878,8 +903,12 @@ def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manif
     select = tuple(getattr(metric, "select", ()))
     matched = [s for s in sites if not select or any(fnmatchcase(s.name, p) for p in select)]
     if not matched:
-        return (f"metric {metric.name!r}: select {list(select)} matches no tensor; canonical names look like "
-                f"{[e.name for e in manifest.entries[:3]]} (see `tmetrics names`)")
+        framework = next(((p, e) for p in select for e in manifest.entries if fnmatchcase(e.original, p)), None)
+        hint = (f"; {framework[0]!r} matches the framework's name {framework[1].original!r}, whose canonical name "
+                f"is {framework[1].name!r}" if framework is not None else "")
+        return (f"metric {metric.name!r}: select {list(select)} matches no tensor. select: globs take canonical "
+                f"tensor names (see `tmetrics names`), e.g. {[e.name for e in manifest.entries[:3]]}; nearest: "
+                f"{nearest(select, (s.name for s in sites), prefixes=True)!r}" + hint)
     scope = getattr(metric, "scope", None)
     if scope in ("layer", "expert") and not any(s.layer is not None for s in matched):
         return (f"metric {metric.name!r} is per {scope}, but no tensor got a layer index: tmetrics finds "

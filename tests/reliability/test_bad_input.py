@@ -140,10 +140,12 @@ CASES = [
          "distributed.collective_timeout_s", "got 0; need a number of seconds > 0"),
     # -- against the model and optimizer -------------------------------------------------------
     Case("select-matches-nothing", "dict", {"metrics": [{"name": "layer-grad-l2", "select": "layers.*.mlpp.*"}]},
-         "metrics[0]", "metric 'layer-grad-l2': select ['layers.*.mlpp.*'] matches no tensor; canonical names look "
-         "like ['embed.weight', 'final_norm.weight', 'head.weight'] (see `tmetrics names`)"),
+         "metrics[0]", "metric 'layer-grad-l2': select ['layers.*.mlpp.*'] matches no tensor. select: globs take "
+         "canonical tensor names (see `tmetrics names`), e.g. ['embed.weight', 'final_norm.weight', 'head.weight']; "
+         "nearest: 'layers.*.moe.*'"),
     Case("modules-match-nothing", "file", "metrics:\n  - {name: layer-activation-rms, modules: 'layers.*.ffn'}\n",
-         "metrics[0]", "metric 'layer-activation-rms': modules pattern ['layers.*.ffn'] matches no module"),
+         "metrics[0]", "metric 'layer-activation-rms': modules ['layers.*.ffn'] match no module. modules: globs take "
+         "canonical module names"),
     Case("router-metric-dense-model", "dict", {"metrics": ["global-grad-l2", "layer-router-logits-l2:10"]},
          "metrics[1]", "metric 'layer-router-logits-l2' needs MoE router outputs, but the model has no router "
          "parameter (canonical component moe.router); drop it for a dense model", model="dense"),

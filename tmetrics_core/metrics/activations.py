@@ -49,8 +49,9 @@ class ModuleRms(Rms):
     of the module's output across tokens, ranks and micro-batches (units of the activation).
 
     Args:
-        modules: ``fnmatch`` globs on canonical module names (the activation site name is the
-            module path); default :data:`DEFAULT_MODULES`. Sources hook exactly these modules.
+        modules: ``fnmatch`` globs on canonical module names (``layers.*.mlp``: the activation
+            site's name), or on module paths in the model (``model.layers.*.mlp``); default
+            :data:`DEFAULT_MODULES`. Sources hook exactly these modules.
     """
 
     def __init__(self, *, modules: str | Sequence[str] | None = None, **kwargs) -> None:
@@ -59,8 +60,11 @@ class ModuleRms(Rms):
         super().__init__(**kwargs)
 
     def accepts(self, site: Site) -> bool:
-        """Activation sites of a chosen module (and of ``select``, when given)."""
-        return super().accepts(site) and any(fnmatchcase(site.name, m) for m in self.modules)
+        """Activation sites of a chosen module (and of ``select``, when given): a glob matches the
+        site's canonical module name or the module's path in the model (``meta["module"]``)."""
+        path = dict(site.meta).get("module")
+        return super().accepts(site) and any(fnmatchcase(site.name, m) or (isinstance(path, str) and fnmatchcase(path, m))
+                                             for m in self.modules)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, modules={list(self.modules)})"

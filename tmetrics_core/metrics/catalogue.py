@@ -101,13 +101,14 @@ def _made(cls: type, kinds: Sequence[str], scope: str, **fixed: Any) -> Callable
 
 
 _SCOPE_WORDS = {"global": "all", "layer": "each layer's", "tensor": "each tensor's",
-                "family": "each family's (one tensor name across layers)"}
+                "family": "each family's (one tensor name across layers)",
+                "expert": "each (layer, global expert)'s routed-expert"}
 
 
 def _norm_entries() -> list[CatalogueEntry]:
     out = []
     for kind, word, unit in (("param", "param", "parameter units"), ("grad", "grad", "gradient units")):
-        for scope in ("global", "layer", "tensor", "family"):
+        for scope in ("global", "layer", "tensor", "family", "expert"):
             base = ("equals torch.nn.utils.clip_grad_norm_'s total norm (before clipping); "
                     if (kind, scope) == ("grad", "global") else "")
             out.append(CatalogueEntry(

@@ -28,15 +28,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, overload
 
 import torch
 import torch.distributed as dist
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import ConfigError, PlacementError
-from tmetrics_core.naming.canonical import canonicalize
+from tmetrics_core.naming.canonical import CanonicalName, canonicalize
 from tmetrics_core.naming.dtensor import dtensor_placements
+from tmetrics_core.naming.slices import SliceView, place_slice
 from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
 from tmetrics_core.site import Site
 
@@ -104,14 +105,20 @@ class Manifest:
 
     ``entries`` holds every tensor of every rank; ``local`` maps canonical names to this rank's
     parameter objects (absent for tensors held elsewhere, and for those its placements say are
-    held elsewhere: a copy here of a tensor declared ``Owned`` by another rank).
+    held elsewhere: a copy here of a tensor declared ``Owned`` by another rank). A stacked
+    expert tensor is one entry per expert (and fused part), each mapped in ``local`` to the
+    stored parameter and in ``views`` to how its slice is read from that parameter's local
+    tensor (see `viewed`).
     """
 
     entries: list[TensorEntry]
     local: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     stacked_experts: int = 0
-    """Experts along the expert dim of the largest tensor that stacks them (torchtitan
-    ``w1_EFD``), named whole; its global shape under expert parallelism."""
+    """Experts along the expert dim of the largest tensor that stacks them and is named whole
+    (not split per expert); its global shape under expert parallelism."""
+    views: dict[str, SliceView] = field(default_factory=dict)
+    slices: dict[str, CanonicalName] = field(default_factory=dict)
+    """Canonical names of the expert slices held here (regions in global coordinates)."""
 
     @classmethod
     def build(cls, model: torch.nn.Module, topology: Topology, *,
@@ -132,10 +139,13 @@ class Manifest:
                 all coordinates of an axis without an override saying how.
         """
         params = dict(model.named_parameters())
-        names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset, layout=layout)
+        names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset, layout=layout,
+                             split_stacked=True)
         coords = topology.coords()
         local_rows = []
         local: dict[str, torch.nn.Parameter] = {}
+        views: dict[str, SliceView] = {}
+        slices: dict[str, CanonicalName] = {}
         for cn in names:
             p = params[cn.original]
             placements = dtensor_placements(p, cn.original) or ()
@@ -152,9 +162,17 @@ class Manifest:
                         f"framework placement {axis}={placement!r} of parameter {cn.original!r}: need an axis "
                         f"of the topology {list(topology.names)} and a tmetrics Placement"
                     )
+            shape = tuple(p.shape)
+            if cn.region:
+                placements, view = _slice_of(cn, p, topology)
+                if view is None:
+                    continue  # an expert slice held by other ranks only: they list it
+                views[cn.name] = view
+                slices[cn.name] = cn
+                shape = tuple(cn.view(torch.empty(p.shape, device="meta")).shape)
             local[cn.name] = p
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
-                               tuple(p.shape), str(p.dtype).replace("torch.", ""),
+                               shape, str(p.dtype).replace("torch.", ""),
                                tuple((a, repr(pl)) for a, pl in placements),
                                tuple((a, repr(pl)) for a, pl in framework.items())))
         stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
@@ -166,7 +184,7 @@ class Manifest:
         for entry in entries:
             if entry.name in local and not entry.site("param").holds(coords):
                 del local[entry.name]
-        return cls(entries, local, max(row[3] for row in everything))
+        return cls(entries, local, stacked_experts=max(row[3] for row in everything), views=views, slices=slices)
 
     def mark_verified(self, kind: str, checked: Iterable[tuple[str, str]]) -> None:
         """Record that the Replica claims ``(canonical name, axis)`` in ``checked`` held for the
@@ -179,6 +197,39 @@ class Manifest:
                 e, verified=e.verified + tuple((a, kind) for a in by_name[e.name] if (a, kind) not in e.verified))
             for e in self.entries
         ]
+
+    def slice_placements(self, name: str, tensor: torch.Tensor, topology: Topology
+                         ) -> tuple[tuple[str, Placement], ...] | None:
+        """The non-Replica placements of expert slice ``name`` of ``tensor`` (a DTensor of its
+        stored parameter's global shape, e.g. its gradient, whose placements may differ from the
+        parameter's: ``Partial``), or None when ``name`` is not a slice or ``tensor`` no DTensor.
+
+        Raises:
+            PlacementError: ``tensor`` is sharded otherwise than the parameter (its slice would
+                lie elsewhere than the view reads), or as `place_slice` raises.
+        """
+        cn = self.slices.get(name)
+        if cn is None or dtensor_placements(tensor) is None:
+            return None
+        placements, view = _slice_of(cn, tensor, topology)
+        if view != self.views.get(name):
+            raise PlacementError(f"{name}: {cn.original!r} is sharded as {tuple(tensor.placements)} "  # type: ignore[attr-defined]
+                                 "here but its parameter otherwise; tmetrics reads the slice where the parameter "
+                                 "holds it, so it cannot read this tensor's slice")
+        return tuple(p for p in placements if not p[1].is_replica())
+
+    @overload
+    def viewed(self, name: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def viewed(self, name: str, tensor: None) -> None: ...
+
+    def viewed(self, name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor`` (a local tensor of the stored parameter's local shape: the parameter, its
+        gradient, optimizer state or snapshot) as entry ``name`` reads it: the expert slice's
+        view for a stacked tensor, else ``tensor`` itself. None stays None."""
+        view = self.views.get(name)
+        return tensor if view is None or tensor is None else view(tensor)
 
     def sites(self, kind: str) -> list[Site]:
         """One site per tensor for ``kind``, in manifest order (sorted by canonical name)."""
@@ -197,6 +248,21 @@ class Manifest:
     def num_experts(self) -> int:
         """Highest global expert index + 1, or the experts of a stacked tensor (0 without experts)."""
         return max(self.stacked_experts, 1 + max((e.expert for e in self.entries if e.expert is not None), default=-1))
+
+
+def _slice_of(cn: CanonicalName, p: torch.Tensor, topology: Topology
+              ) -> tuple[tuple[tuple[str, Placement], ...], SliceView | None]:
+    """Placements of the expert slice ``cn`` of stored parameter ``p`` and its view here (None
+    when another rank holds it); see `tmetrics_core.naming.slices.place_slice`."""
+    from torch.distributed.tensor import DTensor
+
+    mesh_axes: tuple[tuple[str, Any], ...] = ()
+    if isinstance(p, DTensor):
+        mesh_axes = tuple(zip(p.device_mesh.mesh_dim_names or (), p.placements))
+    squeeze = cn.expert_dim if cn.expert is not None else None
+    sizes = {a: topology.axes[a].size for a in topology.names}
+    return place_slice(cn.name, cn.original, cn.region, squeeze, cn.transposed, tuple(p.shape), mesh_axes,
+                       topology.coords(), sizes)
 
 
 def _gather(mine: Any, topology: Topology) -> list[Any]:

@@ -54,25 +54,25 @@ class FlatBuffer:
         """
         if self.axis not in topology_axes:
             raise ConfigError(f"flat buffer axis {self.axis!r} is not an axis of the topology {list(topology_axes)}")
-        by_id = {id(p): name for name, p in manifest.local.items()}
-        ranges: dict[str, tuple[int, int]] = {}
+        known = {id(p) for p in manifest.local.values()}
+        ranges: dict[int, tuple[int, int]] = {}
         cursor = 0
         for p in self.params:
-            name = by_id.get(id(p))
-            if name is None:
+            if id(p) not in known:
                 raise ConfigError("a flat buffer lists a parameter that is not in the model given to TensorMetrics")
-            ranges[name] = (cursor, cursor + p.numel())
+            ranges[id(p)] = (cursor, cursor + p.numel())
             cursor += p.numel()
         lo, hi = self.offset, self.offset + self.buffer.numel()
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
         for entry in manifest.entries:
             site = entry.site(self.kind)
-            if entry.name not in ranges:
+            param = manifest.local.get(entry.name)
+            if param is None or id(param) not in ranges:
                 sites.append(site)
                 tensors.append(None)
                 continue
-            start, end = ranges[entry.name]
+            start, end = _range_of(entry.name, manifest, param, ranges[id(param)])
             a, b = max(start, lo), min(end, hi)
             a, b = (a, b) if a < b else (start, start)
             shard = FlatShard(entry.shape, start=a - start, end=b - start)
@@ -108,3 +108,22 @@ def read_buffers(buffers: Sequence[FlatBuffer], manifest: Manifest, topology_axe
                                   f"{fb.kind!r}; list each parameter in one buffer per kind")
             sites[i], tensors[i], covered[i] = mine[i], local[i], True
     return sites, tensors, covered
+
+
+def _range_of(name: str, manifest: Manifest, param: torch.Tensor, stored: tuple[int, int]) -> tuple[int, int]:
+    """Elements of entry ``name`` in the flat concatenation: its stored parameter's ``stored``
+    range, or the part of it an expert slice of a stacked tensor covers (a contiguous run).
+
+    Raises ``ConfigError`` for a slice that is not one run of the flattened parameter in its
+    logical order (a transposed or non-contiguous slice).
+    """
+    view = manifest.views.get(name)
+    if view is None:
+        return stored
+    piece = view(torch.empty(tuple(param.shape), device="meta"))
+    if view.transposed or not piece.is_contiguous():
+        raise ConfigError(f"{name} is a slice of {list(param.shape)} that is not one run of the flattened "
+                          "parameter in its own row-major order, so its part of the flat buffer has no FlatShard "
+                          "placement; keep that parameter out of the flat buffer")
+    start = stored[0] + int(piece.storage_offset())
+    return start, start + int(piece.numel())

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from tmetrics_core.naming.canonical import strip_wrappers
+from tmetrics_core.naming.canonical import canonicalize, strip_wrappers
 
 __all__ = ["ROUTERS", "ModuleIndex"]
 
@@ -34,7 +34,10 @@ class ModuleIndex:
         self.named: list[tuple[str, torch.nn.Module]] = []
         self.blocks: list[tuple[str, int, torch.nn.Module]] = []
         self.head: tuple[str, torch.nn.Linear] | None = None
+        self.canonical: dict[str, str] = {}
+        """Module path -> canonical module name (see :func:`_canonical_modules`), where it has one."""
         renamed: dict[str, str] = {}  # local block path -> global one (pipeline stages' ModuleLists)
+        by_raw = _canonical_modules(model, layer_offset)
         for raw, module in model.named_modules():
             path = strip_wrappers(raw) if raw else ""
             parent, _, key = path.rpartition(".")
@@ -44,6 +47,8 @@ class ModuleIndex:
             path = _global_path(path, renamed)
             self.paths[id(module)] = path
             self.named.append((path, module))
+            if raw in by_raw:
+                self.canonical[path] = by_raw[raw]
             if path in renamed.values() and path.rpartition(".")[0] in _BLOCK_LISTS:
                 self.blocks.append((path, int(path.rpartition(".")[2]), module))
             if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
@@ -64,17 +69,30 @@ class ModuleIndex:
         return None
 
     def family_of(self, path: str) -> str:
-        """``path`` with the layer index replaced by ``*``."""
+        """The module's name (`name_of`) with the layer index replaced by ``*``."""
+        canonical = self.canonical.get(path)
+        if canonical is not None:
+            return re.sub(r"^layers\.\d+(?=\.|$)", "layers.*", canonical)
         for block, _ in self._block_paths:
             if path == block or path.startswith(block + "."):
                 return re.sub(r"\.\d+$", ".*", block) + path[len(block):]
         return path
 
     def matching(self, patterns: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
-        """Modules whose cleaned path matches one of the globs."""
+        """Modules whose canonical name or cleaned path matches one of the globs."""
         if not patterns:  # the common case, on every due step: no scan of the model
             return []
-        return [(p, m) for p, m in self.named if p and any(fnmatchcase(p, g) for g in patterns)]
+        return [(p, m) for p, m in self.named if p and self.matches(p, patterns)]
+
+    def matches(self, path: str, patterns: Sequence[str]) -> bool:
+        """Whether a glob matches module ``path``'s canonical name (``layers.3.mlp``) or the path
+        itself (``model.layers.3.mlp``)."""
+        name = self.canonical.get(path)
+        return any(fnmatchcase(path, g) or (name is not None and fnmatchcase(name, g)) for g in patterns)
+
+    def name_of(self, path: str) -> str:
+        """The canonical name of module ``path``, or the path where it has none."""
+        return self.canonical.get(path, path)
 
     def install(self, record: Callable[..., None], record_residual: Callable[..., None], *, residual: bool,
                 contribution: bool, logits: bool, patterns: Sequence[str], routers: bool = False) -> list[Any]:
@@ -121,6 +139,36 @@ ROUTERS: dict[str, Callable[[Callable[..., None], torch.nn.Module, Any], None]] 
 }
 """Router module class name -> the reader of its output, for routers observed with no code in
 the model (hooks installed only on steps where a due metric reads router outputs)."""
+
+
+def _canonical_modules(model: torch.nn.Module, layer_offset: int) -> dict[str, str]:
+    """Raw module path -> canonical module name: the longest common prefix (in dotted pieces) of
+    the canonical names, leaf dropped, of the parameters below it. A Hugging Face
+    ``model.layers.3.self_attn`` holds ``layers.3.attn.{q,k,v,o}.weight``, so it is
+    ``layers.3.attn``; its ``mlp`` of a Mixtral block (router and experts) is ``layers.3.moe``.
+    Modules without parameters, whose parameters share no prefix, or whose parameters all lie in
+    one child (which has that name) have none."""
+    below: dict[str, list[list[str]]] = {}
+    for cn in canonicalize(model.named_parameters(), layer_offset=layer_offset):
+        pieces = cn.name.split(".")[:-1]
+        for original in (cn.original, *cn.tied):
+            parts = original.split(".")[:-1]
+            for depth in range(len(parts) + 1):
+                below.setdefault(".".join(parts[:depth]), []).append(pieces)
+    out: dict[str, str] = {}
+    for raw, names in sorted(below.items(), key=lambda item: -item[0].count(".") - bool(item[0])):
+        common = names[0]
+        for pieces in names[1:]:
+            n = 0
+            while n < min(len(common), len(pieces)) and common[n] == pieces[n]:
+                n += 1
+            common = common[:n]
+        name = ".".join(common)
+        # A module whose parameters all lie in one child would take the child's name: it has none.
+        if common and not any(other == name and below_path.startswith(raw + "." if raw else "")
+                              for below_path, other in out.items()):
+            out[raw] = name
+    return out
 
 
 def _residual_hook(record_residual: Callable[..., None], residual: bool, contribution: bool):

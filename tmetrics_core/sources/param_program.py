@@ -188,33 +188,39 @@ class ParamProgram:
         return cls(pre_plan, [(sites[i].kind, i % num_entries) for i in union],
                    PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped])
 
-    def read_pre(self, params: Sequence[torch.Tensor]) -> list[tuple[StatMetric, BlockState]] | None:
+    def read_pre(self, params: Sequence[torch.Tensor], views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None]
+                 = ()) -> list[tuple[StatMetric, BlockState]] | None:
         """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
         entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grad_of`),
         in one kernel call; None (nothing read) when the kernel does not take a tensor, or a
         parameter has no gradient (the general path leaves it out of gradient statistics with
-        a placeholder)."""
+        a placeholder). ``views[i]``, where given and not None, reads entry ``i`` (an expert
+        slice of a stacked tensor) as a view of its parameter and gradient (``Manifest.views``)."""
         tensors = []
         for kind, i in self.reads:
             p = params[i]
+            view = views[i] if views else None
             if kind == "grad":
-                p = grad_of(p)
-                if p is None:
+                grad = grad_of(p)
+                if grad is None:
                     return None
-            tensors.append(p)
+                p = grad
+            tensors.append(p if view is None else view(p))
         try:
             rows = moments.moments(tensors, sumsq_only=self._squares[0])
         except ValueError:
             return None
         return self.pre.states(rows, tensors.__getitem__)
 
-    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[moments.Held]
+    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[moments.Held],
+                  views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = ()
                   ) -> list[tuple[StatMetric, BlockState]] | None:
         """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
-        ``params``, as in :meth:`read_pre`) and their snapshots (``then``: where each copy lies,
-        in the same order), in one ``parts`` pass; None (nothing read) when the kernel does not
-        take a parameter with its snapshot (the optimizer replaced or resized it)."""
-        now = [params[i] for i in self.stepped]
+        ``params`` and ``views``, as in :meth:`read_pre`) and their snapshots (``then``: where
+        each copy lies, in the same order), in one ``parts`` pass; None (nothing read) when the
+        kernel does not take a parameter with its snapshot (the optimizer replaced or resized it)."""
+        now = [params[i] if not views or views[i] is None else views[i](params[i])  # type: ignore[misc]
+               for i in self.stepped]
         try:
             block = moments.parts(now, then, sumsq_only=self._squares[1]).flatten(0, 1)
         except ValueError:

@@ -1,8 +1,9 @@
 """Parameter-side sources: parameters, gradients, Adam state and updates, as local tensors.
 
 Each source kind maps every manifest entry to the local tensor this rank holds for it (the
-DTensor's local shard, the plain tensor) or None when the tensor is held elsewhere, which the
-metrics turn into a neutral placeholder. A gradient is read from ``param.main_grad`` where the
+DTensor's local shard, the plain tensor; for one expert of a stacked tensor a view of that
+slice, never a copy) or None when the tensor is held elsewhere, which the metrics turn into a
+neutral placeholder. A gradient is read from ``param.main_grad`` where the
 parameter has one (Megatron-Core's DDP accumulates there and leaves ``.grad`` None), else from
 ``.grad``. A parameter without a gradient (a frozen weight, an expert no token reached, a branch
 the loss does not use) is not part of gradient statistics: it joins with a placeholder, like a
@@ -69,17 +70,22 @@ def read_kind(kind: str, manifest: Manifest, optimizer: Any,
         return [pair[1] if pair is not None else None for pair in pairs]
     out: list[torch.Tensor | None] = []
     for entry in manifest.entries:
-        p = manifest.local.get(entry.name)
+        name = entry.name
+        p = manifest.local.get(name)
         if p is None:
             out.append(None)
             continue
         if kind == "param":
-            out.append(local_view(p))
+            out.append(manifest.viewed(name, local_view(p)))
         elif kind == "grad":
-            out.append(local_view(grad_of(p)))
+            out.append(manifest.viewed(name, local_view(grad_of(p))))
         else:
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
-            out.append(local_view(state.get(kind)))
+            value = local_view(state.get(kind))
+            if value is not None and name in manifest.views and value.shape != local_view(p).shape:
+                raise ValueError(f"optimizer state {kind!r} of {name} has shape {list(value.shape)}, not its "
+                                 f"stored parameter's {list(local_view(p).shape)}: no expert slice of it")
+            out.append(manifest.viewed(name, value))
     return out
 
 
@@ -92,5 +98,5 @@ def update_pairs(manifest: Manifest, before: dict[str, torch.Tensor] | None
     for entry in manifest.entries:
         p = manifest.local.get(entry.name)
         prev = (before or {}).pop(entry.name, None) if p is not None else None
-        out.append((local_view(p), prev) if prev is not None else None)
+        out.append((manifest.viewed(entry.name, local_view(p)), prev) if prev is not None else None)
     return out

@@ -104,7 +104,8 @@ def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None)
     """
     # local_view of a parameter (never None) is a tensor
     chosen = cast("list[tuple[str, torch.Tensor]]",
-                  [(n, local_view(p)) for n, p in manifest.local.items() if names is None or n in names])
+                  [(n, manifest.viewed(n, local_view(p))) for n, p in manifest.local.items()
+                   if names is None or n in names])
     tensors = [t for _, t in chosen]
     flat = moments.copied(tensors) if tensors else None
     if flat is None:

@@ -21,7 +21,6 @@ the model; the executor then skips it on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -108,6 +107,13 @@ class TokenObserver:
         self._views: list[tuple[Site, torch.Tensor, int]] = []
         self._row_buffer: torch.Tensor | None = None
         self._rows_used = 0
+
+    def fail(self, reason: str) -> None:
+        """Fail this step's metrics that read router outputs with ``reason`` (an automatically
+        found router whose output is not what it was recognised as); the first reason is kept."""
+        for metric in self.metrics:
+            if set(metric.source_kinds) & ROUTER_KINDS:
+                self.errors.setdefault(metric.name, reason)
 
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
@@ -223,7 +229,7 @@ class TokenObserver:
         # Only token rows are padded: an expert_bias [E] as long as the micro-batch is not.
         masked = kind in TOKEN_KINDS and self._mask is not None and self._mask.numel() == x.shape[0]
         path = self.index.path(module)
-        full = ".".join(p for p in (path, name) if p)
+        full = ".".join(p for p in (self.index.name_of(path), name) if p)  # canonical where it has one
         site = self._site(full, kind, x, shard_dim, path, split_axes)
         readers = self._readers(site, path)
         # A route is kept for the site built from this call's own width and dtype (a second
@@ -380,7 +386,7 @@ class TokenObserver:
             for metric in self.metrics:
                 patterns = self.modules.get(metric.name)
                 if not metric.accepts(site) or (site.kind == "activation" and patterns
-                                                and not any(fnmatchcase(path, p) for p in patterns)):
+                                                and not self.index.matches(path, patterns)):
                     continue
                 readers.append((metric, site.kind in ROUTER_KINDS or _joint(metric)))
             self.known.readers[key] = readers
@@ -425,8 +431,9 @@ class TokenObserver:
             experts = width
         site = Site(name=name, kind=kind, logical_shape=(-1, width), dtype=str(x.dtype).replace("torch.", ""),
                     placements=tuple(placements), layer=self.index.layer_of(path),
-                    family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}" if name != path else ""),
-                    num_experts=experts)
+                    family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}"
+                                                          if name != self.index.name_of(path) else ""),
+                    num_experts=experts, meta=(("module", path),))
         return site
 
 

@@ -4,7 +4,10 @@
 DeepSeek-V3 as both transformers 4.x (one module per expert) and 5.x (experts stacked into
 ``gate_up_proj`` ``[E, 2 * intermediate, hidden]`` and ``down_proj`` ``[E, hidden,
 intermediate]``) build them. ``HF_GPT2`` is GPT-2, whose ``Conv1D`` stores weights
-``[in, out]``.
+``[in, out]``. ``HF_GPT_OSS`` is GPT-OSS: its router is ``mlp.router`` (with a bias) and its
+stacked experts are stored ``[E, in, out]`` (``gate_up_proj`` ``[E, hidden, 2 * intermediate]``
+with gate and up columns interleaved, not in halves), so each expert's ``gate_up`` is one
+slice, transposed, and not split into parts.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from tmetrics_core.naming.layouts.layout import Layout, Rule
 __all__ = [
     "HF",
     "HF_GPT2",
+    "HF_GPT_OSS",
 ]
 
 HF = Layout(
@@ -103,5 +107,41 @@ HF_GPT2 = Layout(
         Rule("h.{L}.ln_2.{P}", "layers.{L}.mlp_norm.{P}"),
         Rule("h.{L}.mlp.c_fc.{P}", "layers.{L}.mlp.fc1.{P}", transposed=True),
         Rule("h.{L}.mlp.c_proj.{P}", "layers.{L}.mlp.fc2.{P}", transposed=True),
+    ),
+)
+
+HF_GPT_OSS = Layout(
+    name="hf-gpt-oss",
+    roots=HF.roots,
+    block=HF.block,
+    rules=(
+        *(rule for rule in HF.rules if ".mlp." not in rule.path),
+        Rule("layers.{L}.mlp.router.{P}", "layers.{L}.moe.router.{P}"),
+        Rule(
+            "layers.{L}.mlp.experts.gate_up_proj",
+            "layers.{L}.moe.experts.gate_up.weight",
+            transposed=True,
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.gate_up.weight",
+        ),
+        Rule(
+            "layers.{L}.mlp.experts.gate_up_proj_bias",
+            "layers.{L}.moe.experts.gate_up.bias",
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.gate_up.bias",
+        ),
+        Rule(
+            "layers.{L}.mlp.experts.down_proj",
+            "layers.{L}.moe.experts.down.weight",
+            transposed=True,
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.down.weight",
+        ),
+        Rule(
+            "layers.{L}.mlp.experts.down_proj_bias",
+            "layers.{L}.moe.experts.down.bias",
+            expert_dim=0,
+            each="layers.{L}.moe.experts.{E}.down.bias",
+        ),
     ),
 )
