@@ -196,12 +196,10 @@ class ParamProgram:
         a placeholder)."""
         tensors = []
         for kind, i in self.reads:
-            p = params[i]
-            if kind == "grad":
-                p = grad_of(p)
-                if p is None:
-                    return None
-            tensors.append(p)
+            read = grad_of(params[i]) if kind == "grad" else params[i]
+            if read is None:
+                return None
+            tensors.append(read)
         try:
             rows = moments.moments(tensors, sumsq_only=self._squares[0])
         except ValueError:
