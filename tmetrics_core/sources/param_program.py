@@ -198,14 +198,11 @@ class ParamProgram:
         slice of a stacked tensor) as a view of its parameter and gradient (``Manifest.views``)."""
         tensors = []
         for kind, i in self.reads:
-            p = params[i]
             view = views[i] if views else None
-            if kind == "grad":
-                grad = grad_of(p)
-                if grad is None:
-                    return None
-                p = grad
-            tensors.append(p if view is None else view(p))
+            read = grad_of(params[i]) if kind == "grad" else params[i]
+            if read is None:
+                return None
+            tensors.append(read if view is None else view(read))
         try:
             rows = moments.moments(tensors, sumsq_only=self._squares[0])
         except ValueError:
