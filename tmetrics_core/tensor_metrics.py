@@ -464,7 +464,7 @@ class TensorMetrics:
         if not claims:
             return
         wanted = {c.site.key for c in claims} - set(absent)
-        tensors = {}
+        tensors: dict[tuple[str, str], torch.Tensor | None] = {}
         for kind in kinds:
             tensors.update(((e.name, kind), t) for e, t in zip(self.manifest.entries,
                                                                read_kind(kind, self.manifest, self.optimizer))

@@ -86,7 +86,7 @@ class MetricFailure:
 @dataclass(slots=True)
 class _Due:
     metric: TensorMetric
-    state: dict[SiteKey, Any]
+    state: Mapping[SiteKey, Any]
     error: str | None = None
     round: Round = field(default_factory=lambda: Round(done=True))
     """The metric's current round: done (nothing to run) until ``start`` returns its first."""
@@ -117,7 +117,7 @@ class Executor:
         self._distributed = topology.world_size > 1
 
     # -- public -------------------------------------------------------------------------------
-    def run(self, due: Sequence[tuple[TensorMetric, dict[SiteKey, Any], str | None]],
+    def run(self, due: Sequence[tuple[TensorMetric, Mapping[SiteKey, Any], str | None]],
             sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = (),
             flag: bool | None = None) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
         """Run every due metric to its results.

@@ -123,7 +123,7 @@ class TensorMetric(Protocol):
         other metrics' states share (the kernel's rows of a step)."""
         ...
 
-    def start(self, state: dict[SiteKey, Any], sites: Mapping[SiteKey, Site], topology: Topology) -> Round:
+    def start(self, state: Mapping[SiteKey, Any], sites: Mapping[SiteKey, Site], topology: Topology) -> Round:
         """The first round of requests."""
         ...
 

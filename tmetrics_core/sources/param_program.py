@@ -19,7 +19,7 @@ where the kernel refuses a tensor, ``TensorMetrics`` takes the general path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence, overload
+from typing import Callable, Sequence, cast, overload
 
 import torch
 
@@ -155,6 +155,8 @@ class ParamProgram:
             return None
         if any(len(sites_of(kind)) != num_entries for kind in ("param", "grad", "update")):
             return None  # rows are found by manifest entry: one site per entry and kind
+        # Every metric passed _eligible: all are StatMetrics.
+        pre, post, before = (cast("Sequence[StatMetric]", ms) for ms in (pre, post, before))
         kinds = sorted({k for m in pre for k in m.source_kinds})
         sites = [s for kind in kinds for s in sites_of(kind)]
         chosen = [_kept(m, p, sites) for m, p in zip(pre, picks(pre, sites))] if pre else []
@@ -239,7 +241,7 @@ def _index(rows: Sequence[int]) -> torch.Tensor | slice:
     return even if even is not None else torch.tensor(rows, dtype=torch.int64)
 
 
-def _phase(metrics: Sequence[TensorMetric], chosen: Sequence[Sequence[int]], sites: Sequence[Site],
+def _phase(metrics: Sequence[StatMetric], chosen: Sequence[Sequence[int]], sites: Sequence[Site],
            rows: Sequence[Sequence[int]]) -> PhasePlan | None:
     """Recipes of ``metrics``: ``chosen[k]`` the indices of the ``sites`` metric ``k`` accepts
     and ``rows[k]`` their kernel rows; None when a metric accepts no site."""

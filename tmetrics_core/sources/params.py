@@ -12,7 +12,7 @@ tensor held elsewhere, never as zeros (which would lower RMS and raise zero frac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, MutableMapping, overload
 
 import torch
 
@@ -28,6 +28,18 @@ OPTIMIZER_KINDS = frozenset({"exp_avg", "exp_avg_sq", "update"})
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+@overload
+def local_view(tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+@overload
+def local_view(tensor: None) -> None: ...
+
+
+@overload
+def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None: ...
 
 
 def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -49,7 +61,7 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def read_kind(kind: str, manifest: Manifest, optimizer: Any,
-              before: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+              before: MutableMapping[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """Local tensors of ``kind`` for every manifest entry, in manifest order.
 
     ``param``: the parameter; ``grad``: its gradient (:func:`grad_of`; None, a placeholder, when
@@ -82,14 +94,15 @@ def read_kind(kind: str, manifest: Manifest, optimizer: Any,
         else:
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
             value = local_view(state.get(kind))
-            if value is not None and name in manifest.views and value.shape != local_view(p).shape:
+            stored = local_view(p)
+            if value is not None and name in manifest.views and value.shape != stored.shape:
                 raise ValueError(f"optimizer state {kind!r} of {name} has shape {list(value.shape)}, not its "
-                                 f"stored parameter's {list(local_view(p).shape)}: no expert slice of it")
+                                 f"stored parameter's {list(stored.shape)}: no expert slice of it")
             out.append(manifest.viewed(name, value))
     return out
 
 
-def update_pairs(manifest: Manifest, before: dict[str, torch.Tensor] | None
+def update_pairs(manifest: Manifest, before: MutableMapping[str, torch.Tensor] | None
                  ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """``(local parameter now, its snapshot from before the step)`` for every manifest entry,
     in manifest order; None for tensors held elsewhere or without a snapshot. Consumes the
@@ -98,5 +111,5 @@ def update_pairs(manifest: Manifest, before: dict[str, torch.Tensor] | None
     for entry in manifest.entries:
         p = manifest.local.get(entry.name)
         prev = (before or {}).pop(entry.name, None) if p is not None else None
-        out.append((manifest.viewed(entry.name, local_view(p)), prev) if prev is not None else None)
+        out.append((manifest.viewed(entry.name, local_view(p)), prev) if p is not None and prev is not None else None)
     return out

@@ -239,13 +239,15 @@ class TokenObserver:
                                                          split_axes)) is site):
             key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
             rows = self._rows_suffice(site, path, readers)
-            squares = rows and moments.sumsq_suffices(s for m, joint in readers if not joint for s in m.statistics)
+            squares = rows and moments.sumsq_suffices(s for m, joint in readers if not joint
+                                                      for s in getattr(m, "statistics", ()))
             self.known.routes[key] = Route(site, tuple(readers), rows, squares)
         if not masked and self._from_rows(site, path, readers, x, y):
             return
         if y is not None:
             x = x - y
         if masked:
+            assert self._mask is not None, "masked is only set with a mask"
             x = x[self._mask.to(x.device)]
         if not masked and readers and site.kind in ROUTER_KINDS and not x.is_inference():
             # Kept, not copied, until finish(): its version tells there whether the model
@@ -281,7 +283,7 @@ class TokenObserver:
         """Read ``x`` (minus ``y``) with the moments kernel and keep the row for the step's end,
         when every metric prepared at once derives its statistics from it; False (nothing
         done) otherwise. The metrics then see a stand-in of ``x``'s shape."""
-        return self._rows_suffice(site, path, readers) and self._read_rows(site, readers, x, y, tuple(x.shape))
+        return self._rows_suffice(site, path, readers) and self._read_rows(site, readers, x, y, (int(x.shape[0]), int(x.shape[1])))
 
     def _read_rows(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], x: torch.Tensor,
                    y: torch.Tensor | None, shape: tuple[int, int], squares: bool = False) -> bool:
@@ -476,7 +478,7 @@ def _local_tokens(tensor: torch.Tensor, shard_dim: int | None
     split: set[str] = set()
     for axis, p in zip(names, tensor.placements):
         sharded = p.is_shard() or type(p).__name__ == "_StridedShard"  # not a Shard in torch 2.13
-        if sharded and p.dim in (-1, tensor.dim() - 1):
+        if sharded and getattr(p, "dim", None) in (-1, tensor.dim() - 1):
             shard_dim = tensor.dim() - 1
         elif sharded:
             split.add(axis)
