@@ -4,8 +4,9 @@ with no topology, placements or offsets written here (``from_config(..., mesh=pa
 - global-grad-l2 equals the float64 norm of the full gradients (rel 1e-6) and torchtitan's
   ``clip_grad_norm_`` (rel 2e-4: torch accumulates that norm in float32, 6.6e-5 off the float64
   value here even in one process);
-- tensor grad L2 equals the float64 norm of each full gradient of the same run (rel 1e-6);
-- layer grad and param L2 and tensor grad L2 equal the one-process run (rel 1e-4 across runs;
+- tensor grad L2 equals the float64 norm of each full gradient of the same run (rel 1e-6), one
+  tensor per expert for the stacked routed experts (their slices of the full gradient);
+- layer grad and param L2, tensor grad L2 and per-expert grad and param L2 equal the one-process run (rel 1e-4 across runs;
   1e-3 for the MoE model, whose small q/k-norm gradients differ by 1.6e-4 between one process
   and FSDP2, an honest difference of the two runs' float32 sums, not of the measure);
 - tokens per expert (qwen3 MoE, router hooked with no model code) equal torchtitan's own

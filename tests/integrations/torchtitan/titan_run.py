@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.naming.canonical import canonicalize
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 BATCH, SEQ = 4, 16
 METRICS = ("global-grad-l2", "layer-grad-l2", "layer-param-l2", "tensor-grad-l2")
-MOE_METRICS = METRICS + ("layer-expert-tokens",)
+MOE_METRICS = METRICS + ("layer-expert-tokens", "expert-grad-l2", "expert-param-l2")
 
 
 def _spec(family: str):
@@ -137,6 +138,7 @@ def train(model: torch.nn.Module, dims: Any, steps: int = 2, *, metrics: TensorM
                               for n in (MOE_METRICS if hasattr(model.layers["0"], "moe") else METRICS)]}
         metrics = TensorMetrics.from_config(config, model=model, optimizer=optimizer, mesh=dims)
     named = dict(model.named_parameters())
+    views = {cn.name: cn for cn in canonicalize(named.items(), split_stacked=True)}
     out = []
     ep = dims is not None and dims.ep > 1
     for step in range(1, steps + 1):
@@ -151,9 +153,12 @@ def train(model: torch.nn.Module, dims: Any, steps: int = 2, *, metrics: TensorM
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                      tokens[:, 1:].reshape(-1), reduction="sum") / (BATCH * SEQ)
             loss.backward()
-            squares = {e.name: _full(named[e.original].grad).double().pow(2).sum().item()
+            # Per canonical entry (one per expert of a stacked tensor: its slice of the full
+            # gradient), and the whole model once per stored parameter.
+            squares = {e.name: views[e.name].view(_full(named[e.original].grad)).double().pow(2).sum().item()
                        for e in metrics.manifest.entries if named[e.original].grad is not None}
-            exact = sum(squares.values()) ** 0.5
+            exact = sum(_full(g).double().pow(2).sum().item()
+                        for g in (p.grad for p in named.values()) if g is not None) ** 0.5
             norm = clip_grad_norm_([p for p in model.parameters()], 1e9, ep_enabled=ep)
             optimizer.step()
             optimizer.zero_grad()
