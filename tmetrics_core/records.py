@@ -16,11 +16,20 @@ __all__ = [
     "MetricRecord",
     "RunInfo",
     "RunStatus",
+    "status_on_exit",
     "Value",
 ]
 
 RunStatus = Literal["finished", "failed", "killed"]
 """How a run ended: normal exit, an exception in training, or a signal (SIGTERM, SIGINT)."""
+
+
+def status_on_exit(exc_type: type[BaseException] | None) -> RunStatus:
+    """The status of a run whose ``with`` block ended with ``exc_type`` (None: normally):
+    ``killed`` for ``KeyboardInterrupt`` (SIGINT), ``failed`` for any other exception."""
+    if exc_type is None:
+        return "finished"
+    return "killed" if issubclass(exc_type, KeyboardInterrupt) else "failed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,7 +55,7 @@ from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
 from tmetrics_core.placements import Placement
 from tmetrics_core.sources.param_program import ParamProgram
-from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
+from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer, read_buffers
@@ -875,10 +875,7 @@ class TensorMetrics:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close("finished")
-        else:
-            self.close("killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+        self.close(status_on_exit(exc_type))
 
     def _install_signal_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -31,7 +31,7 @@ import torch
 from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.backward import AfterBackward
 from tmetrics_core.integrations.scope import OpenScope
-from tmetrics_core.records import RunStatus
+from tmetrics_core.records import RunStatus, status_on_exit
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = ["Attached", "attach", "unwrap_optimizer"]
@@ -91,10 +91,7 @@ class Attached:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close("finished")
-        else:
-            self.close("killed" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+        self.close(status_on_exit(exc_type))
 
 
 def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, config: Any, *, mesh: Any = None,
