@@ -27,6 +27,7 @@ from tmetrics_core.placements import Owned
 from tmetrics_core.placements import Partial
 from tmetrics_core.placements import Replica
 from tmetrics_core.placements import Shard
+from tmetrics_core.placements import StridedShard
 from tmetrics_core.records import Histogram
 from tmetrics_core.records import MetricRecord
 from tmetrics_core.records import RunInfo
@@ -55,6 +56,7 @@ __all__ = [
     "SinkError",
     "Site",
     "StatMetric",
+    "StridedShard",
     "TMetricsError",
     "TensorMetric",
     "TensorMetrics",
