@@ -84,6 +84,8 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
         kwargs.setdefault("framework_placements", found.placements)
         kwargs.setdefault("layer_offset", found.layer_offset)
         kwargs.setdefault("expert_offset", found.expert_offset)
+        if found.flat_buffers:
+            kwargs.setdefault("flat_buffers", found.flat_buffers)
     metrics = []
     for i, mc in enumerate(config.metrics):
         try:

@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.integrations.megatron_shards import OwnedRanges, is_distributed_optimizer, owned_ranges
 from tmetrics_core.observe import observe, watched
 from tmetrics_core.placements import Owned, Placement, Shard
 from tmetrics_core.topology import Topology
@@ -237,7 +238,13 @@ class _StateView:
         for inner, main_of in self._steps.inner:
             main = main_of.get(id(param), param)
             if main in inner.state:
-                return inner.state[main]
+                state = inner.state[main]
+                if main.shape == param.shape:
+                    return state
+                # A distributed optimizer on one data-parallel rank: its shard is the whole
+                # parameter, flattened.
+                return {k: v.view(param.shape) if isinstance(v, torch.Tensor) and v.numel() == param.numel() else v
+                        for k, v in state.items()}
         return default
 
 
@@ -293,11 +300,6 @@ def _leaves(optimizer: Any) -> list[Any]:
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is not None:
         return [leaf for o in chained for leaf in _leaves(o)]
-    if type(optimizer).__name__ == "DistributedOptimizer":
-        raise ConfigError("Megatron's DistributedOptimizer keeps fp32 main params, grads and Adam state as flat "
-                          "shards; tmetrics does not read them yet. Use its non-distributed optimizer "
-                          "(use_distributed_optimizer=False) or pass the model without optimizer= for "
-                          "parameter and gradient metrics")
     if getattr(optimizer, "grad_scaler", None) is not None:
         raise ConfigError(f"{type(optimizer).__name__} scales the loss (fp16 with a grad scaler): the gradients in "
                           "main_grad are scaled when its step begins; tmetrics reads Megatron's fp32 and bf16 "
@@ -310,8 +312,15 @@ def _leaves(optimizer: Any) -> list[Any]:
 
 
 def _main_copies(optimizer: Any) -> dict[int, torch.Tensor]:
-    """``id(model param) -> fp32 main param`` of a mixed-precision Megatron optimizer."""
+    """``id(model param) -> fp32 main param`` of a mixed-precision Megatron optimizer (of a
+    ``DistributedOptimizer``: the shard main param, 1-D, of the part this rank owns)."""
     out: dict[int, torch.Tensor] = {}
+    if is_distributed_optimizer(optimizer):
+        for model_group, shard_group in zip(optimizer.model_fp32_groups + optimizer.model_float16_groups,
+                                            optimizer.shard_fp32_groups + optimizer.shard_fp32_from_float16_groups):
+            for model_param, shard_main in zip(model_group, shard_group):
+                out[id(model_param)] = shard_main
+        return out
     for model_group, main_group in zip(getattr(optimizer, "float16_groups", ()),
                                        getattr(optimizer, "fp32_from_float16_groups", ())):
         for model_param, main_param in zip(model_group, main_group):
@@ -381,6 +390,7 @@ class MegatronSetup:
     layer_offset: int
     expert_offset: int
     handles: list[Any] = field(default_factory=list)
+    flat_buffers: list[OwnedRanges] = field(default_factory=list)
 
 
 def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
@@ -401,6 +411,9 @@ def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
     found = placements(inner, topology)
     # Last, after every check: the adapter wraps the optimizer's step (a pass-through once
     # TensorMetrics removes its hooks) and the routers report until the handles are removed.
-    steps = MegatronSteps(optimizer) if optimizer is not None and is_megatron_optimizer(optimizer) else optimizer
+    megatron_optimizer = optimizer is not None and is_megatron_optimizer(optimizer)
+    shards = [s for leaf in (_leaves(optimizer) if megatron_optimizer else ()) if is_distributed_optimizer(leaf)
+              for s in owned_ranges(leaf, topology)]
+    steps = MegatronSteps(optimizer) if megatron_optimizer else optimizer
     return MegatronSetup(model=inner, optimizer=steps, placements=found, layer_offset=layer_offset,
-                         expert_offset=expert_offset, handles=observe_routers(inner))
+                         expert_offset=expert_offset, handles=observe_routers(inner), flat_buffers=shards)

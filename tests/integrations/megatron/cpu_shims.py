@@ -5,7 +5,9 @@ scaffolding only; see /work/shared/MACHINE-NOTES.md). Nothing here tells tmetric
   the router's weight move in ``gating()``, expert parallelism and Megatron's DDP buffers
   allocate on the current device;
 - the CUDA RNG tracker's ``fork()`` is a no-op context (dropout is 0, no CUDA RNG state);
-- ``moe_utils.te_general_gemm`` is None (0.16.1 leaves it undefined without Transformer Engine).
+- ``moe_utils.te_general_gemm`` is None (0.16.1 leaves it undefined without Transformer Engine);
+- for Megatron's optimizers (:func:`cuda_tensors_on_cpu`, :func:`cuda_type_names`): tensors
+  asked for on ``"cuda"`` are made on the CPU, and CPU tensors name CUDA types.
 """
 
 from __future__ import annotations
@@ -41,3 +43,20 @@ def cuda_tensors_on_cpu() -> None:
 
         factory._cpu_shim = True  # type: ignore[attr-defined]
         setattr(torch, name, factory)
+
+
+def cuda_type_names() -> None:
+    """``Tensor.type()`` (no argument) of a CPU tensor names the CUDA type
+    (``torch.cuda.FloatTensor``): Megatron's mixed-precision and distributed optimizers accept
+    only parameters whose type names are CUDA ones. Installed only by the optimizer cases."""
+    original = torch.Tensor.type
+    if getattr(original, "_cpu_shim", False):
+        return
+
+    def type_name(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    type_name._cpu_shim = True  # type: ignore[attr-defined]
+    torch.Tensor.type = type_name  # type: ignore[method-assign]

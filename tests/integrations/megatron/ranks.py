@@ -12,7 +12,7 @@ from tests.integrations.megatron import cpu_shims, gpt
 
 STEPS = 2
 METRICS = ["global-grad-l2", "layer-param-l2", "layer-grad-l2", "layer-update-ratio", "tensor-grad-l2",
-           "layer-residual-accumulator-l2", "layer-residual-contribution-l2"]
+           "layer-optimizer-state-rms", "layer-residual-accumulator-l2", "layer-residual-contribution-l2"]
 MOE_METRICS = METRICS + ["layer-expert-tokens", "layer-router-logits-l2"]
 
 
@@ -27,7 +27,8 @@ class Case:
     moe: bool = False
     sp: bool = False  # sequence parallel (Megatron needs it for MoE with tp > 1)
     ddp: bool = False
-    optimizer: str = "torch"  # "torch" (Adam), "fp32" (FP32Optimizer), "chained" (ChainedOptimizer)
+    optimizer: str = "torch"  # "torch" (Adam), "fp32" (FP32Optimizer), "chained" (ChainedOptimizer),
+    # "distributed" (DistributedOptimizer from get_megatron_optimizer; implies Megatron's DDP)
     user_axes: bool = False  # pass axes={"dp": ..., "tp": ...} as the user did (they win)
 
 
@@ -63,8 +64,8 @@ def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key,
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        model = DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(),
-                                        module=model)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=case.optimizer == "distributed")
+        model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     optimizer = _optimizer(case, model)
     cfg = {"run": {"name": case.name, "dir": run_dir}, "sinks": {},
            "metrics": MOE_METRICS if case.moe else METRICS}
@@ -112,7 +113,12 @@ def _optimizer(case: Case, model: torch.nn.Module) -> Any:
     if case.optimizer == "torch":
         return torch.optim.Adam(params, lr=1e-2)
     cpu_shims.cuda_tensors_on_cpu()
-    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig
+    from megatron.core.optimizer import ChainedOptimizer, FP32Optimizer, OptimizerConfig, get_megatron_optimizer
+
+    if case.optimizer == "distributed":  # as Megatron's training loop builds it (Adam, no weight decay)
+        cpu_shims.cuda_type_names()
+        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=0.0,
+                                                      use_distributed_optimizer=True), [model])
 
     config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=0.0, bf16=False, fp16=False)
     if case.optimizer == "fp32":

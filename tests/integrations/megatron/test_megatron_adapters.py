@@ -1,10 +1,9 @@
 """The Megatron optimizer adapter and the refusals, in one process on Megatron's real classes.
 
 ``FP32Optimizer`` is built and stepped for real (its loss-scale tensor made on the CPU by the
-test shim). ``Float16OptimizerWithFloat16Params`` and ``DistributedOptimizer`` accept only CUDA
-parameters in their constructors: they are made with ``object.__new__`` and given the
-attributes the adapter reads (``optimizer``, ``float16_groups``, ``fp32_from_float16_groups``);
-their own ``step()`` does not run here.
+test shim). The cases here that need only a few attributes of ``Float16OptimizerWithFloat16Params``
+or ``DistributedOptimizer`` make them with ``object.__new__``; both are built and stepped for
+real in ``test_megatron_gloo.py`` and ``test_megatron_bf16_gloo.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from megatron.core.optimizer import (  # noqa: E402
 from tests.integrations.megatron import cpu_shims  # noqa: E402
 from tmetrics_core.errors import ConfigError  # noqa: E402
 from tmetrics_core.integrations import megatron  # noqa: E402
+from tmetrics_core.integrations.megatron_shards import owned_ranges  # noqa: E402
 from tmetrics_core.topology import Topology  # noqa: E402
 
 
@@ -64,11 +64,15 @@ def test_float16_optimizer_state_is_read_through_the_fp32_main_copy():
     assert steps.state.get(model_param) is inner.state[main_param]
 
 
-def test_distributed_optimizer_is_refused_clearly():
-    optimizer = object.__new__(DistributedOptimizer)
-    optimizer.optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
-    with pytest.raises(ConfigError, match="DistributedOptimizer"):
-        megatron.MegatronSteps(optimizer)
+def test_distributed_optimizer_with_overlapped_param_gather_is_refused_clearly():
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    optimizer = object.__new__(DistributedOptimizer)  # only the configs are read before refusing
+    optimizer.config = OptimizerConfig(use_distributed_optimizer=True)
+    optimizer.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                                         overlap_param_gather=True)
+    with pytest.raises(ConfigError, match="overlap_param_gather"):
+        owned_ranges(optimizer, Topology.single_process())
 
 
 def test_virtual_pipeline_chunks_are_refused_clearly():

@@ -1,0 +1,156 @@
+"""Megatron-Core's ``DistributedOptimizer`` read where it keeps things: flat shards over the
+data-parallel group.
+
+Megatron's distributed optimizer (ZeRO-1) lays the parameters of each ``_ParamAndGradBuffer``
+end to end (each start padded to 64 elements) and gives data-parallel rank ``r`` the ``r``-th
+contiguous slice of every bucket. Its range map (``model_param_gbuf_map``, ``gbuf_ranges``: per
+owned parameter a ``"param"`` range within the parameter's own flattening) says which part of
+which parameter rank ``r`` owns; a range may cut rows and a rank may own nothing of a parameter.
+After Megatron's reduce-scatter only the owned part of ``param.main_grad`` holds the reduced
+gradient (the rest holds this rank's unreduced one), and the Adam state exists only for the owned
+parts (keyed by the shard main params). Each of them is therefore read as a ``FlatShard`` of the
+parameter on ``dp``, from the optimizer's own ranges:
+
+=============  ==============================================================================
+``grad``       ``param.main_grad.view(-1)[start:end]`` (the reduced part of the grad buffer)
+``exp_avg``,   the inner torch optimizer's state of the shard main param (1-D, ``end - start``)
+``exp_avg_sq``
+=============  ==============================================================================
+
+Parameters and updates are read from the model parameters, which Megatron all-gathers at the
+end of its step (with fp32 parameters the main params are views of them: the same numbers);
+an overlapped all-gather (``overlap_param_gather``) would leave them stale then, and is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.placements import FlatShard
+from tmetrics_core.site import Site
+from tmetrics_core.sources.flat import FlatBuffer, _range_of
+from tmetrics_core.topology import Topology
+
+__all__ = ["OwnedRanges", "is_distributed_optimizer", "owned_ranges"]
+
+KINDS = ("grad", "exp_avg", "exp_avg_sq")
+
+
+def is_distributed_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is Megatron's ``DistributedOptimizer`` (by class name along its MRO)."""
+    return any(c.__name__ == "DistributedOptimizer" and c.__module__.startswith("megatron.")
+               for c in type(optimizer).__mro__)
+
+
+@dataclass(frozen=True)
+class OwnedRanges(FlatBuffer):
+    """Source ``kind`` of ``params`` where each rank of ``axis`` owns one contiguous range of
+    each parameter's row-major flattening (possibly empty), held as a separate 1-D tensor per
+    parameter (``buffer`` and ``offset`` of :class:`FlatBuffer` are unused: empty and 0).
+
+    Attributes:
+        ranges: ``id(param) -> (start, end)``, this rank's range of the parameter's flattening;
+            parameters absent here are owned elsewhere (an empty range).
+        fetch: ``param -> tensor`` of ``end - start`` elements (this rank's part, read at each
+            due step), or None when there is none yet (Adam state before the first step).
+    """
+
+    ranges: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    fetch: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: None
+
+    def read(self, manifest: Manifest, topology_axes: Sequence[str]) -> tuple[list[Site], list[torch.Tensor | None]]:
+        """Sites (``FlatShard`` on ``axis``) and local views for every manifest entry, in
+        manifest order; entries not listed keep their site and get None.
+
+        Raises ``ConfigError`` for an axis not in the topology.
+        """
+        if self.axis not in topology_axes:
+            raise ConfigError(f"Megatron's distributed optimizer shards over {self.axis!r}, not an axis of the "
+                              f"topology {list(topology_axes)}")
+        listed = {id(p) for p in self.params}
+        order = {n: i for i, n in enumerate(topology_axes)}
+        sites: list[Site] = []
+        tensors: list[torch.Tensor | None] = []
+        for entry in manifest.entries:
+            site = entry.site(self.kind)
+            param = manifest.local.get(entry.name)
+            if param is None or id(param) not in listed:
+                sites.append(site)
+                tensors.append(None)
+                continue
+            start, end = _range_of(entry.name, manifest, param, (0, param.numel()))
+            lo, hi = self.ranges.get(id(param), (0, 0))
+            a, b = max(start, lo), min(end, hi)
+            a, b = (a, b) if a < b else (start, start)
+            shard = FlatShard(entry.shape, start=a - start, end=b - start)
+            placements = tuple(p for p in site.placements if p[0] != self.axis) + ((self.axis, shard),)
+            sites.append(dataclasses.replace(site, placements=tuple(sorted(placements,
+                                                                           key=lambda ap: order.get(ap[0], 0)))))
+            piece = self.fetch(param) if lo < hi else None
+            if piece is None:
+                tensors.append(None if lo < hi else param.detach().reshape(-1)[:0])
+            else:
+                tensors.append(piece.detach()[a - lo:b - lo] if a < b else piece.detach()[:0])
+        return sites, tensors
+
+
+def owned_ranges(optimizer: Any, topology: Topology) -> list[OwnedRanges]:
+    """One :class:`OwnedRanges` per kind (gradients, Adam's two moments) of a
+    ``DistributedOptimizer`` sharding over more than one rank (none for one rank: it owns
+    whole parameters, read as usual).
+
+    Raises:
+        ConfigError: its data-parallel group is not the topology's ``dp`` (expert parallelism or
+            context parallelism with the distributed optimizer, not supported yet); it overlaps
+            the parameter all-gather with the next forward (``overlap_param_gather``: the
+            model's parameters are stale after the step); it uses Megatron-FSDP or a
+            precision-aware optimizer (other layouts).
+    """
+    ddp = optimizer.ddp_config
+    if ddp.use_megatron_fsdp or optimizer.config.use_precision_aware_optimizer:
+        raise ConfigError("Megatron's distributed optimizer with Megatron-FSDP or a precision-aware optimizer keeps "
+                          "its shards in another layout; tmetrics reads the ZeRO-1 layout only")
+    if ddp.overlap_param_gather:
+        raise ConfigError("Megatron's DDP overlaps the parameter all-gather with the next forward "
+                          "(overlap_param_gather=True): after optimizer.step() each rank's model holds only its own "
+                          "updated range, so parameter and update metrics would mix old and new weights. Set "
+                          "overlap_param_gather=False, or measure only gradient metrics with optimizer= left out")
+    group = optimizer.data_parallel_group
+    size = dist.get_world_size(group) if group is not None else 1
+    if size == 1:
+        return []
+    ranks = tuple(dist.get_process_group_ranks(group))
+    dp = topology.axes.get("dp")
+    if dp is None or tuple(sorted(dp.ranks)) != tuple(sorted(ranks)):
+        raise ConfigError(f"Megatron's distributed optimizer shards over ranks {sorted(ranks)}, but the topology's dp "
+                          f"axis is {sorted(dp.ranks) if dp else 'absent'}; with expert or context parallelism "
+                          "tmetrics does not read it yet (use_distributed_optimizer=False)")
+    params = [p for buffer in optimizer.buffers for p in buffer.params]
+    ranges: dict[int, tuple[int, int]] = {}
+    main: dict[int, torch.Tensor] = {}
+    for model_group, shard_group in zip(optimizer.model_fp32_groups + optimizer.model_float16_groups,
+                                        optimizer.shard_fp32_groups + optimizer.shard_fp32_from_float16_groups):
+        for model_param, shard_main in zip(model_group, shard_group):
+            piece = optimizer._get_model_param_range_map(model_param)["param"]
+            ranges[id(model_param)] = (piece.start, piece.end)
+            main[id(model_param)] = shard_main
+    inner = optimizer.optimizer
+
+    def grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+        lo, hi = ranges[id(p)]
+        main: torch.Tensor | None = getattr(p, "main_grad", None)  # Megatron's DDP: a view of its grad buffer
+        return main.view(-1)[lo:hi] if main is not None else None
+
+    def state(kind: str) -> Callable[[torch.nn.Parameter], torch.Tensor | None]:
+        return lambda p: inner.state.get(main[id(p)], {}).get(kind)
+
+    empty = torch.empty(0)
+    return [OwnedRanges(kind, "dp", params, empty, 0, ranges=ranges, fetch=grad if kind == "grad" else state(kind))
+            for kind in KINDS]
