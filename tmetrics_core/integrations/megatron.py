@@ -38,13 +38,18 @@ are checked to be one offset per model (virtual pipeline chunks, with several of
 refused for now).
 
 **Optimizers**: a Megatron optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
-``ChainedOptimizer`` of them) is not a ``torch.optim.Optimizer``; :class:`MegatronSteps` gives
-tmetrics its step hooks and reads Adam state from its inner torch optimizers (through the fp32
-main copy of a float16 parameter). Its hooks wrap Megatron's whole ``step()``, not the inner
-torch optimizer's: gradients are read before Megatron clips them (``main_grad`` under
-Megatron's DDP wrapper), and parameters after Megatron copied its fp32 main params back into a
-bf16 model (hooks on the inner optimizer would see an update of 0 there). fp16 with loss
-scaling is refused (``main_grad`` is still scaled when the step begins).
+``DistributedOptimizer``, ``ChainedOptimizer`` of them) is not a ``torch.optim.Optimizer``;
+:class:`MegatronSteps` gives tmetrics its step hooks and reads Adam state from its inner torch
+optimizers (through the fp32 main copy of a float16 parameter). Its hooks wrap Megatron's whole
+``step()``, not the inner torch optimizer's: gradients are read before Megatron clips them
+(``main_grad`` under Megatron's DDP), and parameters after Megatron copied its fp32 main params
+back into the model. A ``DistributedOptimizer``'s gradients and Adam state are flat shards over
+``dp``, read from its range map (:mod:`tmetrics_core.integrations.megatron_shards`).
+
+*Parameters in bf16*: parameter metrics and the update ratio read the **model's bf16 weights**
+(what the forward uses; the update is the change of those weights, so an update smaller than
+half a bf16 step shows as 0), not the fp32 main params; Adam state is the fp32 main params'.
+fp16 with loss scaling is refused (``main_grad`` is still scaled when the step begins).
 
 **Router**: each ``TopKRouter`` reports its logits ``[tokens, E]`` (from ``gating()``) and the
 global expert ids it chose ``[tokens, k]`` (from its ``routing_map``) through
@@ -253,8 +258,8 @@ class MegatronSteps:
     ``step()`` (gradients are read before it: ``main_grad`` under Megatron's DDP, the update
     after it), ``defaults`` and ``state`` of its inner torch optimizer(s).
 
-    Raises ``ConfigError`` for a Megatron optimizer without a reachable torch optimizer
-    (``DistributedOptimizer`` is read from flat shards, not supported here yet).
+    Raises ``ConfigError`` for a Megatron optimizer without a reachable torch optimizer, or
+    one that scales the loss (fp16).
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -306,8 +311,8 @@ def _leaves(optimizer: Any) -> list[Any]:
                           "optimizers, not fp16 with loss scaling yet")
     if not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         raise ConfigError(f"optimizer {type(optimizer).__name__} is a Megatron optimizer without a torch optimizer "
-                          "at .optimizer; tmetrics reads FP32Optimizer, Float16OptimizerWithFloat16Params and a "
-                          "ChainedOptimizer of them")
+                          "at .optimizer; tmetrics reads FP32Optimizer, Float16OptimizerWithFloat16Params, "
+                          "DistributedOptimizer and a ChainedOptimizer of them")
     return [optimizer]
 
 
@@ -400,7 +405,8 @@ def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
 
     Raises:
         ConfigError: several model chunks (virtual pipeline, not supported yet), and those of
-            :func:`offsets`, :func:`placements`, :class:`MegatronSteps`.
+            :func:`offsets`, :func:`placements`, :class:`MegatronSteps`,
+            :func:`~tmetrics_core.integrations.megatron_shards.owned_ranges`.
     """
     parts = chunks(model)
     if len(parts) != 1:

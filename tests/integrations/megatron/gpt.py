@@ -18,7 +18,7 @@ EXPERTS, TOPK = 4, 2
 SEED = 1234
 
 
-def config(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool = False) -> Any:
+def config(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool = False, bf16: bool = False) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra: dict[str, Any] = {}
@@ -31,19 +31,22 @@ def config(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         bias_activation_fusion=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, sequence_parallel=sp, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, **extra)
+        expert_model_parallel_size=ep, sequence_parallel=sp, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        **extra)
 
 
-def build(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool = False) -> torch.nn.Module:
-    """The GPTModel of this rank (parallel state must be initialized)."""
+def build(*, tp: int = 1, pp: int = 1, ep: int = 1, moe: bool = False, sp: bool = False,
+          bf16: bool = False) -> torch.nn.Module:
+    """The GPTModel of this rank (parallel state must be initialized); ``bf16``: its weights in
+    bfloat16 (wrap it in Megatron's ``Float16Module``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     torch.manual_seed(SEED)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS if moe else None, moe_grouped_gemm=False)
-    return GPTModel(config=config(tp=tp, pp=pp, ep=ep, moe=moe, sp=sp), transformer_layer_spec=spec, vocab_size=VOCAB,
+    return GPTModel(config=config(tp=tp, pp=pp, ep=ep, moe=moe, sp=sp, bf16=bf16), transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False)
 
