@@ -34,8 +34,8 @@ The config's ``placements:`` win over these.
 
 **Global indices**: a stage's first layer is ``TransformerLayer.layer_number - 1`` of its first
 block; an expert-parallel rank's first expert is ``MoELayer.local_expert_indices[0]``. Both
-are checked to be one offset per model (virtual pipeline chunks, with several offsets, are
-refused for now).
+are checked to be one offset per model chunk. Virtual pipeline chunks (a list of models) are
+joined into one module whose layers carry their global numbers (:func:`joined`).
 
 **Optimizers**: a Megatron optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
 ``DistributedOptimizer``, ``ChainedOptimizer`` of them) is not a ``torch.optim.Optimizer``;
@@ -192,6 +192,52 @@ def offsets(model: torch.nn.Module) -> tuple[int, int]:
         raise ConfigError(f"one model chunk with layer offsets {sorted(layer_offsets)} and expert offsets "
                           f"{sorted(expert_offsets)}; tmetrics takes one of each per chunk")
     return min(layer_offsets, default=0), min(expert_offsets, default=0)
+
+
+def joined(parts: Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """Virtual pipeline chunks as one module named as the whole model: each chunk's
+    ``decoder.layers.<i>`` registered as ``decoder.layers.<global layer>`` (the chunk's offset
+    from :func:`offsets`), its other parameter-holding children (embedding, final norm, output
+    layer) under their own names. Only registers the chunks' modules: the same parameters, the
+    chunks still run the forward.
+
+    Raises:
+        ConfigError: two chunks with a parameter-holding child of the same name, or chunks
+            whose layers give one global layer twice, or whose expert offsets differ.
+    """
+    whole, decoder = torch.nn.Module(), torch.nn.Module()
+    layers: dict[str, torch.nn.Module] = {}
+    expert_offsets = set()
+    for part in parts:
+        layer_offset, expert_offset = offsets(part)
+        expert_offsets.add(expert_offset)
+        for name, child in part.named_children():
+            if name == "decoder":
+                for sub, grandchild in child.named_children():
+                    if sub == "layers":
+                        for position, layer in grandchild.named_children():
+                            key = str(layer_offset + int(position))
+                            if key in layers:
+                                raise ConfigError(f"two virtual pipeline chunks hold global layer {key}")
+                            layers[key] = layer
+                    else:
+                        _register(decoder, f"decoder.{sub}", sub, grandchild)
+            else:
+                _register(whole, name, name, child)
+    if len(expert_offsets) > 1:
+        raise ConfigError(f"virtual pipeline chunks with expert offsets {sorted(expert_offsets)}; one per rank")
+    decoder.add_module("layers", torch.nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)}))
+    whole.add_module("decoder", decoder)
+    return whole
+
+
+def _register(parent: torch.nn.Module, path: str, name: str, child: torch.nn.Module) -> None:
+    if next(child.parameters(), None) is None:
+        return  # no parameter: nothing tmetrics reads (rotary embeddings)
+    if name in parent._modules:
+        raise ConfigError(f"two virtual pipeline chunks hold parameters under {path!r}; tmetrics joins chunks "
+                          "that split the decoder's layers only")
+    parent.add_module(name, child)
 
 
 def placements(model: torch.nn.Module, topology: Topology) -> dict[str, dict[str, Placement]]:
@@ -404,15 +450,11 @@ def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
     ``placements:`` win over them), the global offsets and the router observation handles.
 
     Raises:
-        ConfigError: several model chunks (virtual pipeline, not supported yet), and those of
-            :func:`offsets`, :func:`placements`, :class:`MegatronSteps`,
+        ConfigError: those of :func:`joined` (virtual pipeline chunks), :func:`offsets`, :func:`placements`, :class:`MegatronSteps`,
             :func:`~tmetrics_core.integrations.megatron_shards.owned_ranges`.
     """
-    parts = chunks(model)
-    if len(parts) != 1:
-        raise ConfigError(f"{len(parts)} model chunks (virtual pipeline parallelism): tmetrics takes one model; "
-                          "virtual pipeline stages are not supported yet")
-    inner = unwrap(parts[0])
+    parts = [unwrap(m) for m in chunks(model)]
+    inner = parts[0] if len(parts) == 1 else joined(parts)
     layer_offset, expert_offset = offsets(inner)
     found = placements(inner, topology)
     # Last, after every check: the adapter wraps the optimizer's step (a pass-through once

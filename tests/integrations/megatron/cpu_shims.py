@@ -5,6 +5,8 @@ scaffolding only; see /work/shared/MACHINE-NOTES.md). Nothing here tells tmetric
   the router's weight move in ``gating()``, expert parallelism and Megatron's DDP buffers
   allocate on the current device;
 - the CUDA RNG tracker's ``fork()`` is a no-op context (dropout is 0, no CUDA RNG state);
+- ``torch.cuda.synchronize()`` does nothing (Megatron's pipeline schedules call it after their
+  point-to-point transfers);
 - ``moe_utils.te_general_gemm`` is None (0.16.1 leaves it undefined without Transformer Engine);
 - for Megatron's optimizers (:func:`cuda_tensors_on_cpu`, :func:`cuda_type_names`): tensors
   asked for on ``"cuda"`` are made on the CPU, and CPU tensors name CUDA types.
@@ -20,6 +22,7 @@ import torch
 def apply() -> None:
     """Install the shims in this process (idempotent)."""
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer.moe import moe_utils
 

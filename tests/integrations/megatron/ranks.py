@@ -30,6 +30,9 @@ class Case:
     optimizer: str = "torch"  # "torch" (Adam), "fp32" (FP32Optimizer), "chained" (ChainedOptimizer),
     # "distributed" (DistributedOptimizer from get_megatron_optimizer; implies Megatron's DDP)
     user_axes: bool = False  # pass axes={"dp": ..., "tp": ...} as the user did (they win)
+    layers: int = gpt.LAYERS
+    vpp: int = 1  # virtual pipeline chunks per stage (the model is then Megatron's list of chunks)
+    micro_batches: int = 1  # one stage: as many micro-batches as Megatron's interleaved schedule runs
 
 
 Key = tuple[str, int, Any, Any, Any, Any]
@@ -44,9 +47,10 @@ def run_cases(rank: int, world: int, cases: list[Case], run_dir: str) -> dict[st
     out = {}
     for case in cases:
         ps.initialize_model_parallel()
-        full = gpt.full_weights(moe=case.moe)
+        full = gpt.full_weights(moe=case.moe, layers=case.layers)
         ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp,
+                                     virtual_pipeline_model_parallel_size=case.vpp if case.vpp > 1 else None,
                                      expert_model_parallel_size=case.ep)
         try:
             out[case.name] = _train(case, full, f"{run_dir}/{case.name}")
@@ -58,8 +62,11 @@ def run_cases(rank: int, world: int, cases: list[Case], run_dir: str) -> dict[st
 def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key, float]:
     import tmetrics_core as tm
 
-    model = gpt.build(tp=case.tp, pp=case.pp, ep=case.ep, moe=case.moe, sp=case.sp)
-    gpt.load_full(model, full)
+    if case.vpp > 1:
+        cpu_shims.cuda_tensors_on_cpu()  # the interleaved schedule counts tokens in a "cuda" tensor
+    model = gpt.build(tp=case.tp, pp=case.pp, ep=case.ep, moe=case.moe, sp=case.sp, layers=case.layers, vpp=case.vpp)
+    for chunk in model if isinstance(model, list) else [model]:
+        gpt.load_full(chunk, full)
     if case.ddp:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -87,16 +94,16 @@ def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key,
         with metrics.step(step):
             if case.ddp:
                 model.zero_grad_buffer()
-            gpt.train_step(model, *gpt.local_batch(step))
+            gpt.train_step(model, *gpt.local_batch(step), micro_batches=case.micro_batches)
             if case.ddp:
                 finalize_model_grads([model])  # what Megatron's schedules call after the backward
-            for name, p in model.named_parameters():  # a replicated tensor of this very run, by hand
+            for name, p in _named(model):  # a replicated tensor of this very run, by hand
                 if name.endswith("mlp.router.weight"):
                     layer = int(name.split("decoder.layers.")[1].split(".")[0])
                     grad = p.grad if p.grad is not None else p.main_grad
                     values[("hand-router-grad-l2", step, layer, None, None, None)] = float(grad.double().norm())
             if torch.distributed.get_world_size() == 1:  # the reference's own check, by hand
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                grads = [p.grad for _, p in _named(model) if p.grad is not None]
                 values[("hand-grad-l2", step, None, None, None, None)] = float(
                     torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt())
             optimizer.step()
@@ -108,8 +115,12 @@ def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key,
     return values
 
 
-def _optimizer(case: Case, model: torch.nn.Module) -> Any:
-    params = list(model.parameters())
+def _named(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    return [np for chunk in (model if isinstance(model, list) else [model]) for np in chunk.named_parameters()]
+
+
+def _optimizer(case: Case, model: Any) -> Any:
+    params = [p for _, p in _named(model)]
     if case.optimizer == "torch":
         return torch.optim.Adam(params, lr=1e-2)
     cpu_shims.cuda_tensors_on_cpu()

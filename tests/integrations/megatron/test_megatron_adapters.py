@@ -75,9 +75,9 @@ def test_distributed_optimizer_with_overlapped_param_gather_is_refused_clearly()
         owned_ranges(optimizer, Topology.single_process())
 
 
-def test_virtual_pipeline_chunks_are_refused_clearly():
-    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
-    with pytest.raises(ConfigError, match="virtual pipeline"):
+def test_virtual_pipeline_chunks_holding_one_child_twice_are_refused_clearly():
+    chunks = [torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))]
+    with pytest.raises(ConfigError, match="two virtual pipeline chunks hold parameters under '0'"):
         megatron.setup(chunks, None, Topology.single_process())
 
 

@@ -3,7 +3,9 @@
 same model trained in one process (rel 1e-6), for TP=2 (also with the user's own
 ``axes={dp, tp}``), PP=2, DP=2 with Megatron's DDP and FP32Optimizer, TP=2 x DP=2 on 4 ranks,
 Megatron's DistributedOptimizer (from ``get_megatron_optimizer``, its gradients and Adam state
-read as flat shards over dp from its range map) on DP=2 and on TP=2 x DP=2,
+read as flat shards over dp from its range map) on DP=2 and on TP=2 x DP=2, PP=2 x virtual
+pipeline 2 (a 4-layer model as Megatron's list of chunks built with ``vp_stage``, trained by
+Megatron's interleaved 1F1B schedule, two micro-batches; the reference accumulates the same two),
 and the MoE model (EP=2 with DDP and ChainedOptimizer, 2 ranks; EP=2 x expert-DP=2, 4 ranks)
 with its router metrics (tokens per expert, router logits L2). MoE with TP > 1 is not trained:
 Megatron 0.16.1 refuses it without sequence parallelism, which its local
@@ -33,6 +35,7 @@ TWO = [
     Case("ddp_dp2_fp32", ddp=True, optimizer="fp32"),
     Case("moe_ep2_ddp_chained", ep=2, moe=True, ddp=True, optimizer="chained"),
     Case("ddp_dp2_distributed", ddp=True, optimizer="distributed"),
+    Case("pp2_vpp2", pp=2, vpp=2, layers=4),
 ]
 FOUR = [
     Case("ddp_tp2_dp2_fp32", tp=2, ddp=True, optimizer="fp32"),
@@ -49,8 +52,8 @@ gradients differ by up to ~3e-6 relative. Step 1 (same model) is held to REL eve
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
-    reference = run_distributed(run_cases, 1, [Case("dense"), Case("moe", moe=True)], str(root / "one"),
-                                timeout=300)[0]
+    reference = run_distributed(run_cases, 1, [Case("dense"), Case("moe", moe=True), Case("dense4", layers=4, micro_batches=2)],
+                                str(root / "one"), timeout=300)[0]
     two = run_distributed(run_cases, 2, TWO, str(root / "two"), timeout=400)
     four = run_distributed(run_cases, 4, FOUR, str(root / "four"), timeout=400)
     return reference, {c.name: [r[c.name] for r in two] for c in TWO} | {c.name: [r[c.name] for r in four]
@@ -72,7 +75,7 @@ def _worst(values, expected) -> float:
 
 def test_reference_global_grad_l2_is_the_hand_norm(runs):
     reference, _ = runs
-    for model in ("dense", "moe"):
+    for model in ("dense", "moe", "dense4"):
         for step in (1, 2):
             hand = reference[model][("hand-grad-l2", step, None, None, None, None)]
             assert _close(reference[model][("global-grad-l2", step, None, None, None, None)], hand)
@@ -81,13 +84,16 @@ def test_reference_global_grad_l2_is_the_hand_norm(runs):
 @pytest.mark.parametrize("case", TWO + FOUR, ids=lambda c: c.name)
 def test_equals_one_process(runs, case):
     reference, got = runs
-    expected = {k: v for k, v in reference["moe" if case.moe else "dense"].items() if not k[0].startswith("hand-")}
+    model = "moe" if case.moe else "dense4" if case.layers == 4 else "dense"
+    expected = {k: v for k, v in reference[model].items() if not k[0].startswith("hand-")}
     for rank, values in enumerate(got[case.name]):
         for (_, step, layer, *_), hand in [(k, v) for k, v in values.items() if k[0] == "hand-router-grad-l2"]:
             # Within the run itself (no training drift): the router is replicated (MoE cases have
             # one pipeline stage), so its local gradient's norm is the truth.
             key = ("tensor-grad-l2", step, layer, None, f"layers.{layer}.moe.router.weight", None)
             assert _close(values[key], hand, 1e-12), (rank, key, values[key], hand)
+        if case.vpp > 1:  # each rank holds layers {stage, stage + pp}: all four appear with global ids
+            assert {k[2] for k in values if k[0] == "layer-grad-l2"} == {0, 1, 2, 3}
         errors = [k for k in values if k[0] == "error-without-tp"]
         if case.user_axes:  # the axes={dp, tp} (exact now), and a clear error without tp
             assert len(errors) == 1 and "split over 2 tp ranks" in errors[0][5], errors
