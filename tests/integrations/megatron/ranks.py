@@ -103,7 +103,7 @@ def _train(case: Case, full: dict[str, torch.Tensor], run_dir: str) -> dict[Key,
                     grad = p.grad if p.grad is not None else p.main_grad
                     values[("hand-router-grad-l2", step, layer, None, None, None)] = float(grad.double().norm())
             if torch.distributed.get_world_size() == 1:  # the reference's own check, by hand
-                grads = [p.grad for _, p in _named(model) if p.grad is not None]
+                grads = [g for _, p in _named(model) if (g := getattr(p, "main_grad", p.grad)) is not None]
                 values[("hand-grad-l2", step, None, None, None, None)] = float(
                     torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt())
             optimizer.step()

@@ -52,7 +52,8 @@ gradients differ by up to ~3e-6 relative. Step 1 (same model) is held to REL eve
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
-    reference = run_distributed(run_cases, 1, [Case("dense"), Case("moe", moe=True), Case("dense4", layers=4, micro_batches=2)],
+    reference = run_distributed(run_cases, 1, [Case("dense"), Case("moe", moe=True), Case("dense4", layers=4, micro_batches=2),
+                                               Case("dist1", ddp=True, optimizer="distributed")],
                                 str(root / "one"), timeout=300)[0]
     two = run_distributed(run_cases, 2, TWO, str(root / "two"), timeout=400)
     four = run_distributed(run_cases, 4, FOUR, str(root / "four"), timeout=400)
@@ -79,6 +80,18 @@ def test_reference_global_grad_l2_is_the_hand_norm(runs):
         for step in (1, 2):
             hand = reference[model][("hand-grad-l2", step, None, None, None, None)]
             assert _close(reference[model][("global-grad-l2", step, None, None, None, None)], hand)
+
+
+def test_distributed_optimizer_on_one_rank_equals_the_plain_run(runs):
+    """One data-parallel rank: the distributed optimizer's shard main params are whole
+    parameters, flattened; Adam state is read through them, reshaped."""
+    reference, _ = runs
+    plain = {k: v for k, v in reference["dense"].items() if not k[0].startswith("hand-")}
+    dist1 = {k: v for k, v in reference["dist1"].items() if not k[0].startswith("hand-")}
+    assert set(dist1) == set(plain)
+    assert any(k[0] == "layer-optimizer-state-rms" for k in plain)
+    wrong = {k: (dist1[k], v) for k, v in plain.items() if not _close(dist1[k], v)}
+    assert not wrong, dict(list(wrong.items())[:5])
 
 
 @pytest.mark.parametrize("case", TWO + FOUR, ids=lambda c: c.name)
