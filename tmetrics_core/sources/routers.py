@@ -14,12 +14,14 @@ call observes, as the sites ``<MoE block path>.router_logits``, ``.router_scores
   it (torchtitan) it is read as returned; where it returns only the logits and its top-k weights
   (transformers 5), the scores are ``softmax`` or ``sigmoid`` of the logits, whichever the
   returned weights are proportional to at the chosen ids (normalized or scaled top-k weights
-  keep that proportion). The score function is verified on every observed call, never assumed.
+  keep that proportion). The score function is verified on the router's first observed call,
+never assumed.
 
 What is recognised is verified on every call: the logits and scores must have ``E`` columns and
 the choices be integer ids with ``k`` columns (``E`` and ``k`` read from the router module
 itself), or every router metric of the step is failed with the reason (never a count of the
-wrong tensor).
+wrong tensor); where no score function fits the returned weights, the metrics reading
+``router_scores`` are failed (they would otherwise fall back to ``softmax`` of the logits).
 
 Recognised (:data:`RECOGNIZERS`):
 
@@ -41,7 +43,7 @@ probabilities; its observation stays with its integration (``integrations/megatr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Sequence
 
@@ -107,6 +109,8 @@ class Router:
         num_experts: global expert count ``E`` (the router scores every expert).
         top_k: experts chosen per token (0 where the router does not choose).
         recognizer: how it was found and how its output is read.
+        score_function: the name of its verified score function (of :data:`SCORE_FUNCTIONS`),
+            once its first observed call has shown it; empty before.
     """
 
     path: str
@@ -115,6 +119,7 @@ class Router:
     num_experts: int
     top_k: int
     recognizer: Recognizer
+    score_function: list[str] = field(default_factory=list, compare=False)
 
 
 def find_routers(model: torch.nn.Module, index: ModuleIndex) -> list[Router]:
@@ -154,26 +159,31 @@ def _recognize(rule: Recognizer, path: str, module: torch.nn.Module, parent: tor
     return Router(path, module, parent, experts, k, rule)
 
 
-def install(routers: Sequence[Router], record: Callable[..., None], fail: Callable[[str], None],
+def install(routers: Sequence[Router], record: Callable[..., None], fail: Callable[[str, frozenset[str]], None],
             kinds: frozenset[str]) -> list[Any]:
     """Forward hooks on ``routers`` observing the ``kinds`` wanted (of :data:`ROUTER_OUTPUT_KINDS`)
-    through ``record`` (``TokenObserver.record``); ``fail(reason)`` fails the step's router
-    metrics when an output is not what the router was recognised as. Returns the handles."""
+    through ``record`` (``TokenObserver.record``); ``fail(reason, kinds)`` fails the step's
+    metrics reading any of ``kinds``: every router metric when an output is not what the router
+    was recognised as, those reading ``router_scores`` when no score function fits (the others
+    still get the logits and the choices). Returns the handles."""
     wanted = kinds & ROUTER_OUTPUT_KINDS
     if not wanted:
         return []
     return [router.module.register_forward_hook(_hook(router, record, fail, wanted)) for router in routers]
 
 
-def _hook(router: Router, record: Callable[..., None], fail: Callable[[str], None], wanted: frozenset[str]):
+def _hook(router: Router, record: Callable[..., None], fail: Callable[[str, frozenset[str]], None],
+          wanted: frozenset[str]):
     def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
         parts = _read(router.recognizer, out)
         problem = _check(router, parts)
-        if problem is None and "router_scores" in wanted and "router_scores" not in parts:
-            parts["router_scores"], problem = _scores(router, parts)
         if problem is not None:
-            fail(problem)
+            fail(problem, ROUTER_OUTPUT_KINDS)
             return
+        if "router_scores" in wanted and "router_scores" not in parts:
+            parts["router_scores"], problem = _scores(router, parts)
+            if problem is not None:  # metrics reading scores would fall back to softmax(logits)
+                fail(problem, frozenset({"router_scores"}))
         for kind in ("router_logits", "router_scores", "router_topk"):
             if parts.get(kind) is not None and kind in wanted:
                 record(router.block, kind, parts[kind], kind=kind, shard_dim=None)
@@ -206,21 +216,26 @@ def _check(router: Router, parts: dict[str, Any]) -> str | None:
 
 
 def _scores(router: Router, parts: dict[str, Any]) -> tuple[torch.Tensor | None, str | None]:
-    """The full scores ``[tokens, E]`` of a router returning logits, top-k weights and ids: the
-    first of :data:`SCORE_FUNCTIONS` whose values at the chosen ids are proportional to the
-    returned weights (row by row, relative tolerance ``max(1e-4, 8 eps)`` of the weights' dtype).
+    """The full scores ``[tokens, E]`` of a router returning logits, top-k weights and ids.
+
+    The score function is found on the router's first observed call (one host synchronisation
+    per router and run) and kept: the first of :data:`SCORE_FUNCTIONS` whose values at the chosen
+    ids are proportional to the returned weights, row by row (relative tolerance
+    ``max(1e-4, 8 eps)`` of the weights' dtype), preferring one they equal exactly. Returns
     ``(None, None)`` where the router returns no logits (nothing to derive); ``(None, reason)``
-    where no function fits, or where the weights cannot tell the functions apart (one expert per
-    token, normalized)."""
+    where no function fits, or where the weights cannot tell them apart (one expert per token,
+    normalized)."""
     logits, weights, chosen = parts.get("router_logits"), parts.get("topk_weights"), parts.get("router_topk")
     if logits is None:
         return None, None
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    if router.score_function:
+        return SCORE_FUNCTIONS[router.score_function[0]](flat), None
     if not isinstance(weights, torch.Tensor) or chosen is None or weights.shape != chosen.shape:
         return None, (f"router {router.path}: its top-k weights are not [tokens, {router.top_k}], so its score "
                       "function cannot be verified; observe router_scores with tm.observe(...) instead")
     w = weights.detach().reshape(-1, weights.shape[-1]).double()
     ids = chosen.reshape(-1, chosen.shape[-1])
-    flat = logits.detach().reshape(-1, logits.shape[-1])
     tolerance = max(1e-4, 8 * torch.finfo(weights.dtype).eps)
     fits = []
     for name, function in SCORE_FUNCTIONS.items():
@@ -231,8 +246,9 @@ def _scores(router: Router, parts: dict[str, Any]) -> tuple[torch.Tensor | None,
             fits.append((name, scores, bool(torch.allclose(w, at, rtol=tolerance, atol=0.0))))
     exact = [fit for fit in fits if fit[2]]
     if len(exact) == 1 or len(fits) == 1:
-        return (exact or fits)[0][1], None
-    names = ", ".join(SCORE_FUNCTIONS)
+        name, scores, _ = (exact or fits)[0]
+        router.score_function.append(name)
+        return scores, None
     why = "neither" if not fits else "more than one"
-    return None, (f"router {router.path}: its top-k weights fit {why} of the score functions {names} of its logits; "
-                  "observe router_scores with tm.observe(...) instead")
+    return None, (f"router {router.path}: its top-k weights fit {why} of the score functions "
+                  f"{', '.join(SCORE_FUNCTIONS)} of its logits; observe router_scores with tm.observe(...) instead")
