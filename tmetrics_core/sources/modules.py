@@ -60,11 +60,14 @@ class ModuleIndex:
         return self.paths.get(id(module), "?")
 
     def layer_of(self, path: str) -> int | None:
-        """Global layer index of the block containing ``path``, or None."""
+        """Global layer index of the block containing ``path``; else the layer of its canonical
+        name (``layers.3.moe``: blocks in lists named otherwise, as Switch Transformers'
+        ``encoder.block``); else None."""
         for block, index in self._block_paths:
             if path == block or path.startswith(block + "."):
                 return index
-        return None
+        named = re.match(r"layers\.(\d+)(?:\.|$)", self.canonical.get(path, ""))
+        return int(named.group(1)) if named else None
 
     def family_of(self, path: str) -> str:
         """The module's name (`name_of`) with the layer index replaced by ``*``."""

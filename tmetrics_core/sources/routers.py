@@ -33,6 +33,10 @@ Recognised (:data:`RECOGNIZERS`):
   ``nn.ModuleList`` of as many experts as the gate has outputs (Mixtral ``block_sparse_moe``,
   Qwen2-MoE, Qwen3-MoE, OLMoE ``mlp``): only the logits, since a 4.x block computes its top-k
   choice inside its own forward (tokens-per-expert needs ``tm.observe`` there);
+- Switch Transformers' ``SwitchTransformersTop1Router`` (transformers 5, one module per expert),
+  returning ``(dispatch mask [.., E], top-1 probability, logits)``: the mask is read as the top-1
+  ids where no token was dropped over an expert's capacity (else the router metrics fail with
+  that reason; the dropped count is not what the router chose);
 - torchtitan's ``TokenChoiceTopKRouter``, returning ``(top-k scores, top-k ids, scores [.., E])``
   with ids global under expert parallelism; DTensor outputs (sequence parallel) are passed as
   they are: their placements say which axis splits the tokens.
@@ -73,10 +77,13 @@ class Recognizer:
         classes: glob on the router's class name (``*Router``, ``TokenChoiceTopKRouter``).
         outputs: the kind each element of the forward output holds: ``router_logits``,
             ``router_topk``, ``router_scores`` (full ``[.., E]`` scores), ``topk_weights`` (the
-            ``[.., k]`` weights the experts are mixed with, used to verify the score function) or
-            None (not read). A single tensor output is the first element.
+            ``[.., k]`` weights the experts are mixed with, used to verify the score function),
+            ``dispatch_mask`` (a ``[.., E]`` 0/1 mask of the experts each token is sent to, read
+            as ``router_topk`` ids where every token is sent to ``k`` experts) or None (not read).
+            A single tensor output is the first element.
         experts: attribute giving ``E``: ``weight`` (its rows) or an int attribute (``num_experts``).
-        top_k: int attribute giving ``k``; None where the router does not choose (4.x gates).
+        top_k: int attribute giving ``k``, or ``k`` itself (top-1 routers without one); None
+            where the router does not choose (4.x gates).
         gate_of_expert_list: the structural 4.x rule: the module is a child named ``gate`` of a
             module holding ``experts`` as an ``nn.ModuleList`` of ``E`` experts.
     """
@@ -85,11 +92,13 @@ class Recognizer:
     classes: str
     outputs: tuple[str | None, ...]
     experts: str
-    top_k: str | None = "top_k"
+    top_k: str | int | None = "top_k"
     gate_of_expert_list: bool = False
 
 
 RECOGNIZERS: tuple[Recognizer, ...] = (
+    Recognizer("transformers", "SwitchTransformersTop1Router", ("dispatch_mask", "topk_weights", "router_logits"),
+               experts="num_experts", top_k=1),
     Recognizer("transformers", "*[Rr]outer", ("router_logits", "topk_weights", "router_topk"), experts="weight"),
     Recognizer("torch", "Linear", ("router_logits",), experts="weight", top_k=None, gate_of_expert_list=True),
     Recognizer("torchtitan", "TokenChoiceTopKRouter", ("topk_weights", "router_topk", "router_scores"),
@@ -148,7 +157,7 @@ def _recognize(rule: Recognizer, path: str, module: torch.nn.Module, parent: tor
         return None
     experts = getattr(module, rule.experts, None)
     experts = int(experts.shape[0]) if isinstance(experts, torch.Tensor) and experts.dim() == 2 else experts
-    k = getattr(module, rule.top_k, None) if rule.top_k is not None else 0
+    k = getattr(module, rule.top_k, None) if isinstance(rule.top_k, str) else rule.top_k or 0
     if not isinstance(experts, int) or experts <= 0 or not isinstance(k, int):
         return None
     if rule.gate_of_expert_list:
@@ -176,7 +185,8 @@ def _hook(router: Router, record: Callable[..., None], fail: Callable[[str, froz
           wanted: frozenset[str]):
     def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
         parts = _read(router.recognizer, out)
-        problem = _check(router, parts)
+        problem = _dispatched(router, parts) if "router_topk" in wanted or "router_scores" in wanted else None
+        problem = problem or _check(router, parts)
         if problem is not None:
             fail(problem, ROUTER_OUTPUT_KINDS)
             return
@@ -196,6 +206,22 @@ def _read(rule: Recognizer, out: Any) -> dict[str, Any]:
     if len(elements) != len(rule.outputs):
         elements = (out,)  # checked by the hook: a tensor of another width fails
     return {kind: value for kind, value in zip(rule.outputs, elements) if kind is not None}
+
+
+def _dispatched(router: Router, parts: dict[str, Any]) -> str | None:
+    """Reads a ``dispatch_mask`` as ``router_topk`` ids ``[.., k]``; the reason it cannot where some
+    token is not sent to exactly ``k`` experts (dropped over an expert's capacity), else None."""
+    mask = parts.pop("dispatch_mask", None)
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.shape[-1] != router.num_experts:
+        return f"router {router.path}: its dispatch mask is not [tokens, {router.num_experts}]"
+    if not bool((mask.sum(dim=-1) == router.top_k).all()):
+        return (f"router {router.path} dropped tokens over an expert's capacity (some token went to other than "
+                f"{router.top_k} experts): tokens per expert would not count what it chose; raise the model's "
+                "expert_capacity, or observe router_topk with tm.observe(...)")
+    parts["router_topk"] = mask.topk(router.top_k, dim=-1).indices
+    return None
 
 
 def _check(router: Router, parts: dict[str, Any]) -> str | None:
