@@ -231,7 +231,8 @@ def _check(router: Router, parts: dict[str, Any]) -> str | None:
         if value is not None and (not isinstance(value, torch.Tensor) or value.shape[-1] != router.num_experts):
             shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             return (f"router {router.path}: its {kind.partition('_')[2]} are {shape}, not [tokens, "
-                    f"{router.num_experts}] as its weight says; observe router outputs with tm.observe(...) instead")
+                    f"{router.num_experts}] as the router module says; observe router outputs with "
+                    "tm.observe(...) instead")
     chosen = parts.get("router_topk")
     if chosen is not None and (not isinstance(chosen, torch.Tensor) or chosen.is_floating_point()
                                or chosen.shape[-1] != router.top_k):
