@@ -168,7 +168,7 @@ class TensorMetrics:
         self._choices = SiteChoices()
         self._static: dict[Hashable, Any] = {}
         self._token_sites = TokenSites()  # token sites and their placement checks, kept across steps
-        self.routers = find_routers(model, self.index)  # routers a framework integration recognises
+        self.routers = find_routers(model, self.index)  # routers of the frameworks sources/routers.py knows
         self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False
         self._closed_by_signal = False
@@ -240,8 +240,8 @@ class TensorMetrics:
                                   path=path)
             counts = {r.num_experts for r in self.routers}
             if kinds & ROUTER_OUTPUT_KINDS and counts and counts != {self._num_experts}:
-                raise ConfigError(f"metric {metric.name!r}: the model's config says {sorted(counts)} experts per "
-                                  f"router but its expert parameters number {self.manifest.num_experts} (global "
+                raise ConfigError(f"metric {metric.name!r}: the model's routers score {sorted(counts)} experts "
+                                  f"each but its expert parameters number {self.manifest.num_experts} (global "
                                   "ids); pass expert_offset= on each expert-parallel rank, or shard the stacked "
                                   "expert tensors as DTensors", path=path)
             if kinds & {"residual_accumulator", "residual_contribution"} and not present["blocks"]:
@@ -338,7 +338,7 @@ class TensorMetrics:
             handles = self.index.install(observer.record, observer.record_residual,
                                          residual="residual_accumulator" in kinds,
                                          contribution="residual_contribution" in kinds, logits="logits" in kinds,
-                                         patterns=patterns, routers=bool(kinds & {"router_topk", "router_scores"}))
+                                         patterns=patterns)
             if self.routers and kinds & ROUTER_OUTPUT_KINDS:
                 handles += install_routers(self.routers, observer.record, observer.fail, kinds)
             reset = _ACTIVE.set(observer)

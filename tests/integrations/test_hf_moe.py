@@ -175,5 +175,5 @@ def test_an_expert_count_that_disagrees_with_the_config_is_refused() -> None:
     from tmetrics_core.errors import ConfigError
 
     model = _model("mixtral")  # 4 experts; an offset of 4 would number them 4..7 of 8
-    with pytest.raises(ConfigError, match=r"config says \[4\] experts per router but its expert parameters number 8"):
+    with pytest.raises(ConfigError, match=r"routers score \[4\] experts each but its expert parameters number 8"):
         TensorMetrics(model, metrics=[(build_metric("layer-expert-tokens"), 1)], expert_offset=4)

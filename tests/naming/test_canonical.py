@@ -407,7 +407,8 @@ def test_unknown_names_keep_their_cleaned_path() -> None:
 
 
 def test_layout_choice() -> None:
-    assert KNOWN_LAYOUTS == ("hf", "hf-gpt2", "hf-gpt-oss", "megatron", "torchtitan", "canonical")
+    assert KNOWN_LAYOUTS == ("hf", "hf-gpt2", "hf-gpt-oss", "hf-switch", "megatron", "torchtitan", "canonical")
+    assert detect_layout(["shared.weight", "encoder.block.0.layer.1.mlp.experts.expert_2.wi.weight"]) == "hf-switch"
     assert detect_layout(["embed.weight", "layers.0.attn.q.weight", "layers.0.moe.experts.3.up.weight"]) == "canonical"
     assert detect_layout(["norm.weight", "layers.0.attention.wq.weight", "output.weight"]) == "torchtitan"
     assert detect_layout(["norm.weight"]) == "hf"

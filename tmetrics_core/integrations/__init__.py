@@ -5,9 +5,7 @@ when the user's objects come from it), so tmetrics never needs a framework it is
   placements from parameter attributes, global layer and expert ids, ``main_grad``, Megatron
   optimizers, router observation), used by ``TensorMetrics.from_config`` with no argument.
 - :mod:`tmetrics_core.integrations.torchtitan`: topology from ``ParallelDims`` or the
-  parameters' meshes, router load from its ``TokenChoiceTopKRouter`` modules.
-- :mod:`tmetrics_core.integrations.hf_moe`: Hugging Face MoE routers (transformers 5 router
-  modules, 4.x gates) recognised for router observation with no user code.
+  parameters' meshes.
 - :mod:`tmetrics_core.integrations.hf`: ``TMetricsCallback`` for the Hugging Face ``Trainer``;
   :mod:`tmetrics_core.integrations.lightning`: ``TMetricsCallback`` for a Lightning ``Trainer``;
   :mod:`tmetrics_core.integrations.accelerate`: ``attach(accelerator, model, optimizer, config)``.

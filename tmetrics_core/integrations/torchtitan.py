@@ -1,5 +1,6 @@
 """torchtitan without glue: the topology from its ``ParallelDims`` (or from the DeviceMeshes the
-parameters carry), and router load from its MoE routers.
+parameters carry). Its ``TokenChoiceTopKRouter`` modules are observed by
+`tmetrics_core.sources.routers`, like every framework's routers.
 
 torchtitan builds two meshes over the same ranks: a dense one, ``(pp, dp_replicate, fsdp, tp)``
 (``dp_shard`` and ``cp`` instead of ``fsdp`` under its ``spmd_types`` and ``full_dtensor``

@@ -52,7 +52,7 @@ _PROJECTIONS = ("gate", "up", "down", "fc1", "fc2")
 COMPONENTS: frozenset[str] = frozenset(
     {"embed", "pos_embed", "final_norm", "head", "attn_norm", "mlp_norm"}
     | {f"attn.{p}" for p in ("q", "k", "v", "qkv", "o", "q_norm", "k_norm", "kv_norm")}
-    | {f"attn.{p}" for p in ("q_down", "q_up", "kv_down", "kv_up")}
+    | {f"attn.{p}" for p in ("q_down", "q_up", "kv_down", "kv_up", "rel_bias")}
     | {f"mlp.{p}" for p in (*_PROJECTIONS, "gate_up")}
     | {"moe.router", "moe.shared_gate"}
     | {f"moe.experts.{p}" for p in (*_PROJECTIONS, "gate_up")}

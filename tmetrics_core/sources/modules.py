@@ -16,7 +16,7 @@ import torch
 
 from tmetrics_core.naming.canonical import canonicalize, strip_wrappers
 
-__all__ = ["ROUTERS", "ModuleIndex"]
+__all__ = ["ModuleIndex"]
 
 _BLOCK_LISTS = ("layers", "h", "blocks", "decoder.layers", "transformer.h", "model.layers")
 _HEADS = ("head", "lm_head", "output", "output_layer")
@@ -53,8 +53,6 @@ class ModuleIndex:
                 self.blocks.append((path, int(path.rpartition(".")[2]), module))
             if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
                 self.head = (path, module)
-        self.routers = [(m, ROUTERS[type(m).__name__]) for _, m in self.named if type(m).__name__ in ROUTERS]
-        """Router modules of known frameworks (`ROUTERS`) with their output readers."""
         self._block_paths = sorted(((p, i) for p, i, _ in self.blocks), key=lambda pi: -len(pi[0]))
 
     def path(self, module: torch.nn.Module) -> str:
@@ -62,11 +60,14 @@ class ModuleIndex:
         return self.paths.get(id(module), "?")
 
     def layer_of(self, path: str) -> int | None:
-        """Global layer index of the block containing ``path``, or None."""
+        """Global layer index of the block containing ``path``; else the layer of its canonical
+        name (``layers.3.moe``: blocks in lists named otherwise, as Switch Transformers'
+        ``encoder.block``); else None."""
         for block, index in self._block_paths:
             if path == block or path.startswith(block + "."):
                 return index
-        return None
+        named = re.match(r"layers\.(\d+)(?:\.|$)", self.canonical.get(path, ""))
+        return int(named.group(1)) if named else None
 
     def family_of(self, path: str) -> str:
         """The module's name (`name_of`) with the layer index replaced by ``*``."""
@@ -95,10 +96,9 @@ class ModuleIndex:
         return self.canonical.get(path, path)
 
     def install(self, record: Callable[..., None], record_residual: Callable[..., None], *, residual: bool,
-                contribution: bool, logits: bool, patterns: Sequence[str], routers: bool = False) -> list[Any]:
-        """Register the forward hooks a step needs; returns handles to remove at its end.
-        ``routers``: hook the routers of known frameworks (`ROUTERS`) for their top-k choices
-        and scores.
+                contribution: bool, logits: bool, patterns: Sequence[str]) -> list[Any]:
+        """Register the forward hooks a step needs; returns handles to remove at its end
+        (routers are hooked by `tmetrics_core.sources.routers`).
         ``record(module, name, tensor, kind=, shard_dim=)`` receives each output;
         ``record_residual(module, h, x, accumulator=)`` a block's output ``h`` and, for the
         contribution ``h - x``, its input ``x`` (None when not wanted or not of ``h``'s shape)."""
@@ -113,32 +113,10 @@ class ModuleIndex:
             handles.append(head.register_forward_hook(
                 lambda m, args, out: record(m, "", _first(out), kind="logits",
                                             shard_dim=1 if _first(out).shape[-1] < vocab else None)))
-        if routers:
-            for module, reader in self.routers:
-                handles.append(module.register_forward_hook(
-                    lambda m, args, out, reader=reader: reader(record, m, out)))
         for _, module in self.matching(patterns):
             handles.append(module.register_forward_hook(
                 lambda m, args, out: record(m, "", _first(out), kind="activation", shard_dim=None)))
         return handles
-
-
-def _torchtitan_router(record: Callable[..., None], module: torch.nn.Module, out: Any) -> None:
-    """torchtitan's ``TokenChoiceTopKRouter`` returns ``(top-k scores, top-k expert ids,
-    scores)``, each ``[batch, seq, *]``: the ids are global expert indices (the router scores
-    every expert, under expert parallelism too), the scores the post-sigmoid/softmax
-    probabilities before the load-balancing bias. DTensor outputs (sequence parallel) are
-    passed as they are: their placements say which axis splits the tokens."""
-    _, ids, scores = out
-    record(module, "router_topk", ids, kind="router_topk", shard_dim=None)
-    record(module, "router_scores", scores, kind="router_scores", shard_dim=None)
-
-
-ROUTERS: dict[str, Callable[[Callable[..., None], torch.nn.Module, Any], None]] = {
-    "TokenChoiceTopKRouter": _torchtitan_router,
-}
-"""Router module class name -> the reader of its output, for routers observed with no code in
-the model (hooks installed only on steps where a due metric reads router outputs)."""
 
 
 def _canonical_modules(model: torch.nn.Module, layer_offset: int) -> dict[str, str]:

@@ -108,11 +108,12 @@ class TokenObserver:
         self._row_buffer: torch.Tensor | None = None
         self._rows_used = 0
 
-    def fail(self, reason: str) -> None:
-        """Fail this step's metrics that read router outputs with ``reason`` (an automatically
-        found router whose output is not what it was recognised as); the first reason is kept."""
+    def fail(self, reason: str, kinds: frozenset[str] | None = None) -> None:
+        """Fail this step's metrics that read any of ``kinds`` (router outputs by default) with
+        ``reason`` (an automatically found router whose output is not what it was recognised
+        as); the first reason is kept."""
         for metric in self.metrics:
-            if set(metric.source_kinds) & ROUTER_KINDS:
+            if set(metric.source_kinds) & (ROUTER_KINDS if kinds is None else kinds):
                 self.errors.setdefault(metric.name, reason)
 
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,

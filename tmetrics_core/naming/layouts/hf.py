@@ -7,7 +7,11 @@ intermediate]``) build them. ``HF_GPT2`` is GPT-2, whose ``Conv1D`` stores weigh
 ``[in, out]``. ``HF_GPT_OSS`` is GPT-OSS: its router is ``mlp.router`` (with a bias) and its
 stacked experts are stored ``[E, in, out]`` (``gate_up_proj`` ``[E, hidden, 2 * intermediate]``
 with gate and up columns interleaved, not in halves), so each expert's ``gate_up`` is one
-slice, transposed, and not split into parts.
+slice, transposed, and not split into parts. ``HF_SWITCH`` is the encoder of Switch
+Transformers (``SwitchTransformersEncoderModel``), the one MoE of transformers 5 that keeps one
+module per expert (``experts.expert_{e}``, a ``ModuleDict`` of ``wi``/``wo`` MLPs) and its router
+weight in ``router.classifier``; encoder-decoder models (two stacks numbered from 0 each) are not
+named by it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ __all__ = [
     "HF",
     "HF_GPT2",
     "HF_GPT_OSS",
+    "HF_SWITCH",
 ]
 
 HF = Layout(
@@ -143,5 +148,28 @@ HF_GPT_OSS = Layout(
             expert_dim=0,
             each="layers.{L}.moe.experts.{E}.down.bias",
         ),
+    ),
+)
+
+HF_SWITCH = Layout(
+    name="hf-switch",
+    roots=("encoder.",),
+    block="block.{L}.",
+    rules=(
+        Rule("shared.weight", "embed.weight"),
+        Rule("embed_tokens.weight", "embed.weight"),
+        Rule("final_layer_norm.weight", "final_norm.weight"),
+        Rule("block.{L}.layer.0.layer_norm.weight", "layers.{L}.attn_norm.weight"),
+        Rule("block.{L}.layer.0.SelfAttention.q.weight", "layers.{L}.attn.q.weight"),
+        Rule("block.{L}.layer.0.SelfAttention.k.weight", "layers.{L}.attn.k.weight"),
+        Rule("block.{L}.layer.0.SelfAttention.v.weight", "layers.{L}.attn.v.weight"),
+        Rule("block.{L}.layer.0.SelfAttention.o.weight", "layers.{L}.attn.o.weight"),
+        Rule("block.{L}.layer.0.SelfAttention.relative_attention_bias.weight", "layers.{L}.attn.rel_bias.weight"),
+        Rule("block.{L}.layer.1.layer_norm.weight", "layers.{L}.mlp_norm.weight"),
+        Rule("block.{L}.layer.1.mlp.wi.weight", "layers.{L}.mlp.fc1.weight"),
+        Rule("block.{L}.layer.1.mlp.wo.weight", "layers.{L}.mlp.fc2.weight"),
+        Rule("block.{L}.layer.1.mlp.router.classifier.{P}", "layers.{L}.moe.router.{P}"),
+        Rule("block.{L}.layer.1.mlp.experts.expert_{E}.wi.weight", "layers.{L}.moe.experts.{E}.fc1.weight"),
+        Rule("block.{L}.layer.1.mlp.experts.expert_{E}.wo.weight", "layers.{L}.moe.experts.{E}.fc2.weight"),
     ),
 )
