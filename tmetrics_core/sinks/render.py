@@ -177,9 +177,9 @@ class StepRenderer:
                 continue
             if nonfinite:
                 out.scalars.append((add(metric, labels.substat("nonfinite")), float(nonfinite)))
-        for (metric, stat), items in cells.items():
-            labels = Labels(stat=stat)
-            out.heatmaps.append((add(metric, labels.substat(HEATMAP_STAT)), self._heatmap(metric, labels, items)))
+        for (name, grid_stat), items in cells.items():
+            grid = Labels(stat=grid_stat)
+            out.heatmaps.append((add(name, grid.substat(HEATMAP_STAT)), self._heatmap(name, grid, items)))
         return out
 
     def _scalar(self, out: Rendered, cells: dict[tuple[str, str | None], list[tuple[int, int, float]]],
