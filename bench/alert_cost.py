@@ -31,7 +31,7 @@ from tmetrics_core.demo.instrument import DEFAULT_CONFIG
 from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
 from tmetrics_core.demo.train import TrainConfig, Trainer
-from tmetrics_core.records import MetricRecord
+from tmetrics_core.records import Labels, MetricRecord
 from tmetrics_core.tensor_metrics import TensorMetrics
 from tmetrics_core.demo.topology import Topology
 
@@ -65,11 +65,11 @@ def synthetic_records(layers: int, experts: int, step: int, rng: random.Random) 
                "layer-router-decision-entropy", "layer-dead-experts", "layer-router-z-loss")
     out = [MetricRecord("global-grad-l2", step, 1 + 0.1 * rng.random())]
     for layer in range(layers):
-        out += [MetricRecord(name, step, 1 + 0.1 * rng.random(), layer=layer) for name in scalars]
-        out += [MetricRecord("layer-grad-nonfinite", step, 0.0, layer=layer, stat=s) for s in ("nan", "inf")]
+        out += [MetricRecord(name, step, 1 + 0.1 * rng.random(), labels=Labels(layer=layer)) for name in scalars]
+        out += [MetricRecord("layer-grad-nonfinite", step, 0.0, labels=Labels(layer=layer, stat=s)) for s in ("nan", "inf")]
         out.append(MetricRecord("layer-expert-tokens", step, tuple(100 + 10 * rng.random() for _ in range(experts)),
-                                layer=layer))
-        out += [MetricRecord("layer-expert-load-imbalance", step, 1.1, layer=layer, stat=s)
+                                labels=Labels(layer=layer)))
+        out += [MetricRecord("layer-expert-load-imbalance", step, 1.1, labels=Labels(layer=layer, stat=s))
                 for s in ("max_over_mean", "cv")]
     return out
 

@@ -34,8 +34,8 @@ from typing import Any, Callable
 import torch
 
 from tmetrics_core.hub.sink_hub import SinkHub
-from tmetrics_core.sinks.keys import MLFLOW_RULES, TENSORBOARD_RULES, WANDB_RULES, render_key
-from tmetrics_core.records import MetricRecord, RunInfo
+from tmetrics_core.sinks.keys import MLFLOW_RULES, TENSORBOARD_RULES, WANDB_RULES, KeyBook
+from tmetrics_core.records import Labels, MetricRecord, RunInfo
 
 __all__ = ["main"]
 
@@ -46,7 +46,7 @@ METRIC = "layer-expert-activation"
 def make_records(step: int) -> list[MetricRecord]:
     """18,432 scalar records of one step."""
     return [
-        MetricRecord(METRIC, step, step + layer * 0.01 + expert * 1e-4 + s, layer=layer, expert=expert, stat=stat)
+        MetricRecord(METRIC, step, step + layer * 0.01 + expert * 1e-4 + s, labels=Labels(layer=layer, expert=expert, stat=stat))
         for layer in range(LAYERS)
         for expert in range(EXPERTS)
         for s, stat in enumerate(STATS)
@@ -75,7 +75,7 @@ def direct_tensorboard(root: Path) -> tuple[Callable[[list[MetricRecord], int], 
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(root / "direct-tb"))
-    keys = [render_key(r, TENSORBOARD_RULES) for r in make_records(0)]
+    keys = [KeyBook(TENSORBOARD_RULES).add(r.metric, r.labels) for r in make_records(0)]
 
     def log(records: list[MetricRecord], step: int) -> None:
         for key, record in zip(keys, records):
@@ -91,7 +91,7 @@ def direct_mlflow(root: Path) -> tuple[Callable[[list[MetricRecord], int], None]
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'direct-mlflow.db'}")
     experiment = client.create_experiment("direct", artifact_location=(root / "direct-artifacts").as_uri())
     run_id = client.create_run(experiment).info.run_id
-    keys = [render_key(r, MLFLOW_RULES) for r in make_records(0)]
+    keys = [KeyBook(MLFLOW_RULES).add(r.metric, r.labels) for r in make_records(0)]
 
     def log(records: list[MetricRecord], step: int) -> None:
         now = int(time.time() * 1000)
@@ -108,7 +108,7 @@ def direct_wandb(root: Path) -> tuple[Callable[[list[MetricRecord], int], None],
     run = wandb.init(project="bench", dir=str(root), mode="offline", reinit="create_new", settings=wandb.Settings(console="off"))
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
-    keys = [render_key(r, WANDB_RULES) for r in make_records(0)]
+    keys = [KeyBook(WANDB_RULES).add(r.metric, r.labels) for r in make_records(0)]
 
     def log(records: list[MetricRecord], step: int) -> None:
         data: dict[str, Any] = {key: record.value for key, record in zip(keys, records)}
@@ -122,14 +122,14 @@ def hub_sink(name: str, root: Path) -> Any:
     if name == "tensorboard":
         from tmetrics_tb import TensorBoardSink
 
-        return TensorBoardSink(log_dir=str(root / "hub-tb"))
+        return TensorBoardSink(log_dir=str(root / "hub-tb"), expert_scalars=True)
     if name == "mlflow":
         from tmetrics_mlflow import MlflowSink
 
-        return MlflowSink(tracking_uri=f"sqlite:///{root / 'hub-mlflow.db'}", experiment="hub")
+        return MlflowSink(tracking_uri=f"sqlite:///{root / 'hub-mlflow.db'}", experiment="hub", expert_scalars=True)
     from tmetrics_wandb import WandbSink
 
-    return WandbSink(mode="offline", dir=str(root / "hub-wandb"), heatmap_every=0)
+    return WandbSink(mode="offline", dir=str(root / "hub-wandb"), heatmap_every=0, expert_scalars=True)
 
 
 DIRECT = {"tensorboard": direct_tensorboard, "mlflow": direct_mlflow, "wandb": direct_wandb}

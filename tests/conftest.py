@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 import pytest
 
 from tmetrics_core.sinks.keys import PLAIN_RULES, KeyRules
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo, RunStatus
 
 LAYERS = 4
 EXPERTS = 3
@@ -158,29 +158,29 @@ def make_step_records(step: int) -> list[MetricRecord]:
     s = step
     out = [MetricRecord("global-grad-l2", s, 1.5 * s), MetricRecord("output-entropy", s, math.nan)]
     for i in range(LAYERS):
-        out.append(MetricRecord("layer-grad-l2", s, s + i / 10, layer=i))
-        out.append(MetricRecord("layer-expert-load-imbalance", s, 1 + i / 10, layer=i, stat="max_over_mean"))
+        out.append(MetricRecord("layer-grad-l2", s, s + i / 10, labels=Labels(layer=i)))
+        out.append(MetricRecord("layer-expert-load-imbalance", s, 1 + i / 10, labels=Labels(layer=i, stat="max_over_mean")))
         out.append(
-            MetricRecord("layer-expert-tokens", s, tuple(float(10 * s + e + i) for e in range(EXPERTS)), layer=i)
+            MetricRecord("layer-expert-tokens", s, tuple(float(10 * s + e + i) for e in range(EXPERTS)), labels=Labels(layer=i))
         )
         out.append(
             MetricRecord(
                 "layer-grad-histogram",
                 s,
                 Histogram(edges=(1e-3, 1e-2, 1e-1, 1.0), counts=(i, 2, 3 + s), zeros=1, nan=i % 2, posinf=1),
-                layer=i,
+                labels=Labels(layer=i),
             )
         )
         for e in range(EXPERTS):
-            out.append(MetricRecord("layer-router-expert-bias", s, s * 0.5 + e - i, layer=i, expert=e))
-    out.append(MetricRecord("tensor-grad-l2", s, math.inf, tensor="layers.0.attn.q.weight"))
-    out.append(MetricRecord("family-grad-l2", s, -math.inf, tensor="layers.*.attn.q.weight"))
+            out.append(MetricRecord("layer-router-expert-bias", s, s * 0.5 + e - i, labels=Labels(layer=i, expert=e)))
+    out.append(MetricRecord("tensor-grad-l2", s, math.inf, labels=Labels(tensor="layers.0.attn.q.weight")))
+    out.append(MetricRecord("family-grad-l2", s, -math.inf, labels=Labels(tensor="layers.*.attn.q.weight")))
     return out
 
 
 def rows(records: Sequence[MetricRecord]) -> list[tuple[Any, ...]]:
     """Records as comparable tuples (NaN compares equal through its JSON form)."""
-    return [(r.step, r.metric, tuple(r.labels.items()), repr(r.value_json())) for r in records]
+    return [(r.step, r.metric, tuple(r.labels.as_dict().items()), repr(r.value_json())) for r in records]
 
 
 @pytest.fixture

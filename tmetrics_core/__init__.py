@@ -29,6 +29,7 @@ from tmetrics_core.placements import Replica
 from tmetrics_core.placements import Shard
 from tmetrics_core.placements import StridedShard
 from tmetrics_core.records import Histogram
+from tmetrics_core.records import Labels
 from tmetrics_core.records import MetricRecord
 from tmetrics_core.records import RunInfo
 from tmetrics_core.sinks.registry import MetricSink
@@ -43,6 +44,7 @@ __all__ = [
     "FlatBuffer",
     "FlatShard",
     "Histogram",
+    "Labels",
     "MetricRecord",
     "MetricResult",
     "MetricSink",

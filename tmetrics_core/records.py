@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Mapping, Union
 
 __all__ = [
     "Histogram",
+    "Labels",
     "MetricRecord",
     "RunInfo",
     "RunStatus",
@@ -89,24 +90,87 @@ Value = Union[float, tuple[float, ...], Histogram]
 
 
 @dataclass(frozen=True, slots=True)
+class Labels:
+    """Which slice of the model a value describes: the one label type from result to sink.
+
+    ``layer`` and ``expert`` are global indices (pipeline and expert offsets applied),
+    ``tensor`` a canonical tensor name (``"layers.3.attn.q.weight"``) or a family name
+    (``"layers.*.attn.q.weight"``), ``stat`` a sub-statistic of a multi-valued metric
+    (``"max_over_mean"``); ``None`` where the label does not apply. A metric name plus its
+    ``Labels`` identify one series; backends render the pair into a key
+    (:mod:`tmetrics_core.sinks.keys`).
+    """
+
+    layer: int | None = None
+    expert: int | None = None
+    tensor: str | None = None
+    stat: str | None = None
+
+    NAMES: ClassVar[tuple[str, ...]] = ("layer", "expert", "tensor", "stat")
+    """The label names, in the fixed order of keys, JSON objects and tables."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The labels that are set, in the order :data:`NAMES` (the ``labels`` object of the
+        ``jsonl`` and spool lines and of alerts)."""
+        return {name: value for name in self.NAMES if (value := getattr(self, name)) is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Labels":
+        """Inverse of :meth:`as_dict`; indices are converted with ``int``.
+
+        Raises:
+            KeyError: a name outside :data:`NAMES`.
+        """
+        unknown = set(data) - set(cls.NAMES)
+        if unknown:
+            raise KeyError(f"unknown labels {sorted(unknown)}; valid: {list(cls.NAMES)}")
+        layer, expert = data.get("layer"), data.get("expert")
+        return cls(layer=None if layer is None else int(layer), expert=None if expert is None else int(expert),
+                   tensor=data.get("tensor"), stat=data.get("stat"))
+
+    def where(self) -> str:
+        """The labels as words: ``layer 5 expert 7`` (``global`` when none is set)."""
+        return " ".join(f"{k} {v}" for k, v in self.as_dict().items()) or "global"
+
+    def substat(self, name: str) -> "Labels":
+        """These labels with ``stat`` ``name`` (``<stat>-<name>`` when a stat is set): a value
+        derived from this one, such as the ``nonfinite`` count of a histogram."""
+        return Labels(self.layer, self.expert, self.tensor, name if self.stat is None else f"{self.stat}-{name}")
+
+
+@dataclass(frozen=True, slots=True)
 class MetricRecord:
     """One finished value of one metric at one step.
 
-    ``metric`` is the catalogue name (``"layer-grad-l2"``); the labels say which slice of the
-    model it describes: ``layer`` and ``expert`` are global indices (pipeline and expert
-    offsets applied), ``tensor`` a canonical tensor name (``"layers.3.attn.q.weight"``) or a
-    family name (``"layers.*.attn.q.weight"``), ``stat`` a sub-statistic of a multi-valued metric
-    (``"max_over_mean"``). A value is identical on every rank; only the logging rank builds
-    records.
+    ``metric`` is the catalogue name (``"layer-grad-l2"``); ``labels`` say which slice of the
+    model it describes (:class:`Labels`). A value is identical on every rank; only the logging
+    rank builds records.
     """
 
     metric: str
     step: int
     value: Value
-    layer: int | None = None
-    expert: int | None = None
-    tensor: str | None = None
-    stat: str | None = None
+    labels: Labels = Labels()
+
+    @property
+    def layer(self) -> int | None:
+        """``labels.layer``."""
+        return self.labels.layer
+
+    @property
+    def expert(self) -> int | None:
+        """``labels.expert``."""
+        return self.labels.expert
+
+    @property
+    def tensor(self) -> str | None:
+        """``labels.tensor``."""
+        return self.labels.tensor
+
+    @property
+    def stat(self) -> str | None:
+        """``labels.stat``."""
+        return self.labels.stat
 
     @property
     def kind(self) -> Literal["scalar", "vector", "histogram"]:
@@ -117,16 +181,6 @@ class MetricRecord:
             return "vector"
         return "scalar"
 
-    @property
-    def labels(self) -> dict[str, Any]:
-        """The labels that are set, in the fixed order layer, expert, tensor, stat."""
-        out: dict[str, Any] = {}
-        for name in ("layer", "expert", "tensor", "stat"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        return out
-
     def value_json(self) -> Any:
         """The value as JSON: a number (NaN and infinities as the strings ``"NaN"``,
         ``"Infinity"``, ``"-Infinity"``), a list of numbers, or a histogram object."""
@@ -136,18 +190,17 @@ class MetricRecord:
             return [_float_json(v) for v in self.value]
         return _float_json(self.value)
 
-    def elements(self) -> list[tuple[tuple[str, int | None, int | None, str | None, str | None], float]]:
-        """A vector value as one labelled scalar per element, ``((metric, layer, expert, tensor,
-        stat), value)``: element ``i`` is expert ``i`` when the record names no expert (tokens
-        per expert of a layer), else the stat ``element_i`` (``<stat>-element_i`` with a stat).
-        Sinks use it so every tracker shows the same per-expert series. Empty for non-vectors."""
+    def elements(self) -> list[tuple[Labels, float]]:
+        """A vector value as one labelled scalar per element: element ``i`` is expert ``i``
+        when the labels name no expert (tokens per expert of a layer), else the stat
+        ``element_i`` (``<stat>-element_i`` with a stat). Sinks and alert rules use it so every
+        tracker shows the same per-expert series. Empty for non-vectors."""
         if not isinstance(self.value, tuple):
             return []
-        if self.expert is None:
-            return [((self.metric, self.layer, i, self.tensor, self.stat), float(v)) for i, v in enumerate(self.value)]
-        return [((self.metric, self.layer, self.expert, self.tensor,
-                  f"element_{i}" if self.stat is None else f"{self.stat}-element_{i}"), float(v))
-                for i, v in enumerate(self.value)]
+        labels = self.labels
+        if labels.expert is None:
+            return [(Labels(labels.layer, i, labels.tensor, labels.stat), float(v)) for i, v in enumerate(self.value)]
+        return [(labels.substat(f"element_{i}"), float(v)) for i, v in enumerate(self.value)]
 
     @staticmethod
     def value_from_json(data: Any) -> Value:

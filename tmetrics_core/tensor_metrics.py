@@ -55,7 +55,7 @@ from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
 from tmetrics_core.placements import Placement
 from tmetrics_core.sources.param_program import ParamProgram
-from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
+from tmetrics_core.records import Labels, MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer, read_buffers
@@ -288,8 +288,8 @@ class TensorMetrics:
             for kind in set(metric.source_kinds) & (PARAM_KINDS | OPTIMIZER_KINDS):
                 for site in self.manifest.sites(kind):
                     if metric.accepts(site):
-                        labels.add((metric.name, site.layer, site.expert, site.name, None) if scope == "tensor"
-                                   else (metric.name, None, None, site.family or site.name, None))
+                        labels.add((metric.name, Labels(site.layer, site.expert, site.name) if scope == "tensor"
+                                    else Labels(tensor=site.family or site.name)))
         layer_width, expert_width = index_widths(self.manifest.num_layers, self.manifest.num_experts)
         for sink, rules in key_rules.items():
             try:
@@ -821,8 +821,7 @@ class TensorMetrics:
             self._say_missing_gradients(step)
         self._checked.update(m.name for m, _, _ in due)
         records = [
-            MetricRecord(metric=name, step=step, value=r.value, layer=r.layer, expert=r.expert, tensor=r.tensor,
-                         stat=r.stat)
+            MetricRecord(metric=name, step=step, value=r.value, labels=r.labels)
             for name, rs in results.items() for r in rs
         ]
         self.last_records = records

@@ -5,13 +5,18 @@ worker thread, and MLflow's fluent "active run" is per thread. Metrics go in ``l
 chunks of at most ``batch_size`` (MLflow accepts 1,000 per call), synchronously.
 
 Keys are those of :mod:`tmetrics_core.sinks.keys` under :data:`~tmetrics_core.sinks.keys.MLFLOW_RULES`.
-Values:
+What each record becomes is decided by :class:`~tmetrics_core.sinks.render.StepRenderer`
+(without distributions, with heatmaps):
 
 - scalar: one metric (NaN is stored; MLflow stores +-Inf as +-1.797e308);
 - vector: one metric per element, the element index as the expert
-  (``layer-expert-tokens/layer_03/expert_017``): what people compare across runs;
+  (``layer-expert-tokens/layer_03/expert_017``);
 - histogram: three summary metrics ``<key>/total``, ``<key>/zeros`` and ``<key>/nonfinite``
-  (``<key>/<stat>-total`` ... with a stat), never the bins.
+  (``<key>/<stat>-total`` ... with a stat), never the bins;
+- per-(layer, expert) values (``layer-router-expert-bias``, tokens per expert): one image per
+  metric and step, layers x experts, with ``log_image(key=<metric>/layer_x_expert, step=...)``
+  (artifacts ``images/<metric>~layer_x_expert+step+...png``), instead of one metric per expert
+  unless ``expert_scalars`` is true.
 
 The run gets the run's topology and model as tags (``RunInfo.tags``), the config as params
 (see :mod:`tmetrics_mlflow.params`) and as ``tmetrics/config.json``, the manifest as
@@ -36,14 +41,15 @@ from urllib.parse import urlparse
 
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.sinks.keys import MLFLOW_RULES, KeyBook, KeyRules, index_widths
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_core.sinks.keys import MLFLOW_RULES, KeyRules
+from tmetrics_core.sinks.render import StepRenderer
+from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.config.redact import redact
 from tmetrics_mlflow.params import flatten_params
 
 __all__ = ["MlflowSink", "check_tracking_uri"]
 
-_OPTIONS = ("tracking_uri", "experiment", "run_name", "batch_size", "run_id")
+_OPTIONS = ("tracking_uri", "experiment", "run_name", "batch_size", "run_id", "expert_scalars")
 _MAX_BATCH = 1000
 _MAX_PARAMS_PER_BATCH = 100
 _TAG_VALUE_LIMIT = 5000
@@ -55,7 +61,6 @@ _ACCEPTED = (
     "databricks or databricks://PROFILE",
 )
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
-_HISTOGRAM_STATS = ("total", "zeros", "nonfinite")
 
 
 def check_tracking_uri(uri: Any, *, path: str = "sinks.mlflow.tracking_uri") -> str:
@@ -97,6 +102,8 @@ class MlflowSink:
             Trainer's ``report_to="mlflow"`` started, see ``TMetricsCallback(report_to=True)``)
             instead of creating one; ``experiment`` and ``run_name`` are then unused, no tags are
             set, and ``close`` leaves the run's status to its owner.
+        expert_scalars (bool, optional): also log every per-(layer, expert) value as its own
+            metric (default false: one layer x expert image per metric and step).
 
     Raises:
         ConfigError: an unknown option or an invalid value (path ``sinks.mlflow.<option>``).
@@ -104,7 +111,7 @@ class MlflowSink:
 
     name = "mlflow"
     key_rules: KeyRules = MLFLOW_RULES
-    requires = ("mlflow",)
+    requires = ("mlflow", "matplotlib")
 
     def __init__(
         self,
@@ -114,6 +121,7 @@ class MlflowSink:
         run_name: str | None = None,
         batch_size: int = _MAX_BATCH,
         run_id: str | None = None,
+        expert_scalars: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -135,10 +143,12 @@ class MlflowSink:
         self.batch_size = batch_size
         if run_id is not None and not (isinstance(run_id, str) and run_id.strip()):
             raise ConfigError(f"got {run_id!r}; need the id of an existing MLflow run", path=f"sinks.{self.name}.run_id")
+        if not isinstance(expert_scalars, bool):
+            raise ConfigError(f"got {expert_scalars!r}; need true or false", path=f"sinks.{self.name}.expert_scalars")
         self._client: Any = None
         self.run_id: str | None = run_id
         self._owns_run = run_id is None
-        self._book = KeyBook(MLFLOW_RULES)
+        self._renderer = StepRenderer(MLFLOW_RULES, distributions=False, heatmaps=True, expert_scalars=expert_scalars)
         self._alerts: list[dict[str, Any]] = []
         self._opened = 0
 
@@ -168,8 +178,7 @@ class MlflowSink:
             database = Path(uri[len("sqlite:///") :])
             database.parent.mkdir(parents=True, exist_ok=True)
             artifact_root = (database.resolve().parent / "mlartifacts").as_uri()
-        layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
-        self._book = KeyBook(MLFLOW_RULES, layer_width=layer_width, expert_width=expert_width)
+        self._renderer.open(run)
         self._client = MlflowClient(tracking_uri=uri)
         if self.run_id is None:
             experiment_id = self._experiment_id(self.experiment or run.name, artifact_root)
@@ -191,7 +200,8 @@ class MlflowSink:
         client.log_text(run_id, json.dumps(redact(config), indent=2, default=str), "tmetrics/config.json")
 
     def write(self, records: Sequence[MetricRecord], step: int) -> None:
-        """Log every record of one step in ``log_batch`` chunks of ``batch_size``.
+        """Log every record of one step in ``log_batch`` chunks of ``batch_size``, then its
+        heatmaps as images.
 
         A chunk that fails raises; earlier chunks of the call stay logged (MLflow has no
         transaction across calls), so a retried step may hold a value twice, identically.
@@ -205,9 +215,12 @@ class MlflowSink:
 
         client, run_id = self._require_open()
         timestamp = int(time.time() * 1000)
-        metrics = [Metric(key, value, timestamp, step) for key, value in self._values(records)]
+        rendered = self._renderer.render(records)
+        metrics = [Metric(key, value, timestamp, step) for key, value in rendered.scalars]
         for start in range(0, len(metrics), self.batch_size):
             client.log_batch(run_id, metrics=metrics[start : start + self.batch_size], synchronous=True)
+        for key, heatmap in rendered.heatmaps:
+            client.log_image(run_id, heatmap.image(), key=key, step=step, timestamp=timestamp, synchronous=True)
 
     def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
         """Set the alert tags and rewrite ``tmetrics/alerts.json`` with every alert so far.
@@ -267,19 +280,3 @@ class MlflowSink:
                 path=f"sinks.{self.name}.experiment",
             )
         return experiment.experiment_id
-
-    def _values(self, records: Sequence[MetricRecord]) -> list[tuple[str, float]]:
-        add = self._book.add
-        out: list[tuple[str, float]] = []
-        for r in records:
-            value = r.value
-            if isinstance(value, Histogram):
-                counts = (value.total, value.zeros, value.nan + value.posinf + value.neginf)
-                for stat, count in zip(_HISTOGRAM_STATS, counts):
-                    label = stat if r.stat is None else f"{r.stat}-{stat}"
-                    out.append((add(r.metric, r.layer, r.expert, r.tensor, label), float(count)))
-            elif isinstance(value, tuple):
-                out.extend((add(*labels), element) for labels, element in r.elements())
-            else:
-                out.append((add(r.metric, r.layer, r.expert, r.tensor, r.stat), float(value)))
-        return out

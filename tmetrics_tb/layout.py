@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import re
 
-from tmetrics_core.sinks.keys import TENSORBOARD_RULES, LabelTuple
+from tmetrics_core.records import Labels
+from tmetrics_core.sinks.keys import TENSORBOARD_RULES
 
 __all__ = ["CONFIG_TAG", "ScalarLayout"]
 
@@ -70,7 +71,7 @@ class ScalarLayout:
 
     def __init__(self, *, layer_width: int = 2) -> None:
         self._categories: dict[str, dict[str, str]] = {}
-        self._seen: set[LabelTuple] = set()
+        self._seen: set[tuple[str, Labels]] = set()
         self._layer_width = layer_width
 
     @property
@@ -78,20 +79,20 @@ class ScalarLayout:
         """Category title -> chart title -> tag regex, in the order they first appeared."""
         return {title: dict(charts) for title, charts in self._categories.items()}
 
-    def add(self, labels: LabelTuple) -> bool:
-        """Place the scalar series of ``labels``; True when this added a chart."""
-        if labels in self._seen:
+    def add(self, metric: str, labels: Labels) -> bool:
+        """Place the scalar series ``metric`` with ``labels``; True when this added a chart."""
+        if (metric, labels) in self._seen:
             return False
-        self._seen.add(labels)
-        category, title, regex = self._chart(labels)
+        self._seen.add((metric, labels))
+        category, title, regex = self._chart(metric, labels)
         charts = self._categories.setdefault(category, {})
         if title in charts:
             return False
         charts[title] = regex
         return True
 
-    def _chart(self, labels: LabelTuple) -> tuple[str, str, str]:
-        metric, layer, expert, tensor, stat = labels
+    def _chart(self, metric: str, labels: Labels) -> tuple[str, str, str]:
+        layer, expert, tensor, stat = labels.layer, labels.expert, labels.tensor, labels.stat
         seg = TENSORBOARD_RULES.segment
         head = _literal(seg(metric))
         tail = "" if stat is None else "/" + _literal(seg(stat))

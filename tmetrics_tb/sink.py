@@ -1,4 +1,4 @@
-"""``TensorBoardSink``: records as TensorBoard scalars, histograms and a custom-scalars layout.
+"""``TensorBoardSink``: records as TensorBoard scalars, histograms, images and a custom-scalars layout.
 
 Everything goes into one event file in one directory (``<run.dir>/tb`` by default): no
 ``add_scalars`` or ``add_hparams`` sub-runs. Each ``write`` is one event holding every value of
@@ -6,16 +6,19 @@ the step, written by :class:`~tmetrics_tb.event_file.EventFile`: for 18k scalars
 of worker time against about 1 s for one ``SummaryWriter.add_scalar`` call per value.
 
 Tags are the keys of :mod:`tmetrics_core.sinks.keys` under :data:`~tmetrics_core.sinks.keys.TENSORBOARD_RULES`
-(``layer-grad-l2/layer_03``), so TensorBoard groups them by metric family. Values:
+(``layer-grad-l2/layer_03``), so TensorBoard groups them by metric family. What each record
+becomes is decided by :class:`~tmetrics_core.sinks.render.StepRenderer` (with distributions and
+heatmaps); here:
 
 - scalar: a scalar series (NaN and infinities kept as such);
 - histogram: a TensorBoard histogram built from the bin edges and counts (exact zeros become a
-  zero-width bucket at 0); the count of NaN and infinite values, which have no bin, is written
-  as the scalar ``<key>/nonfinite`` (``<key>/<stat>-nonfinite`` with a stat) when it is not 0;
-- vector (e.g. tokens per expert): one scalar per element, labelled as
-  :meth:`~tmetrics_core.records.MetricRecord.elements` says (``layer-expert-tokens/layer_02/expert_003``,
-  one line per expert in the layer's custom-scalars chart), and a histogram of its finite
-  elements, plus the same ``nonfinite`` scalar.
+  zero-width bucket at 0), plus the scalar ``<key>/nonfinite`` when NaN or infinite values were
+  counted;
+- vector (e.g. tokens per expert of a layer): a histogram of its finite elements and its
+  elements as scalars (expert ``i``), plus the same ``nonfinite`` scalar;
+- per-(layer, expert) scalars (``layer-router-expert-bias``, tokens per expert): one layer x
+  expert image per metric and step in the Images tab (``<metric>/layer_x_expert``), instead of
+  one series per expert unless ``expert_scalars`` is true.
 
 An empty histogram (or one whose values are all non-finite) is written with zero counts, so the
 series has every step.
@@ -38,14 +41,15 @@ import yaml
 
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.sinks.keys import TENSORBOARD_RULES, KeyBook, KeyRules, index_widths
+from tmetrics_core.sinks.keys import TENSORBOARD_RULES, KeyRules
+from tmetrics_core.sinks.render import Heatmap, StepRenderer
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
 from tmetrics_tb.event_file import EventFile
 from tmetrics_tb.layout import CONFIG_TAG, ScalarLayout
 
 __all__ = ["TensorBoardSink"]
 
-_OPTIONS = ("log_dir", "flush_secs")
+_OPTIONS = ("log_dir", "flush_secs", "expert_scalars")
 _VECTOR_BINS = 30
 
 
@@ -56,6 +60,8 @@ class TensorBoardSink:
         log_dir (str, optional): the event-file directory; defaults to ``<run.dir>/tb``.
         flush_secs (float, optional): at most this many seconds between writes to disk
             (default 10); ``flush()`` writes at once.
+        expert_scalars (bool, optional): also write every per-(layer, expert) value as its own
+            scalar series (default false: one layer x expert image per metric and step).
 
     Raises:
         ConfigError: an unknown option or an invalid value (path ``sinks.tensorboard.<option>``).
@@ -63,9 +69,10 @@ class TensorBoardSink:
 
     name = "tensorboard"
     key_rules: KeyRules = TENSORBOARD_RULES
-    requires = ("tensorboard", "yaml")
+    requires = ("tensorboard", "yaml", "matplotlib")
 
-    def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, flush_secs: float = 10.0, **unknown: Any) -> None:
+    def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, flush_secs: float = 10.0,
+                 expert_scalars: bool = False, **unknown: Any) -> None:
         if unknown:
             bad = sorted(unknown)[0]
             raise ConfigError(
@@ -75,13 +82,15 @@ class TensorBoardSink:
             raise ConfigError(f"got {log_dir!r}; need a directory path (a string)", path=f"sinks.{self.name}.log_dir")
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs > 0:
             raise ConfigError(f"got {flush_secs!r}; need a number of seconds > 0", path=f"sinks.{self.name}.flush_secs")
+        if not isinstance(expert_scalars, bool):
+            raise ConfigError(f"got {expert_scalars!r}; need true or false", path=f"sinks.{self.name}.expert_scalars")
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.flush_secs = float(flush_secs)
         self._writer: EventFile | None = None
-        self._book = KeyBook(TENSORBOARD_RULES)
+        self._renderer = StepRenderer(TENSORBOARD_RULES, distributions=True, heatmaps=True, expert_scalars=expert_scalars)
         self._layout = ScalarLayout()
         self._layout_dirty = False
-        self._scalar_prefixes: dict[tuple[Any, ...], bytes] = {}
+        self._scalar_prefixes: dict[str, bytes] = {}
         self._last_step = 0
 
     def open(self, run: RunInfo) -> None:
@@ -95,9 +104,8 @@ class TensorBoardSink:
             log_dir = self.log_dir if self.log_dir is not None else Path(run.dir) / "tb"
             log_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir = log_dir
-            layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
-            self._book = KeyBook(TENSORBOARD_RULES, layer_width=layer_width, expert_width=expert_width)
-            self._layout = ScalarLayout(layer_width=layer_width)
+            self._renderer.open(run)
+            self._layout = ScalarLayout(layer_width=self._renderer.book.layer_width)
             self._writer = EventFile(log_dir, flush_secs=self.flush_secs)
         facts = {"name": run.name, "dir": run.dir, "tags": dict(run.tags), "metrics": list(run.metrics)}
         self._write_text("tmetrics/run", facts, step=0)
@@ -106,14 +114,14 @@ class TensorBoardSink:
         """Write ``config`` as YAML text under the tag ``tmetrics/config`` (Text tab)."""
         self._write_text("tmetrics/config", config, step=0)
 
-    def _prefix(self, labels: tuple) -> bytes:
-        """The encoded scalar-value prefix of the tag for ``labels`` (cached; a new tag joins
-        the custom-scalars layout)."""
-        prefix = self._scalar_prefixes.get(labels)
+    def _prefix(self, key: str) -> bytes:
+        """The encoded scalar-value prefix of the tag ``key`` (cached; a new tag joins the
+        custom-scalars layout)."""
+        prefix = self._scalar_prefixes.get(key)
         if prefix is None:
-            prefix = _scalar_prefix(self._book.add(*labels))
-            self._layout_dirty |= self._layout.add(labels)
-            self._scalar_prefixes[labels] = prefix
+            prefix = _scalar_prefix(key)
+            self._layout_dirty |= self._layout.add(*self._renderer.book.series(key))
+            self._scalar_prefixes[key] = prefix
         return prefix
 
     def write(self, records: Sequence[MetricRecord], step: int) -> None:
@@ -126,31 +134,16 @@ class TensorBoardSink:
         from tensorboard.compat.proto import summary_pb2
 
         self._require_open()
+        rendered = self._renderer.render(records)
         scalars: list[bytes] = []
-        histograms: list[Any] = []
-        for record in records:
-            labels = (record.metric, record.layer, record.expert, record.tensor, record.stat)
-            value = record.value
-            if isinstance(value, (Histogram, tuple)):
-                if isinstance(value, Histogram):
-                    histo = _histogram_proto(value)
-                    nonfinite = value.nan + value.posinf + value.neginf
-                else:
-                    histo = _vector_proto(value)
-                    nonfinite = sum(1 for v in value if not math.isfinite(v))
-                    for element_labels, element in record.elements():
-                        scalars.append(self._prefix(element_labels))
-                        scalars.append(_float32(element))
-                histograms.append(summary_pb2.Summary.Value(tag=self._book.add(*labels), histo=histo))
-                if not nonfinite:
-                    continue
-                stat = "nonfinite" if record.stat is None else f"{record.stat}-nonfinite"
-                labels = (record.metric, record.layer, record.expert, record.tensor, stat)
-                value = float(nonfinite)
-            scalars.append(self._prefix(labels))
+        for key, value in rendered.scalars:
+            scalars.append(self._prefix(key))
             scalars.append(_float32(value))
         summary = summary_pb2.Summary.FromString(b"".join(scalars))
-        summary.value.extend(histograms)
+        summary.value.extend(
+            summary_pb2.Summary.Value(tag=key, histo=_histogram_proto(v) if isinstance(v, Histogram) else _vector_proto(v))
+            for key, v in rendered.distributions)
+        summary.value.extend(summary_pb2.Summary.Value(tag=key, image=_image_proto(h)) for key, h in rendered.heatmaps)
         if self._layout_dirty:
             summary.value.append(_layout_value(self._layout))
         self._add(summary, step)
@@ -249,6 +242,14 @@ def _layout_value(layout: ScalarLayout) -> Any:
         string_val=[layout.proto().SerializeToString()],
     )
     return summary_pb2.Summary.Value(tag=CONFIG_TAG, tensor=tensor, metadata=metadata.create_summary_metadata())
+
+
+def _image_proto(heatmap: Heatmap) -> Any:
+    """TensorBoard's ``Summary.Image`` of a heatmap: an RGB PNG, layers as rows."""
+    from tensorboard.compat.proto import summary_pb2
+
+    height, width = (side * heatmap.cell_pixels for side in heatmap.values.shape)
+    return summary_pb2.Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=heatmap.png())
 
 
 def _histogram_proto(hist: Histogram) -> Any:

@@ -15,9 +15,12 @@ Values:
   bin holding 0, or to an extra bin ``[0, first edge)``; NaN and infinities, which
   ``wandb.Histogram`` refuses, are counted in the scalar ``<key>/nonfinite``
   (``<key>/<stat>-nonfinite`` with a stat) whenever there are any;
-- vector: one scalar per element, labelled as :meth:`~tmetrics_core.records.MetricRecord.elements`
-  says (``layer-expert-tokens/layer_02/expert_003``: a line per expert), and a
-  ``wandb.Histogram`` of its finite elements, plus the same ``nonfinite`` scalar.
+- vector: a ``wandb.Histogram`` of its finite elements, plus the same ``nonfinite`` scalar, and
+  its elements as scalars (element ``i`` is expert ``i``, see
+  :class:`~tmetrics_core.sinks.render.StepRenderer`);
+- per-(layer, expert) scalars (``layer-router-expert-bias``, tokens per expert): one
+  ``wandb.Image`` per metric and step, layers x experts (``<metric>/layer_x_expert``, the value
+  range in its caption), instead of a line per expert unless ``expert_scalars`` is true.
 
 Every ``heatmap_every`` steps, each per-layer scalar series (layer label, no expert or tensor)
 is also logged as an image ``<metric>/heatmap`` (``<metric>/<stat>-heatmap``): layers x steps.
@@ -40,8 +43,9 @@ from urllib.parse import urlparse
 
 from tmetrics_core.alerts.alert import COLUMNS, Alert
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.sinks.keys import WANDB_RULES, KeyBook, KeyRules, index_widths
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_core.sinks.keys import WANDB_RULES, KeyRules
+from tmetrics_core.sinks.render import StepRenderer
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo, RunStatus
 from tmetrics_wandb.heatmap import LayerHeatmap
 
 __all__ = ["ALERTS_KEY", "STEP_KEY", "WandbSink"]
@@ -54,7 +58,8 @@ STEP_KEY = "tmetrics/step"
 ALERTS_KEY = "tmetrics/alerts"
 """The key of the alerts table."""
 
-_OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every", "heatmap_metrics", "reuse_run")
+_OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every", "heatmap_metrics", "reuse_run",
+            "expert_scalars")
 _MODES = ("online", "offline", "disabled")
 _Mode = Literal["online", "offline", "disabled"]
 _VECTOR_BINS = 30
@@ -101,6 +106,8 @@ class WandbSink:
             one; ``project``, ``entity``, ``mode``, ``dir``, ``name`` and ``tags`` are then
             unused, only tmetrics' own keys get ``tmetrics/step`` as their x axis, the config
             goes under ``tmetrics`` in the run config, and ``close`` leaves the run to its owner.
+        expert_scalars (bool, optional): also log every per-(layer, expert) value as its own
+            scalar (default false: one layer x expert image per metric and step).
 
     Raises:
         ConfigError: an unknown option or an invalid value (path ``sinks.wandb.<option>``).
@@ -122,6 +129,7 @@ class WandbSink:
         heatmap_every: int = 100,
         heatmap_metrics: Sequence[str] | None = None,
         reuse_run: bool = False,
+        expert_scalars: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -150,11 +158,13 @@ class WandbSink:
         if not isinstance(reuse_run, bool):
             raise _option_error("reuse_run", f"got {reuse_run!r}; need true or false")
         self.reuse_run = reuse_run
+        if not isinstance(expert_scalars, bool):
+            raise _option_error("expert_scalars", f"got {expert_scalars!r}; need true or false")
+        self._renderer = StepRenderer(WANDB_RULES, distributions=True, heatmaps=True, expert_scalars=expert_scalars)
         self._metric_names: tuple[str, ...] = ()
         self._run: Any = None
         self._alert_rows: list[list[Any]] = []
         self._set_env: list[str] = []
-        self._book = KeyBook(WANDB_RULES)
         self._heatmaps: dict[tuple[str, str | None], LayerHeatmap] = {}
         self._next_heatmap = heatmap_every
         self._last_step = 0
@@ -172,12 +182,11 @@ class WandbSink:
         if self._run is not None:
             self._declare_step()
             return
-        layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
+        self._renderer.open(run)
         if self.reuse_run:
             if wandb.run is None:
                 raise RuntimeError("reuse_run: no active W&B run in this process (wandb.run is None); start it "
                                    "before tmetrics opens its sinks, or drop reuse_run for a run of tmetrics' own")
-            self._book = KeyBook(WANDB_RULES, layer_width=layer_width, expert_width=expert_width)
             self._metric_names = run.metrics
             self._run = wandb.run
             self._declare_step()
@@ -197,7 +206,6 @@ class WandbSink:
                 base / "wandb",
                 base / "wandb" / "offline-run-*",
             )
-        self._book = KeyBook(WANDB_RULES, layer_width=layer_width, expert_width=expert_width)
         self._run = wandb.init(
             project=self.project,
             entity=self.entity,
@@ -234,27 +242,19 @@ class WandbSink:
         import wandb
 
         run = self._require_open()
+        rendered = self._renderer.render(records)
         data: dict[str, Any] = {STEP_KEY: step}
+        data.update(rendered.scalars)
+        for key, value in rendered.distributions:
+            # wandb annotates np_histogram as two ndarrays; it takes lists as well (it calls
+            # .tolist() only where there is one), and lists keep the counts exact ints.
+            data[key] = (wandb.Histogram(np_histogram=_bins_with_zeros(value))  # type: ignore[arg-type]
+                         if isinstance(value, Histogram) else _vector_histogram(wandb, value))
+        for key, heatmap in rendered.heatmaps:
+            data[key] = wandb.Image(heatmap.image(), caption=heatmap.caption())
         for record in records:
-            key = self._book.add(record.metric, record.layer, record.expert, record.tensor, record.stat)
-            value = record.value
-            if isinstance(value, Histogram):
-                # wandb annotates np_histogram as two ndarrays; it takes lists as well (it calls
-                # .tolist() only where there is one), and lists keep the counts exact ints.
-                data[key] = wandb.Histogram(np_histogram=_bins_with_zeros(value))  # type: ignore[arg-type]
-                nonfinite = value.nan + value.posinf + value.neginf
-            elif isinstance(value, tuple):
-                data[key] = _vector_histogram(wandb, value)
-                data.update((self._book.add(*labels), element) for labels, element in record.elements())
-                nonfinite = sum(1 for v in value if not math.isfinite(v))
-            else:
-                data[key] = float(value)
-                if self._draws_heatmap(record):
-                    self._heatmap(record.metric, record.stat).add(step, record.layer, float(value))  # type: ignore[arg-type]
-                continue
-            if nonfinite:
-                stat = "nonfinite" if record.stat is None else f"{record.stat}-nonfinite"
-                data[self._book.add(record.metric, record.layer, record.expert, record.tensor, stat)] = float(nonfinite)
+            if self._draws_heatmap(record):
+                self._heatmap(record.metric, record.labels.stat).add(step, record.labels.layer, record.value)  # type: ignore[arg-type]
         if self.heatmap_every and step >= self._next_heatmap:
             data.update(self._heatmap_images(wandb))
             self._next_heatmap = step + self.heatmap_every
@@ -307,7 +307,9 @@ class WandbSink:
         return self._run
 
     def _draws_heatmap(self, record: MetricRecord) -> bool:
-        if not self.heatmap_every or record.layer is None or record.expert is not None or record.tensor is not None:
+        labels = record.labels
+        if not self.heatmap_every or record.kind != "scalar" or labels.layer is None or labels.expert is not None \
+                or labels.tensor is not None:
             return False
         return self.heatmap_metrics is None or record.metric in self.heatmap_metrics
 
@@ -322,7 +324,7 @@ class WandbSink:
         images: dict[str, Any] = {}
         for (metric, stat), heatmap in self._heatmaps.items():
             if heatmap.changed:
-                key = self._book.add(metric, stat="heatmap" if stat is None else f"{stat}-heatmap")
+                key = self._renderer.book.add(metric, Labels(stat=stat).substat("heatmap"))
                 images[key] = wandb.Image(heatmap.image(), caption=f"{heatmap.title}: layer x step")
         return images
 

@@ -10,7 +10,11 @@ from tmetrics_core.alerts import Alert, AlertEngine
 from tmetrics_core.config.alerts import AlertsConfig, parse_alerts
 from tmetrics_core.config.schema import load_config
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.records import MetricRecord as R
+from tmetrics_core.records import Labels, MetricRecord
+
+
+def R(metric: str, step: int, value, **labels) -> MetricRecord:
+    return MetricRecord(metric, step, value, Labels(**labels))
 
 
 def engine(*rules: dict, **options) -> AlertEngine:

@@ -11,7 +11,11 @@ from tmetrics_core.alerts import AlertEngine
 from tmetrics_core.cli.main import main
 from tmetrics_core.config.alerts import parse_alerts
 from tmetrics_core.demo.instrument import alert_note
-from tmetrics_core.records import MetricRecord as R
+from tmetrics_core.records import Labels, MetricRecord
+
+
+def R(metric: str, step: int, value, **labels) -> MetricRecord:
+    return MetricRecord(metric, step, value, Labels(**labels))
 
 
 def _run_dir(tmp_path, *, inject=None):

@@ -14,7 +14,7 @@ from tmetrics_core.config.alerts import parse_alerts
 from tmetrics_core.hub.replay import replay
 from tmetrics_core.hub.sink_hub import SinkHub
 from tmetrics_core.hub.spool import SpoolReader
-from tmetrics_core.records import MetricRecord, RunInfo
+from tmetrics_core.records import Labels, MetricRecord, RunInfo
 from tmetrics_core.sinks.keys import PLAIN_RULES
 from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -91,7 +91,7 @@ def test_a_sink_failing_on_alerts_keeps_its_records_and_spools_the_alerts(tmp_pa
     hub = SinkHub([plain, showing, broken], spool_dir=tmp_path / "spool", alerts=engine, retries=1, backoff=0.0)
     hub.open(RunInfo(name="r", dir=str(tmp_path)))
     for step, value in ((1, 0.5), (2, 2.0), (3, 3.0), (4, 0.5)):
-        hub.submit([MetricRecord("m", step, value, layer=0)], step)
+        hub.submit([MetricRecord("m", step, value, labels=Labels(layer=0))], step)
     report = hub.close()
     assert plain.steps == showing.steps == broken.steps == [1, 2, 3, 4]
     assert [(a.step, a.state) for a in showing.alerts] == [(2, "open"), (4, "closed")]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_core.hub.spool import SpoolConfig, SpoolReader, SpoolWriter, spool_path
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,7 +39,7 @@ def test_round_trip_keeps_run_config_and_every_value(tmp_path, sample_run, step_
 def test_line_format_is_strict_json_with_the_sink_name(tmp_path):
     path = tmp_path / "s.jsonl"
     writer = SpoolWriter(path, sink="tensorboard")
-    writer.write_records([MetricRecord("layer-grad-l2", 7, math.inf, layer=3, stat="max")])
+    writer.write_records([MetricRecord("layer-grad-l2", 7, math.inf, labels=Labels(layer=3, stat="max"))])
     line = path.read_text().splitlines()[0]
     assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) == {
         "step": 7,
@@ -144,10 +144,7 @@ def _records(draw):
         metric=draw(st.text(min_size=1, max_size=30)),
         step=draw(st.integers(min_value=0, max_value=2**40)),
         value=value,
-        layer=draw(_label),
-        expert=draw(_label),
-        tensor=draw(_text),
-        stat=draw(_text),
+        labels=Labels(layer=draw(_label), expert=draw(_label), tensor=draw(_text), stat=draw(_text)),
     )
 
 

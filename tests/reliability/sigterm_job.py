@@ -36,7 +36,7 @@ def main(run_dir: Path) -> None:
                 model(x).pow(2).mean().backward()
                 optimizer.step()
                 optimizer.zero_grad()
-            produced.write("".join(json.dumps({"step": r.step, "metric": r.metric, "labels": r.labels,
+            produced.write("".join(json.dumps({"step": r.step, "metric": r.metric, "labels": r.labels.as_dict(),
                                                "value": r.value_json()}) + "\n" for r in metrics.last_records))
             produced.flush()
             progress.write(f"{step}\n")

@@ -52,7 +52,7 @@ def main(run_dir: Path, rank: int, world: int, port: int, steps: int) -> None:
             optimizer.step()
             optimizer.zero_grad()
         if produced is not None and progress is not None:
-            produced.write("".join(json.dumps({"step": r.step, "metric": r.metric, "labels": r.labels,
+            produced.write("".join(json.dumps({"step": r.step, "metric": r.metric, "labels": r.labels.as_dict(),
                                                "value": r.value_json()}) + "\n" for r in metrics.last_records))
             produced.flush()
             progress.write(f"{step}\n")

@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 
 LAYERS = 3
 EXPERTS = 4
@@ -21,17 +21,17 @@ def make_records(step: int) -> list[MetricRecord]:
     s = step
     out = [MetricRecord("global-grad-l2", s, 1.5 * s)]
     for i in range(LAYERS):
-        out.append(MetricRecord("layer-grad-l2", s, s + i / 10, layer=i))
-        out.append(MetricRecord("layer-expert-load-imbalance", s, 1 + i / 10 + s / 100, layer=i, stat="max_over_mean"))
-        out.append(MetricRecord("layer-expert-load-imbalance", s, i / 5 + s / 1000, layer=i, stat="cv"))
-        out.append(MetricRecord("layer-expert-tokens", s, tuple(float(10 * s + e + i) for e in range(EXPERTS)), layer=i))
+        out.append(MetricRecord("layer-grad-l2", s, s + i / 10, labels=Labels(layer=i)))
+        out.append(MetricRecord("layer-expert-load-imbalance", s, 1 + i / 10 + s / 100, labels=Labels(layer=i, stat="max_over_mean")))
+        out.append(MetricRecord("layer-expert-load-imbalance", s, i / 5 + s / 1000, labels=Labels(layer=i, stat="cv")))
+        out.append(MetricRecord("layer-expert-tokens", s, tuple(float(10 * s + e + i) for e in range(EXPERTS)), labels=Labels(layer=i)))
         hist = Histogram(edges=(1e-3, 1e-2, 1e-1, 1.0), counts=(i, 2, 3 + s), zeros=1, nan=1 if i == 0 else 0)
-        out.append(MetricRecord("layer-grad-histogram", s, hist, layer=i))
-        out.append(MetricRecord("tensor-grad-l2", s, 2.0 * s + i, tensor=f"layers.{i}.attn.q.weight"))
+        out.append(MetricRecord("layer-grad-histogram", s, hist, labels=Labels(layer=i)))
+        out.append(MetricRecord("tensor-grad-l2", s, 2.0 * s + i, labels=Labels(tensor=f"layers.{i}.attn.q.weight")))
         for e in range(EXPERTS):
-            out.append(MetricRecord("layer-router-expert-bias", s, s * 0.5 + e - i, layer=i, expert=e))
-    out.append(MetricRecord("tensor-grad-l2", s, 0.25 * s, tensor="embed.weight"))
-    out.append(MetricRecord("family-grad-l2", s, 3.0 * s, tensor="layers.*.attn.q.weight"))
+            out.append(MetricRecord("layer-router-expert-bias", s, s * 0.5 + e - i, labels=Labels(layer=i, expert=e)))
+    out.append(MetricRecord("tensor-grad-l2", s, 0.25 * s, labels=Labels(tensor="embed.weight")))
+    out.append(MetricRecord("family-grad-l2", s, 3.0 * s, labels=Labels(tensor="layers.*.attn.q.weight")))
     out.append(MetricRecord("output-entropy", s, math.nan if s == 2 else 4.0 - s / 10))
     return out
 

@@ -14,7 +14,7 @@ CONFIG_TAG = "custom_scalars__config__"
 
 
 class TensorBoardLog:
-    """Everything one event directory holds: scalars, histograms, text and the layout."""
+    """Everything one event directory holds: scalars, histograms, images, text and the layout."""
 
     def __init__(self, accumulator: EventAccumulator) -> None:
         self._acc = accumulator
@@ -22,6 +22,7 @@ class TensorBoardLog:
         self.scalar_tags: set[str] = set(tags["scalars"])
         self.histogram_tags: set[str] = set(tags["histograms"])
         self.tensor_tags: set[str] = set(tags["tensors"])
+        self.image_tags: set[str] = set(tags["images"])
 
     def scalars(self, tag: str) -> list[tuple[int, float]]:
         return [(e.step, e.value) for e in self._acc.Scalars(tag)]
@@ -29,6 +30,10 @@ class TensorBoardLog:
     def histograms(self, tag: str) -> list[tuple[int, Any]]:
         """``(step, HistogramValue(min, max, num, sum, sum_squares, bucket_limit, bucket))``."""
         return [(e.step, e.histogram_value) for e in self._acc.Histograms(tag)]
+
+    def images(self, tag: str) -> list[tuple[int, int, int, bytes]]:
+        """``(step, height, width, PNG bytes)`` per image event of ``tag``."""
+        return [(e.step, e.height, e.width, e.encoded_image_string) for e in self._acc.Images(tag)]
 
     def text(self, tag: str) -> str:
         events = self._acc.Tensors(tag)
@@ -50,6 +55,6 @@ class TensorBoardLog:
 
 
 def read_log(log_dir: str | Path) -> TensorBoardLog:
-    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0, "images": 0})
     accumulator.Reload()
     return TensorBoardLog(accumulator)

@@ -14,7 +14,7 @@ from tests.sinks.readback_tensorboard import read_log
 from tests.sinks.readback_wandb import find_run_file, read_run
 from tmetrics_core.alerts import Alert, AlertEngine
 from tmetrics_core.config.alerts import parse_alerts
-from tmetrics_core.records import MetricRecord, RunInfo
+from tmetrics_core.records import Labels, MetricRecord, RunInfo
 from tmetrics_core.sinks.console import ConsoleSink
 from tmetrics_core.sinks.jsonl import JsonlSink
 from tmetrics_mlflow import MlflowSink
@@ -31,7 +31,7 @@ def _steps() -> list[tuple[int, list[MetricRecord], list[Alert]]]:
     for step in (1, 2, 3):
         records = make_records(step)
         if step == 3:
-            records = [MetricRecord(r.metric, r.step, 1.0, layer=r.layer) if r.metric == "layer-grad-l2" else r
+            records = [MetricRecord(r.metric, r.step, 1.0, labels=Labels(layer=r.layer)) if r.metric == "layer-grad-l2" else r
                        for r in records]
         out.append((step, records, engine.observe(records, step)))
     return out
@@ -112,11 +112,11 @@ def test_wandb_nan_alert_is_an_error_and_a_table_row(run_info: RunInfo, tmp_path
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_SILENT", "true")
     engine = AlertEngine(parse_alerts({"rules": []}))
-    nan_alerts = engine.observe([MetricRecord("layer-grad-l2", 1, 0.5, layer=0)], 1) + engine.observe(
-        [MetricRecord("layer-grad-l2", 2, math.nan, layer=0)], 2)
+    nan_alerts = engine.observe([MetricRecord("layer-grad-l2", 1, 0.5, labels=Labels(layer=0))], 1) + engine.observe(
+        [MetricRecord("layer-grad-l2", 2, math.nan, labels=Labels(layer=0))], 2)
     sink = WandbSink(mode="offline", dir=str(tmp_path / "wb"))
     sink.open(run_info)
-    sink.write([MetricRecord("layer-grad-l2", 2, math.nan, layer=0)], 2)
+    sink.write([MetricRecord("layer-grad-l2", 2, math.nan, labels=Labels(layer=0))], 2)
     sink.write_alerts(nan_alerts, 2)
     sink.close("finished")
     path = find_run_file(tmp_path / "wb")
@@ -140,5 +140,5 @@ def test_mlflow_tags_and_alerts_artifact(run_info: RunInfo, mlflow_uri: str) -> 
 
 def test_nan_values_survive_every_format() -> None:
     engine = AlertEngine(parse_alerts({"rules": []}))
-    alert = engine.observe([MetricRecord("layer-grad-l2", 7, math.nan, layer=1)], 7)[0]
+    alert = engine.observe([MetricRecord("layer-grad-l2", 7, math.nan, labels=Labels(layer=1))], 7)[0]
     assert alert.to_json()["value"] == "NaN" and alert.row()[9] != alert.row()[9]

@@ -6,25 +6,25 @@ import numpy as np
 import pytest
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.records import MetricRecord, RunInfo
+from tmetrics_core.records import Labels, MetricRecord, RunInfo
 from tmetrics_mlflow import MlflowSink, compare_runs
 
 
 def _log_run(uri: str, tmp_path: Path, name: str, scale: float, *, extra: bool = False, experiment: str = "cmp") -> str:
     """Layers 0..11 of layer-grad-l2 = scale * (layer + 1) * step, a stat table, a tensor
     metric and a global one, at steps 1 and 2."""
-    sink = MlflowSink(tracking_uri=uri, experiment=experiment, run_name=name)
+    sink = MlflowSink(tracking_uri=uri, experiment=experiment, run_name=name, expert_scalars=True)
     sink.open(RunInfo(name=name, dir=str(tmp_path / name), num_layers=12, num_experts=2))
     for step in (1, 2):
         records = [MetricRecord("global-grad-l2", step, scale * 10 * step)]
         for layer in range(12):
-            records.append(MetricRecord("layer-grad-l2", step, scale * (layer + 1) * step, layer=layer))
-            records.append(MetricRecord("layer-expert-load-imbalance", step, 1.0 + layer / 100, layer=layer, stat="cv"))
-        records.append(MetricRecord("layer-expert-tokens", step, (scale * 4.0, 6.0), layer=0))
-        records.append(MetricRecord("tensor-grad-l2", step, scale * 0.5, tensor="layers.10.attn.q.weight"))
-        records.append(MetricRecord("tensor-grad-l2", step, scale * 0.25, tensor="layers.9.attn.q.weight"))
+            records.append(MetricRecord("layer-grad-l2", step, scale * (layer + 1) * step, labels=Labels(layer=layer)))
+            records.append(MetricRecord("layer-expert-load-imbalance", step, 1.0 + layer / 100, labels=Labels(layer=layer, stat="cv")))
+        records.append(MetricRecord("layer-expert-tokens", step, (scale * 4.0, 6.0), labels=Labels(layer=0)))
+        records.append(MetricRecord("tensor-grad-l2", step, scale * 0.5, labels=Labels(tensor="layers.10.attn.q.weight")))
+        records.append(MetricRecord("tensor-grad-l2", step, scale * 0.25, labels=Labels(tensor="layers.9.attn.q.weight")))
         if extra:
-            records.append(MetricRecord("layer-update-ratio", step, 0.01, layer=0))
+            records.append(MetricRecord("layer-update-ratio", step, 0.01, labels=Labels(layer=0)))
         sink.write(records, step)
     sink.close("finished")
     assert sink.run_id is not None

@@ -8,7 +8,7 @@ import pytest
 
 from tmetrics_core.sinks.console import ConsoleSink
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,14 +17,14 @@ RUN = RunInfo(name="r", dir=".", num_layers=24, num_experts=8)
 
 def _step(step: int) -> list[MetricRecord]:
     out = [MetricRecord("global-grad-l2", step, 1.23456), MetricRecord("output-entropy", step, 3.5)]
-    out += [MetricRecord("layer-grad-l2", step, 0.5 + layer, layer=layer) for layer in range(24)]
-    out[5] = MetricRecord("layer-grad-l2", step, math.nan, layer=3)
-    out += [MetricRecord("layer-expert-tokens", step, (4.0, 0.0, 812.0), layer=layer) for layer in (2, 5)]
+    out += [MetricRecord("layer-grad-l2", step, 0.5 + layer, labels=Labels(layer=layer)) for layer in range(24)]
+    out[5] = MetricRecord("layer-grad-l2", step, math.nan, labels=Labels(layer=3))
+    out += [MetricRecord("layer-expert-tokens", step, (4.0, 0.0, 812.0), labels=Labels(layer=layer)) for layer in (2, 5)]
     out += [
-        MetricRecord("layer-grad-histogram", step, Histogram(edges=(0.0, 1.0), counts=(10,), nan=1), layer=layer)
+        MetricRecord("layer-grad-histogram", step, Histogram(edges=(0.0, 1.0), counts=(10,), nan=1), labels=Labels(layer=layer))
         for layer in range(2)
     ]
-    out.append(MetricRecord("layer-expert-load-imbalance", step, 1.5, layer=7, stat="max_over_mean"))
+    out.append(MetricRecord("layer-expert-load-imbalance", step, 1.5, labels=Labels(layer=7, stat="max_over_mean")))
     return out
 
 
@@ -56,7 +56,7 @@ def test_expert_positions_use_the_run_widths(capsys):
     sink = ConsoleSink()
     sink.open(RunInfo(name="r", dir=".", num_layers=200, num_experts=2000))
     sink.write(
-        [MetricRecord("layer-router-expert-bias", 1, v, layer=5, expert=e) for e, v in ((3, -1.0), (1500, 2.0))], 1
+        [MetricRecord("layer-router-expert-bias", 1, v, labels=Labels(layer=5, expert=e)) for e, v in ((3, -1.0), (1500, 2.0))], 1
     )
     assert capsys.readouterr().out.splitlines()[1].split("  ")[2:4] == [
         "min -1 @ layer 005 expert 0003",

@@ -9,8 +9,8 @@ import pytest
 
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.jsonl import JsonlSink
-from tmetrics_core.sinks.keys import PLAIN_RULES, index_widths, render_key
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo
+from tmetrics_core.sinks.keys import PLAIN_RULES, KeyBook, index_widths
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_core.hub.spool import SpoolReader
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,11 +28,11 @@ def test_one_object_per_record_with_the_documented_fields(tmp_path):
     sink.write(
         [
             MetricRecord("global-grad-l2", 5, 1.25),
-            MetricRecord("layer-grad-l2", 5, math.nan, layer=3),
-            MetricRecord("layer-expert-tokens", 5, (1.0, 2.0, math.inf), layer=3),
-            MetricRecord("layer-router-expert-bias", 5, -0.5, layer=11, expert=17, stat="mean"),
-            MetricRecord("layer-grad-histogram", 5, hist, layer=0),
-            MetricRecord("family-grad-l2", 5, 2.0, tensor="layers.*.mlp.up.weight"),
+            MetricRecord("layer-grad-l2", 5, math.nan, labels=Labels(layer=3)),
+            MetricRecord("layer-expert-tokens", 5, (1.0, 2.0, math.inf), labels=Labels(layer=3)),
+            MetricRecord("layer-router-expert-bias", 5, -0.5, labels=Labels(layer=11, expert=17, stat="mean")),
+            MetricRecord("layer-grad-histogram", 5, hist, labels=Labels(layer=0)),
+            MetricRecord("family-grad-l2", 5, 2.0, labels=Labels(tensor="layers.*.mlp.up.weight")),
         ],
         5,
     )
@@ -79,7 +79,8 @@ def test_keys_use_the_run_widths(tmp_path, step_records):
     sink.write(records, 1)
     sink.close("finished")
     layer_width, expert_width = index_widths(120, 1024)
-    expected = [render_key(r, PLAIN_RULES, layer_width=layer_width, expert_width=expert_width) for r in records]
+    book = KeyBook(PLAIN_RULES, layer_width=layer_width, expert_width=expert_width)
+    expected = [book.add(r.metric, r.labels) for r in records]
     keys = [line["key"] for line in _lines(tmp_path / "metrics.jsonl")]
     assert keys == expected and "layer-router-expert-bias/layer_000/expert_0002" in keys
 

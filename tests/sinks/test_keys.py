@@ -17,15 +17,19 @@ from tmetrics_core.sinks.keys import (
     KeyRules,
     check_collisions,
     index_widths,
-    render_key,
 )
-from tmetrics_core.records import Histogram, MetricRecord
+from tmetrics_core.records import Histogram, Labels, MetricRecord
 
 ALL_RULES = (PLAIN_RULES, TENSORBOARD_RULES, MLFLOW_RULES, WANDB_RULES)
 
 
 def rec(metric: str, **labels: object) -> MetricRecord:
-    return MetricRecord(metric=metric, step=1, value=1.0, **labels)  # type: ignore[arg-type]
+    return MetricRecord(metric=metric, step=1, value=1.0, labels=Labels(**labels))  # type: ignore[arg-type]
+
+
+def render_key(record: MetricRecord, rules: KeyRules = PLAIN_RULES, **widths: int) -> str:
+    """The key of one record alone, from a fresh book."""
+    return KeyBook(rules, **widths).add(record.metric, record.labels)
 
 
 # record -> (plain, tensorboard, mlflow, wandb)
@@ -72,7 +76,7 @@ def test_render_table(record: MetricRecord, expected: tuple[str, str, str, str])
 def test_value_kind_does_not_change_key() -> None:
     hist = Histogram(edges=(0.0, 1.0), counts=(3,))
     for value in (1.0, (1.0, 2.0), hist):
-        r = MetricRecord(metric="layer-grad-histogram", step=5, value=value, layer=7)
+        r = MetricRecord(metric="layer-grad-histogram", step=5, value=value, labels=Labels(layer=7))
         assert render_key(r, TENSORBOARD_RULES) == "layer-grad-histogram/layer_07"
 
 
@@ -94,7 +98,7 @@ def test_negative_index_raises() -> None:
     with pytest.raises(ValueError, match="layer index"):
         render_key(rec("m", layer=-1))
     with pytest.raises(ValueError, match="expert index"):
-        KeyBook().add("m", layer=0, expert=-3)
+        KeyBook().add("m", Labels(layer=0, expert=-3))
 
 
 def test_long_key_is_cut_with_hash_and_stays_distinct() -> None:
@@ -107,44 +111,44 @@ def test_long_key_is_cut_with_hash_and_stays_distinct() -> None:
         assert ka.startswith("tensor-grad-l2/xxxx")
         assert re.fullmatch(r".*-[0-9a-f]{8}", ka)
     book = KeyBook(MLFLOW_RULES)
-    assert book.add_record(a) != book.add_record(b)
+    assert book.add(a.metric, a.labels) != book.add(b.metric, b.labels)
 
 
 def test_keybook_collision_names_both_label_sets() -> None:
     book = KeyBook(TENSORBOARD_RULES)
-    first = book.add("tensor-grad-l2", tensor="layers.*.attn.q.weight")
+    first = book.add("tensor-grad-l2", Labels(tensor="layers.*.attn.q.weight"))
     assert first == "tensor-grad-l2/layers._.attn.q.weight"
-    assert book.add("tensor-grad-l2", tensor="layers.*.attn.q.weight") == first  # same labels: fine
+    assert book.add("tensor-grad-l2", Labels(tensor="layers.*.attn.q.weight")) == first  # same labels: fine
     with pytest.raises(ConfigError) as info:
-        book.add("tensor-grad-l2", tensor="layers._.attn.q.weight")
+        book.add("tensor-grad-l2", Labels(tensor="layers._.attn.q.weight"))
     message = str(info.value)
     assert "tensorboard" in message and repr(first) in message
     assert "tensor='layers.*.attn.q.weight'" in message
     assert "tensor='layers._.attn.q.weight'" in message
     assert info.value.path == "sinks.tensorboard"
-    assert book.labels(first) == ("tensor-grad-l2", None, None, "layers.*.attn.q.weight", None)
+    assert book.series(first) == ("tensor-grad-l2", Labels(tensor="layers.*.attn.q.weight"))
     assert len(book) == 1
 
 
 def test_collisions_depend_on_the_backend() -> None:
     # PLAIN keeps '*', so "a*b" and "a_b" stay distinct there; MLflow keeps ' ' but not '@'.
     book = KeyBook(PLAIN_RULES)
-    assert book.add("m", tensor="a*b") != book.add("m", tensor="a_b")
+    assert book.add("m", Labels(tensor="a*b")) != book.add("m", Labels(tensor="a_b"))
     book = KeyBook(MLFLOW_RULES)
-    assert book.add("m", tensor="a b") == "m/a b"
-    book.add("m", tensor="a_b")
+    assert book.add("m", Labels(tensor="a b")) == "m/a b"
+    book.add("m", Labels(tensor="a_b"))
     with pytest.raises(ConfigError, match="mlflow key 'm/a_b'"):
-        book.add("m", tensor="a@b")
+        book.add("m", Labels(tensor="a@b"))
 
 
 def test_check_collisions_lists_every_collision() -> None:
     items = [
-        rec("m", tensor="a*b"),
-        ("m", None, None, "a_b"),
-        ("m", None, None, "c+d", None),
-        ("m", None, None, "c=d"),
-        ("m", 3),
-        rec("m", layer=3),  # the same label set twice is not a collision
+        ("m", Labels(tensor="a*b")),
+        ("m", Labels(tensor="a_b")),
+        ("m", Labels(tensor="c+d")),
+        ("m", Labels(tensor="c=d")),
+        ("m", Labels(layer=3)),
+        ("m", Labels(layer=3)),  # the same label set twice is not a collision
     ]
     with pytest.raises(ConfigError) as info:
         check_collisions(items, WANDB_RULES)
@@ -153,7 +157,7 @@ def test_check_collisions_lists_every_collision() -> None:
     for fragment in ("tensor='a*b'", "tensor='a_b'", "tensor='c+d'", "tensor='c=d'"):
         assert fragment in message
     check_collisions(items[:2], PLAIN_RULES)  # '*' is kept in plain keys
-    check_collisions([rec("m", layer=i) for i in range(200)], MLFLOW_RULES, layer_width=3)
+    check_collisions([("m", Labels(layer=i)) for i in range(200)], MLFLOW_RULES, layer_width=3)
 
 
 def test_rules_validation() -> None:
@@ -181,7 +185,7 @@ _labels = st.text(min_size=0, max_size=300)
 def test_every_key_is_legal_for_its_backend(
     metric: str, tensor: str | None, stat: str | None, layer: int | None, expert: int | None
 ) -> None:
-    r = MetricRecord(metric=metric, step=0, value=0.0, layer=layer, expert=expert, tensor=tensor, stat=stat)
+    r = MetricRecord(metric=metric, step=0, value=0.0, labels=Labels(layer=layer, expert=expert, tensor=tensor, stat=stat))
     for rules in ALL_RULES:
         key = render_key(r, rules)
         assert len(key) <= rules.max_len

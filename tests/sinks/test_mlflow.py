@@ -9,8 +9,8 @@ import pytest
 from tests.sinks.conftest import EXPERTS, make_records
 from tests.sinks.readback_mlflow import artifact_json, histories, run_by_id
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.sinks.keys import MLFLOW_RULES, render_key
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo
+from tmetrics_core.sinks.keys import MLFLOW_RULES, KeyBook
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_mlflow import MlflowSink, check_tracking_uri, flatten_params
 
 STEPS = (1, 2, 3)
@@ -27,14 +27,14 @@ def expected_history(steps=STEPS) -> dict[str, list[tuple[int, float]]]:
                 h = r.value
                 pairs = [("total", h.total), ("zeros", h.zeros), ("nonfinite", h.nan + h.posinf + h.neginf)]
                 for stat, count in pairs:
-                    key = render_key(MetricRecord(r.metric, step, 0.0, layer=r.layer, stat=stat), MLFLOW_RULES)
+                    key = KeyBook(MLFLOW_RULES).add(r.metric, Labels(layer=r.layer, stat=stat))
                     out.setdefault(key, []).append((step, float(count)))
             elif isinstance(r.value, tuple):
                 for e, v in enumerate(r.value):
-                    key = render_key(MetricRecord(r.metric, step, v, layer=r.layer, expert=e), MLFLOW_RULES)
+                    key = KeyBook(MLFLOW_RULES).add(r.metric, Labels(layer=r.layer, expert=e))
                     out.setdefault(key, []).append((step, v))
             else:
-                out.setdefault(render_key(r, MLFLOW_RULES), []).append((step, r.value))
+                out.setdefault(KeyBook(MLFLOW_RULES).add(r.metric, r.labels), []).append((step, r.value))
     return out
 
 
@@ -61,7 +61,7 @@ def test_default_store_roundtrip(run_info: RunInfo, mlflow_template_db: Path) ->
     run_dir = Path(run_info.dir)
     run_dir.mkdir(parents=True)
     shutil.copyfile(mlflow_template_db, run_dir / "mlflow.db")
-    run_id = write_run(MlflowSink(), run_info)
+    run_id = write_run(MlflowSink(expert_scalars=True), run_info)
 
     client, run = run_by_id(f"sqlite:///{run_dir / 'mlflow.db'}", run_id)
     assert run.info.status == "FINISHED"
@@ -90,7 +90,7 @@ def test_default_store_roundtrip(run_info: RunInfo, mlflow_template_db: Path) ->
 
 @pytest.mark.parametrize("status, stored", [("failed", "FAILED"), ("killed", "KILLED")])
 def test_small_batches_same_data_and_status(run_info: RunInfo, mlflow_uri: str, status: str, stored: str) -> None:
-    sink = MlflowSink(tracking_uri=mlflow_uri, experiment="exp-a", run_name="small-batches", batch_size=7)
+    sink = MlflowSink(tracking_uri=mlflow_uri, experiment="exp-a", run_name="small-batches", batch_size=7, expert_scalars=True)
     run_id = write_run(sink, run_info, status=status)
     client, run = run_by_id(mlflow_uri, run_id)
     assert run.info.status == stored and run.info.run_name == "small-batches"
@@ -120,9 +120,9 @@ def test_open_retry_reuses_the_run_and_experiment(run_info: RunInfo, mlflow_uri:
 def test_collision_raises_and_writes_nothing(run_info: RunInfo, mlflow_uri: str) -> None:
     sink = MlflowSink(tracking_uri=mlflow_uri)
     sink.open(run_info)
-    sink.write([MetricRecord("tensor-grad-l2", 1, 1.0, tensor="a#b")], 1)
+    sink.write([MetricRecord("tensor-grad-l2", 1, 1.0, labels=Labels(tensor="a#b"))], 1)
     with pytest.raises(ConfigError, match="tensor='a#b'.*tensor='a_b'"):
-        sink.write([MetricRecord("global-grad-l2", 2, 1.0), MetricRecord("tensor-grad-l2", 2, 2.0, tensor="a_b")], 2)
+        sink.write([MetricRecord("global-grad-l2", 2, 1.0), MetricRecord("tensor-grad-l2", 2, 2.0, labels=Labels(tensor="a_b"))], 2)
     sink.close("finished")
     client, _ = run_by_id(mlflow_uri, sink.run_id)  # type: ignore[arg-type]
     assert histories(client, sink.run_id) == {"tensor-grad-l2/a_b": [(1, 1.0)]}  # type: ignore[arg-type]
@@ -174,7 +174,7 @@ def test_options_are_validated_without_touching_backend(tmp_path: Path) -> None:
     assert not (tmp_path / "never").exists()
     with pytest.raises(RuntimeError, match="not open"):
         MlflowSink().write([], 1)
-    assert MlflowSink.key_rules is MLFLOW_RULES and MlflowSink.requires == ("mlflow",)
+    assert MlflowSink.key_rules is MLFLOW_RULES and MlflowSink.requires == ("mlflow", "matplotlib")
 
 
 def test_flatten_params() -> None:

@@ -71,7 +71,7 @@ def server(tmp_path_factory, mlflow_template_db: Path) -> Iterator[tuple[str, Pa
 
 def test_sink_roundtrip_through_server(server: tuple[str, Path], run_info: RunInfo) -> None:
     url, artifacts = server
-    run_id = write_run(MlflowSink(tracking_uri=url, experiment="served", batch_size=50), run_info, status="killed")
+    run_id = write_run(MlflowSink(tracking_uri=url, experiment="served", batch_size=50, expert_scalars=True), run_info, status="killed")
     client, run = run_by_id(url, run_id)
     assert run.info.status == "KILLED"
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")

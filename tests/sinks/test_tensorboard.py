@@ -9,15 +9,15 @@ import pytest
 from tests.sinks.conftest import EXPERTS, LAYERS, make_records
 from tests.sinks.readback_tensorboard import read_log
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.sinks.keys import TENSORBOARD_RULES, render_key
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo
+from tmetrics_core.sinks.keys import TENSORBOARD_RULES, KeyBook
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_tb import TensorBoardSink
 
 STEPS = (1, 2, 3)
 
 
 def _write_run(run: RunInfo, steps=STEPS) -> TensorBoardSink:
-    sink = TensorBoardSink()
+    sink = TensorBoardSink(expert_scalars=True)
     sink.open(run)
     sink.log_config(run.config)
     for step in steps:
@@ -38,10 +38,9 @@ def test_roundtrip_scalars_every_step_and_value(run_info: RunInfo) -> None:
     for step in STEPS:
         for r in make_records(step):
             if r.kind == "scalar":
-                expected.setdefault(render_key(r, TENSORBOARD_RULES), {})[step] = r.value  # type: ignore[assignment]
+                expected.setdefault(KeyBook(TENSORBOARD_RULES).add(r.metric, r.labels), {})[step] = r.value  # type: ignore[assignment]
             for labels, element in r.elements():  # a vector: one scalar per expert as well
-                element_record = MetricRecord(labels[0], step, element, *labels[1:])
-                expected.setdefault(render_key(element_record, TENSORBOARD_RULES), {})[step] = element
+                expected.setdefault(KeyBook(TENSORBOARD_RULES).add(r.metric, labels), {})[step] = element
     assert "layer-expert-tokens/layer_02/expert_003" in expected
     # The histogram of layer 0 has one NaN: its non-finite count is a scalar.
     expected["layer-grad-histogram/layer_00/nonfinite"] = {s: 1.0 for s in STEPS}
@@ -87,10 +86,10 @@ def test_empty_and_all_nan_histograms_keep_the_step(run_info: RunInfo) -> None:
     no_bins = Histogram(edges=(1.0,), counts=())
     sink.write(
         [
-            MetricRecord("layer-grad-histogram", 7, nan_hist, layer=0),
-            MetricRecord("layer-grad-histogram", 7, no_bins, layer=1),
-            MetricRecord("layer-expert-tokens", 7, (math.nan, math.nan), layer=0),
-            MetricRecord("layer-expert-tokens", 7, (), layer=1),
+            MetricRecord("layer-grad-histogram", 7, nan_hist, labels=Labels(layer=0)),
+            MetricRecord("layer-grad-histogram", 7, no_bins, labels=Labels(layer=1)),
+            MetricRecord("layer-expert-tokens", 7, (math.nan, math.nan), labels=Labels(layer=0)),
+            MetricRecord("layer-expert-tokens", 7, (), labels=Labels(layer=1)),
         ],
         7,
     )
@@ -167,9 +166,9 @@ def test_config_and_run_facts_as_text(run_info: RunInfo) -> None:
 def test_log_dir_option_and_collision_writes_nothing(tmp_path: Path, run_info: RunInfo) -> None:
     sink = TensorBoardSink(log_dir=str(tmp_path / "elsewhere"))
     sink.open(run_info)
-    sink.write([MetricRecord("tensor-grad-l2", 1, 1.0, tensor="a*b")], 1)
+    sink.write([MetricRecord("tensor-grad-l2", 1, 1.0, labels=Labels(tensor="a*b"))], 1)
     with pytest.raises(ConfigError, match="tensor='a\\*b'.*tensor='a_b'"):
-        sink.write([MetricRecord("global-grad-l2", 2, 5.0), MetricRecord("tensor-grad-l2", 2, 2.0, tensor="a_b")], 2)
+        sink.write([MetricRecord("global-grad-l2", 2, 5.0), MetricRecord("tensor-grad-l2", 2, 2.0, labels=Labels(tensor="a_b"))], 2)
     sink.close("finished")
     log = read_log(tmp_path / "elsewhere")
     assert log.scalar_tags == {"tensor-grad-l2/a_b"}
@@ -197,7 +196,7 @@ def test_layout_for_expert_tensors_keeps_the_layer() -> None:
     layout = ScalarLayout()
     for layer in range(2):
         for expert in range(3):
-            assert layout.add(("tensor-grad-l2", None, None, f"layers.{layer}.moe.experts.{expert}.up.weight", None)) == (expert == 0)
+            assert layout.add("tensor-grad-l2", Labels(tensor=f"layers.{layer}.moe.experts.{expert}.up.weight")) == (expert == 0)
     charts = layout.categories["tensor-grad-l2"]
     assert charts == {
         "tensor-grad-l2 layers.0.moe.experts.*.up.weight": r"^tensor-grad-l2/layers\.0\.moe\.experts\.\d+\.up\.weight$",
@@ -210,7 +209,7 @@ def test_float32_edges_and_open_retry(run_info: RunInfo) -> None:
     sink.open(run_info)
     sink.open(run_info)  # the hub retries open after a failure: same event file
     values = {"a": 1e39, "b": -1e39, "c": 3, "d": 0.1, "e": -math.inf}
-    sink.write([MetricRecord("tensor-param-l2", 4, v, tensor=t) for t, v in values.items()], 4)
+    sink.write([MetricRecord("tensor-param-l2", 4, v, labels=Labels(tensor=t)) for t, v in values.items()], 4)
     sink.close("finished")
     log_dir = Path(run_info.dir) / "tb"
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
@@ -239,6 +238,6 @@ def test_event_file_crc_matches_the_reference_and_fallback(tmp_path: Path, monke
     monkeypatch.setattr(event_file, "_crc32c", crc32c)
     sink = TensorBoardSink(log_dir=tmp_path / "fallback")
     sink.open(RunInfo(name="x", dir=str(tmp_path)))
-    sink.write([MetricRecord("layer-grad-l2", 1, 0.5, layer=0)], 1)
+    sink.write([MetricRecord("layer-grad-l2", 1, 0.5, labels=Labels(layer=0))], 1)
     sink.close("finished")
     assert read_log(tmp_path / "fallback").scalars("layer-grad-l2/layer_00") == [(1, 0.5)]

@@ -9,8 +9,8 @@ import pytest
 from tests.sinks.conftest import LAYERS, make_records
 from tests.sinks.readback_wandb import find_run_file, read_run
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.sinks.keys import WANDB_RULES, render_key
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo
+from tmetrics_core.sinks.keys import WANDB_RULES, KeyBook
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_wandb import STEP_KEY, LayerHeatmap, WandbSink
 
 _WANDB_DIRS = ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR", "WANDB_DIR")
@@ -34,7 +34,7 @@ def _logged_steps(run) -> list[int]:
 
 
 def test_roundtrip_every_step_value_histogram_and_definition(run_info: RunInfo, clean_home: Path) -> None:
-    sink = WandbSink(heatmap_every=2, tags=["smoke"])  # mode unset and no API key: offline
+    sink = WandbSink(heatmap_every=2, tags=["smoke"], expert_scalars=True)  # mode unset and no API key: offline
     sink.open(run_info)
     sink.log_config(run_info.config)
     for step in range(1, 6):
@@ -54,13 +54,13 @@ def test_roundtrip_every_step_value_histogram_and_definition(run_info: RunInfo, 
 
     for step, row in zip(range(1, 6), run.history):
         for record in make_records(step):
-            key = render_key(record, WANDB_RULES)
+            key = KeyBook(WANDB_RULES).add(record.metric, record.labels)
             if record.kind == "scalar":
                 value = row[key]
                 assert (math.isnan(value) and math.isnan(record.value)) or value == record.value, key  # type: ignore[arg-type]
             elif record.kind == "vector":
                 for labels, element in record.elements():  # one scalar per expert as well
-                    assert row[render_key(MetricRecord(labels[0], step, element, *labels[1:]), WANDB_RULES)] == element
+                    assert row[KeyBook(WANDB_RULES).add(record.metric, labels)] == element
                 assert row[key]["_type"] == "histogram"
                 assert sum(row[key]["values"]) == len(record.value)  # type: ignore[arg-type]
                 assert min(row[key]["bins"]) == min(record.value) and max(row[key]["bins"]) == max(record.value)  # type: ignore[type-var]
@@ -82,7 +82,9 @@ def test_roundtrip_every_step_value_histogram_and_definition(run_info: RunInfo, 
     image = run.history[1]["layer-grad-l2/heatmap"]
     assert image["_type"] == "image-file" and image["width"] > 100 and image["height"] > 100
     files = list(find_run_file(Path(run_info.dir) / "wandb").parent.rglob("*.png"))
-    assert len(files) == 9  # three images at each of steps 2, 4 and the close
+    grids = [f for f in files if "layer_x_expert" in f.name]
+    assert len(files) - len(grids) == 9  # three layer x step images at each of steps 2, 4 and the close
+    assert len(grids) == 2 * 5  # tokens and router bias: a layer x expert image at every step
     # Nothing of W&B's landed in HOME (matplotlib keeps its own font cache there).
     # (Where W&B's own cache lands depends on what an earlier W&B import in this process read;
     # the guarantee is only that it is not HOME.)
@@ -106,11 +108,11 @@ def test_nonfinite_and_empty_values_do_not_break_histograms(run_info: RunInfo) -
     sink = WandbSink(mode="offline", heatmap_every=0)
     sink.open(run_info)
     records = [
-        MetricRecord("layer-grad-histogram", 1, Histogram(edges=(0.1, 1.0), counts=(0,), nan=2, neginf=1), layer=0),
-        MetricRecord("layer-grad-histogram", 1, Histogram(edges=(-1.0, 0.0, 1.0), counts=(4, 5), zeros=3), layer=1),
-        MetricRecord("layer-grad-histogram", 1, Histogram(edges=(1.0,), counts=(), zeros=2), layer=2),
-        MetricRecord("layer-expert-tokens", 1, (1.0, math.nan, math.inf, 3.0), layer=0),
-        MetricRecord("layer-expert-tokens", 1, (math.nan,), layer=1),
+        MetricRecord("layer-grad-histogram", 1, Histogram(edges=(0.1, 1.0), counts=(0,), nan=2, neginf=1), labels=Labels(layer=0)),
+        MetricRecord("layer-grad-histogram", 1, Histogram(edges=(-1.0, 0.0, 1.0), counts=(4, 5), zeros=3), labels=Labels(layer=1)),
+        MetricRecord("layer-grad-histogram", 1, Histogram(edges=(1.0,), counts=(), zeros=2), labels=Labels(layer=2)),
+        MetricRecord("layer-expert-tokens", 1, (1.0, math.nan, math.inf, 3.0), labels=Labels(layer=0)),
+        MetricRecord("layer-expert-tokens", 1, (math.nan,), labels=Labels(layer=1)),
     ]
     sink.write(records, 1)
     sink.close("killed")

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tmetrics_core.records import Labels
+
 __all__ = ["COLUMNS", "Alert", "AlertState"]
 
 COLUMNS: tuple[str, ...] = ("step", "state", "rule", "kind", "metric", "layer", "expert", "tensor", "stat",
@@ -20,7 +22,6 @@ COLUMNS: tuple[str, ...] = ("step", "state", "rule", "kind", "metric", "layer", 
 AlertState = Literal["open", "closed"]
 """``open``: the rule tripped at ``step``; ``closed``: the series recovered at ``step``."""
 
-_LABELS = ("layer", "expert", "tensor", "stat")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,7 @@ class Alert:
     (stuck); ``None`` when there was none yet. ``jump`` is the fold change ``max(|v|, |b|) /
     min(|v|, |b|)`` between them (``inf`` for NaN, a zero or a missing baseline): alerts of one
     step are ordered by it, biggest first. ``first`` names the first alert of the cluster this one
-    belongs to (``step``, ``rule``, ``metric`` and its labels): the layer or expert that tripped
+    belongs to (``step``, ``rule``, ``metric`` and its labels, flat): the layer or expert that tripped
     first when several trip within ``alerts.cluster_steps`` steps. ``opened`` is the step the
     alert opened (equal to ``step`` for an ``open`` event).
     """
@@ -47,26 +48,38 @@ class Alert:
     baseline: float | None
     jump: float
     opened: int
-    layer: int | None = None
-    expert: int | None = None
-    tensor: str | None = None
-    stat: str | None = None
+    labels: Labels = Labels()
     first: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def labels(self) -> dict[str, Any]:
-        """The labels that are set, in the order layer, expert, tensor, stat."""
-        return {name: getattr(self, name) for name in _LABELS if getattr(self, name) is not None}
+    def layer(self) -> int | None:
+        """``labels.layer``."""
+        return self.labels.layer
+
+    @property
+    def expert(self) -> int | None:
+        """``labels.expert``."""
+        return self.labels.expert
+
+    @property
+    def tensor(self) -> str | None:
+        """``labels.tensor``."""
+        return self.labels.tensor
+
+    @property
+    def stat(self) -> str | None:
+        """``labels.stat``."""
+        return self.labels.stat
 
     def where(self) -> str:
         """The labels as words: ``layer 5 expert 7`` (``global`` when none is set)."""
-        return " ".join(f"{k} {v}" for k, v in self.labels.items()) or "global"
+        return self.labels.where()
 
     def is_first(self) -> bool:
         """Whether ``first`` names this alert itself (its rule, metric, labels and opening step)."""
         lead = self.first
         return (lead.get("step"), lead.get("rule"), lead.get("metric")) == (self.opened, self.rule, self.metric) \
-            and all(lead.get(k) == getattr(self, k) for k in _LABELS)
+            and all(lead.get(k) == getattr(self.labels, k) for k in Labels.NAMES)
 
     def describe(self) -> str:
         """One line for a person: ``step 100 OPEN update-ratio-spike layer-update-ratio layer 3:
@@ -76,36 +89,38 @@ class Alert:
                 f"{self.value:.4g} vs baseline {base} ({_fold(self.jump)})")
         lead = self.first
         if lead and not self.is_first():
-            where = " ".join(f"{k} {lead[k]}" for k in _LABELS if lead.get(k) is not None) or "global"
-            text += f"; first: {lead['rule']} {lead['metric']} {where} at step {lead['step']}"
+            text += f"; first: {_lead(lead)}"
         return text
 
     def row(self) -> list[Any]:
         """The alert as a table row in :data:`COLUMNS` order; ``first`` as words (``update-ratio-spike
         layer-update-ratio layer 2 at step 100``), unset labels and baseline as ``None``."""
-        lead = self.first
-        where = " ".join(f"{k} {lead[k]}" for k in _LABELS if lead.get(k) is not None) or "global"
-        first = f"{lead['rule']} {lead['metric']} {where} at step {lead['step']}" if lead else ""
-        return [self.step, self.state, self.rule, self.kind, self.metric, self.layer, self.expert, self.tensor,
-                self.stat, self.value, self.baseline, self.jump, self.opened, first]
+        labels = self.labels
+        return [self.step, self.state, self.rule, self.kind, self.metric, labels.layer, labels.expert, labels.tensor,
+                labels.stat, self.value, self.baseline, self.jump, self.opened, _lead(self.first) if self.first else ""]
 
     def to_json(self) -> dict[str, Any]:
         """Strict-JSON form (NaN and infinities as strings), the line format of ``alerts.jsonl``."""
         return {"step": self.step, "rule": self.rule, "kind": self.kind, "metric": self.metric,
-                "state": self.state, "labels": self.labels, "value": _json_float(self.value),
+                "state": self.state, "labels": self.labels.as_dict(), "value": _json_float(self.value),
                 "baseline": None if self.baseline is None else _json_float(self.baseline),
                 "jump": _json_float(self.jump), "opened": self.opened, "first": self.first}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Alert:
         """Inverse of :meth:`to_json`."""
-        labels = data.get("labels", {})
         baseline = data.get("baseline")
         return cls(step=int(data["step"]), rule=str(data["rule"]), kind=str(data["kind"]),
                    metric=str(data["metric"]), state=data["state"], value=float(data["value"]),
                    baseline=None if baseline is None else float(baseline), jump=float(data["jump"]),
-                   opened=int(data["opened"]), layer=labels.get("layer"), expert=labels.get("expert"),
-                   tensor=labels.get("tensor"), stat=labels.get("stat"), first=dict(data.get("first", {})))
+                   opened=int(data["opened"]), labels=Labels.from_dict(data.get("labels", {})),
+                   first=dict(data.get("first", {})))
+
+
+def _lead(lead: dict[str, Any]) -> str:
+    """The ``first`` of an alert as words: ``update-ratio-spike layer-update-ratio layer 2 at step 100``."""
+    where = Labels.from_dict({k: v for k, v in lead.items() if k in Labels.NAMES}).where()
+    return f"{lead['rule']} {lead['metric']} {where} at step {lead['step']}"
 
 
 def _json_float(value: float) -> float | str:

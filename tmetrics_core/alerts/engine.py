@@ -22,11 +22,11 @@ from typing import Any, Sequence
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.alerts.rules import Tracker, tracker_for
 from tmetrics_core.config.alerts import AlertRule, AlertsConfig
-from tmetrics_core.records import MetricRecord
+from tmetrics_core.records import Labels, MetricRecord
 
 __all__ = ["AlertEngine"]
 
-_SeriesKey = tuple[str, "int | None", "int | None", "str | None", "str | None"]  # metric, layer, expert, tensor, stat
+_SeriesKey = tuple[str, Labels]  # metric, labels
 
 
 class AlertEngine:
@@ -74,12 +74,12 @@ class AlertEngine:
             value = record.value
             mean = None
             if isinstance(value, float | int):
-                items = [((record.metric, record.layer, record.expert, record.tensor, record.stat), float(value))]
+                items = [((record.metric, record.labels), float(value))]
             elif isinstance(value, tuple):
-                shape = (record.metric, record.layer, record.expert, record.tensor, record.stat, len(value))
+                shape = (record.metric, record.labels, len(value))
                 keys = self._element_keys.get(shape)
                 if keys is None:
-                    keys = self._element_keys[shape] = [labels for labels, _ in record.elements()]
+                    keys = self._element_keys[shape] = [(record.metric, labels) for labels, _ in record.elements()]
                 items = list(zip(keys, map(float, value)))
                 mean = math.fsum(value) / len(value) if value else None
             else:
@@ -107,22 +107,23 @@ class AlertEngine:
 
     def _new_tracker(self, index: int, series: _SeriesKey) -> Tracker | None:
         rule = self.rules[index]
-        labels = dict(zip(("layer", "expert", "tensor", "stat"), series[1:]))
+        labels = series[1]
         for label, glob in rule.scope.items():
-            if labels[label] is None or not fnmatchcase(str(labels[label]), glob):
+            value = getattr(labels, label)
+            if value is None or not fnmatchcase(str(value), glob):
                 return None
         return tracker_for(rule, series[0])
 
     def _open(self, opened: list[tuple[tuple[int, _SeriesKey], float, float | None]], step: int) -> list[Alert]:
         if not opened:
             return []
-        ranked = sorted(opened, key=lambda o: (-_jump(o[1], o[2]), -sum(x is not None for x in o[0][1][1:3])))
+        ranked = sorted(opened, key=lambda o: (-_jump(o[1], o[2]),
+                                               -sum(x is not None for x in (o[0][1][1].layer, o[0][1][1].expert))))
         if self._cluster_start is None or step - self._cluster_start > self.config.cluster_steps:
             self._cluster_start = step
             (index, series), _, _ = ranked[0]
             rule = self.rules[index]
-            self._first = {"step": step, "rule": rule.name, "metric": series[0]} | {
-                name: v for name, v in zip(("layer", "expert", "tensor", "stat"), series[1:]) if v is not None}
+            self._first = {"step": step, "rule": rule.name, "metric": series[0]} | series[1].as_dict()
         alerts = []
         for key, number, baseline in ranked:
             self._opened[key] = (step, self._first)
@@ -131,11 +132,11 @@ class AlertEngine:
 
     def _alert(self, key: tuple[int, _SeriesKey], step: int, state: str, value: float, baseline: float | None,
                *, opened: int, first: dict[str, Any]) -> Alert:
-        index, (metric, layer, expert, tensor, stat) = key
+        index, (metric, labels) = key
         rule = self.rules[index]
         return Alert(step=step, rule=rule.name, kind=rule.kind, metric=metric, state=state,  # type: ignore[arg-type]
-                     value=value, baseline=baseline, jump=_jump(value, baseline), opened=opened, layer=layer,
-                     expert=expert, tensor=tensor, stat=stat, first=dict(first))
+                     value=value, baseline=baseline, jump=_jump(value, baseline), opened=opened, labels=labels,
+                     first=dict(first))
 
 
 def _jump(value: float, baseline: float | None) -> float:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Union
 
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.records import Labels
 
 __all__ = [
     "DEFAULT_RULES",
@@ -41,8 +42,8 @@ __all__ = [
     "parse_alerts",
 ]
 
-LABELS: tuple[str, ...] = ("layer", "expert", "tensor", "stat")
-"""Label names a scope may select on (those of :class:`~tmetrics_core.records.MetricRecord`)."""
+LABELS: tuple[str, ...] = Labels.NAMES
+"""Label names a scope may select on (those of :class:`~tmetrics_core.records.Labels`)."""
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 

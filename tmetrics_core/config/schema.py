@@ -14,6 +14,12 @@ Shape (DESIGN.md section 6); every section and key is optional::
     distributed: {collective_timeout_s: 60, check_plan: first, verify_replicas: first, log_rank: 0}
     alerts: default                                   # or a list of rules: tmetrics_core.config.alerts
 
+Per-(layer, expert) values (a record labelled with both a layer and an expert, or tokens per
+expert of a layer) reach the image-capable trackers (``tensorboard``, ``wandb``, ``mlflow``) as one
+layer x expert heatmap per metric and step, not one series per expert; the sink option
+``expert_scalars: true`` (e.g. ``sinks: {mlflow: {expert_scalars: true}}``) logs the scalars as
+well. ``jsonl`` always keeps every value.
+
 ``metrics`` may also be one string in the Megatron-LM ``--tensor-metrics`` form,
 ``"global-param-l2:10 layer-grad-l2:100"`` (space or comma separated), and ``sinks`` a list of
 names (``[tensorboard, jsonl]``, default options each).

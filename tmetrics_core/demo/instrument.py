@@ -89,8 +89,8 @@ def alert_note(run_dir: Path) -> list[str]:
     inject = json.loads(record.read_text())["train"].get("inject") if record.exists() else None
     if inject:
         expert = inject["expert"] if inject["kind"] == "dead-expert" else None
-        match = next((a for a in opened if a.step >= inject["start_step"] and a.layer == inject["layer"]
-                      and (expert is None or a.expert == expert)), None)
+        match = next((a for a in opened if a.step >= inject["start_step"] and a.labels.layer == inject["layer"]
+                      and (expert is None or a.labels.expert == expert)), None)
         where = f"layer {inject['layer']}" + (f" expert {expert}" if expert is not None else "")
         lines.append(f"  injected {inject['kind']} at step {inject['start_step']} in {where}; "
                      + (f"alert: {match.describe()}" if match else "no alert named it"))

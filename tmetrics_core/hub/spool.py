@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence, Union
 
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.sinks.append_file import AppendFile
-from tmetrics_core.records import MetricRecord, RunInfo
+from tmetrics_core.records import Labels, MetricRecord, RunInfo
 
 __all__ = [
     "SpoolConfig",
@@ -41,7 +41,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("tmetrics.spool")
-_LABELS = ("layer", "expert", "tensor", "stat")
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str).encode
 
 
@@ -66,7 +65,7 @@ def _record_line(record: MetricRecord, sink: str) -> str:
         {
             "step": record.step,
             "metric": record.metric,
-            "labels": record.labels,
+            "labels": record.labels.as_dict(),
             "value": record.value_json(),
             "sink": sink,
         }
@@ -193,17 +192,9 @@ def _parse(obj: Any) -> SpoolEntry:
         return SpoolConfig(config=dict(obj["config"]))
     if "alert" in obj:
         return Alert.from_json(obj["alert"])
-    labels = obj.get("labels", {})
-    unknown = set(labels) - set(_LABELS)
-    if unknown:
-        raise KeyError(f"unknown labels {sorted(unknown)}; valid: {list(_LABELS)}")
-    layer, expert = labels.get("layer"), labels.get("expert")
     return MetricRecord(
         metric=str(obj["metric"]),
         step=int(obj["step"]),
         value=MetricRecord.value_from_json(obj["value"]),
-        layer=None if layer is None else int(layer),
-        expert=None if expert is None else int(expert),
-        tensor=labels.get("tensor"),
-        stat=labels.get("stat"),
+        labels=Labels.from_dict(obj.get("labels", {})),
     )

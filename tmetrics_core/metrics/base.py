@@ -26,7 +26,7 @@ from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.kernels.moments import derivable, moments_rows, statistic_vectors
 from tmetrics_core.metrics.statistics import Statistic, neutral
 from tmetrics_core.placements import ReduceOpName
-from tmetrics_core.records import Value
+from tmetrics_core.records import Labels, Value
 from tmetrics_core.site import Site, SiteKey
 
 __all__ = [
@@ -95,6 +95,11 @@ class MetricResult:
     expert: int | None = None
     tensor: str | None = None
     stat: str | None = None
+
+    @property
+    def labels(self) -> Labels:
+        """The labels the record of this value carries to the sinks."""
+        return Labels(self.layer, self.expert, self.tensor, self.stat)
 
 
 @runtime_checkable

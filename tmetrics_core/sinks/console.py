@@ -89,13 +89,14 @@ class ConsoleSink:
         """The text printed for ``records`` of ``step`` (no trailing newline)."""
         groups: dict[tuple[str, str | None, str | None], list[MetricRecord]] = {}
         for record in records:
-            groups.setdefault((record.metric, record.tensor, record.stat), []).append(record)
+            groups.setdefault((record.metric, record.labels.tensor, record.labels.stat), []).append(record)
         head = [f"step {step}"]
         lines: list[str] = []
         rows: list[tuple[str, str]] = []
         for (metric, tensor, stat), group in groups.items():
             title = "/".join(part for part in (metric, tensor, stat) if part is not None)
-            if len(group) == 1 and group[0].kind == "scalar" and group[0].layer is None and group[0].expert is None:
+            only = group[0].labels
+            if len(group) == 1 and group[0].kind == "scalar" and only.layer is None and only.expert is None:
                 head.append(f"{title} {_number(group[0].value)}")  # type: ignore[arg-type]
             else:
                 rows.append((title, self._describe(group)))
@@ -109,9 +110,9 @@ class ConsoleSink:
         values: list[tuple[float, _Place]] = []
         for r in group:
             if isinstance(r.value, tuple):
-                values += [(v, (r.layer, r.expert, i)) for i, v in enumerate(r.value)]
+                values += [(v, (r.labels.layer, r.labels.expert, i)) for i, v in enumerate(r.value)]
             elif not isinstance(r.value, Histogram):
-                values.append((r.value, (r.layer, r.expert, None)))
+                values.append((r.value, (r.labels.layer, r.labels.expert, None)))
         parts: list[str] = []
         finite = [(v, place) for v, place in values if math.isfinite(v)]
         if finite:

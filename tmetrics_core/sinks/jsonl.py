@@ -97,14 +97,14 @@ class JsonlSink:
             ConfigError: two records render to one key.
         """
         file = self._require_open()
-        add = self._keys.add_record
+        add = self._keys.add
         lines = [
             _ENCODE(
                 {
                     "step": r.step,
                     "metric": r.metric,
-                    "labels": r.labels,
-                    "key": add(r),
+                    "labels": r.labels.as_dict(),
+                    "key": add(r.metric, r.labels),
                     "value": r.value_json(),
                 }
             )

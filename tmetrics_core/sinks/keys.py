@@ -26,26 +26,21 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Union
+from typing import Iterable
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.records import MetricRecord
+from tmetrics_core.records import Labels
 
 __all__ = [
     "KeyBook",
     "KeyRules",
-    "LabelTuple",
     "MLFLOW_RULES",
     "PLAIN_RULES",
     "TENSORBOARD_RULES",
     "WANDB_RULES",
     "check_collisions",
     "index_widths",
-    "render_key",
 ]
-
-LabelTuple = tuple[str, Union[int, None], Union[int, None], Union[str, None], Union[str, None]]
-"""``(metric, layer, expert, tensor, stat)``; unset labels are ``None``."""
 
 _SEPARATOR = "/"
 _REPLACEMENT = "_"
@@ -138,59 +133,28 @@ def _index(prefix: str, value: int, width: int) -> str:
     return f"{prefix}_{value:0{width}d}"
 
 
-def _labels_of(item: MetricRecord | tuple) -> LabelTuple:
-    if isinstance(item, MetricRecord):
-        return (item.metric, item.layer, item.expert, item.tensor, item.stat)
-    if not 1 <= len(item) <= 5:
-        raise ValueError(f"a label tuple is (metric, layer, expert, tensor, stat); got {item!r}")
-    padded = tuple(item) + (None,) * (5 - len(item))
-    return padded  # type: ignore[return-value]
-
-
-def _render(labels: LabelTuple, rules: KeyRules, layer_width: int, expert_width: int) -> str:
-    metric, layer, expert, tensor, stat = labels
+def _render(metric: str, labels: Labels, rules: KeyRules, layer_width: int, expert_width: int) -> str:
     segments = [rules.segment(metric)]
-    if tensor is not None:
-        segments.append(rules.segment(tensor))
-    if layer is not None:
-        segments.append(_index("layer", layer, layer_width))
-    if expert is not None:
-        segments.append(_index("expert", expert, expert_width))
-    if stat is not None:
-        segments.append(rules.segment(stat))
+    if labels.tensor is not None:
+        segments.append(rules.segment(labels.tensor))
+    if labels.layer is not None:
+        segments.append(_index("layer", labels.layer, layer_width))
+    if labels.expert is not None:
+        segments.append(_index("expert", labels.expert, expert_width))
+    if labels.stat is not None:
+        segments.append(rules.segment(labels.stat))
     key = _SEPARATOR.join(segments)
     if len(key) <= rules.max_len:
         return key
     # Too long: keep the head, append a hash of the labels so distinct labels stay distinct.
-    digest = hashlib.blake2s(repr(labels).encode(), digest_size=_HASH_DIGITS // 2).hexdigest()
+    identity = (metric, labels.layer, labels.expert, labels.tensor, labels.stat)
+    digest = hashlib.blake2s(repr(identity).encode(), digest_size=_HASH_DIGITS // 2).hexdigest()
     head = key[: rules.max_len - _HASH_DIGITS - 1].rstrip(_SEPARATOR)
     return f"{head}-{digest}"
 
 
-def render_key(
-    record: MetricRecord,
-    rules: KeyRules = PLAIN_RULES,
-    *,
-    layer_width: int = 2,
-    expert_width: int = 3,
-) -> str:
-    """The key of ``record`` for the backend whose rules are ``rules``.
-
-    Segments: metric, then tensor, ``layer_LL``, ``expert_EEE`` and stat where set. Pass the
-    widths from :func:`index_widths` so every key of a run has the same width. The result is
-    at most ``rules.max_len`` characters, has no empty segment, no leading ``/``, and only
-    characters ``rules.allowed`` accepts. Distinct records can render alike after characters
-    are replaced; use :class:`KeyBook` to detect that.
-
-    Raises:
-        ValueError: a negative layer or expert index.
-    """
-    return _render(_labels_of(record), rules, layer_width, expert_width)
-
-
-def _describe(labels: LabelTuple) -> str:
-    names = ("metric", "layer", "expert", "tensor", "stat")
-    return "{" + ", ".join(f"{n}={v!r}" for n, v in zip(names, labels) if v is not None) + "}"
+def _describe(metric: str, labels: Labels) -> str:
+    return "{" + ", ".join(f"{n}={v!r}" for n, v in {"metric": metric, **labels.as_dict()}.items()) + "}"
 
 
 class KeyBook:
@@ -204,74 +168,65 @@ class KeyBook:
         layer_width, expert_width: zero-padding widths, see :func:`index_widths`.
     """
 
-    __slots__ = ("rules", "layer_width", "expert_width", "_key_of", "_labels_of")
+    __slots__ = ("rules", "layer_width", "expert_width", "_key_of", "_series_of")
 
     def __init__(self, rules: KeyRules = PLAIN_RULES, *, layer_width: int = 2, expert_width: int = 3) -> None:
         self.rules = rules
         self.layer_width = layer_width
         self.expert_width = expert_width
-        self._key_of: dict[LabelTuple, str] = {}
-        self._labels_of: dict[str, LabelTuple] = {}
+        self._key_of: dict[tuple[str, Labels], str] = {}
+        self._series_of: dict[str, tuple[str, Labels]] = {}
 
     def __len__(self) -> int:
-        return len(self._labels_of)
+        return len(self._series_of)
 
-    def add(
-        self,
-        metric: str,
-        layer: int | None = None,
-        expert: int | None = None,
-        tensor: str | None = None,
-        stat: str | None = None,
-    ) -> str:
-        """The key for these labels, remembered.
+    def add(self, metric: str, labels: Labels = Labels()) -> str:
+        """The key of the series ``metric`` with ``labels``, remembered.
+
+        Segments: metric, then tensor, ``layer_LL``, ``expert_EEE`` and stat where set. The
+        key is at most ``rules.max_len`` characters, has no empty segment, no leading ``/``,
+        and only characters ``rules.allowed`` accepts.
 
         Raises:
-            ConfigError: a different label set already rendered to the same key; the message
+            ConfigError: a different series already rendered to the same key; the message
                 names the backend, the key and both label sets.
             ValueError: a negative layer or expert index.
         """
-        labels = (metric, layer, expert, tensor, stat)
-        key = self._key_of.get(labels)
+        series = (metric, labels)
+        key = self._key_of.get(series)
         if key is not None:
             return key
-        key = _render(labels, self.rules, self.layer_width, self.expert_width)
-        other = self._labels_of.get(key)
+        key = _render(metric, labels, self.rules, self.layer_width, self.expert_width)
+        other = self._series_of.get(key)
         if other is not None:
             raise ConfigError(
-                f"two label sets render to the same {self.rules.name} key {key!r}: {_describe(other)} "
-                f"and {_describe(labels)}; characters outside {self.rules.allowed} become "
+                f"two label sets render to the same {self.rules.name} key {key!r}: {_describe(*other)} "
+                f"and {_describe(metric, labels)}; characters outside {self.rules.allowed} become "
                 f"{_REPLACEMENT!r}, so rename one of the tensors or stats (or select only one)",
                 path=f"sinks.{self.rules.name}",
             )
-        self._key_of[labels] = key
-        self._labels_of[key] = labels
+        self._key_of[series] = key
+        self._series_of[key] = series
         return key
 
-    def add_record(self, record: MetricRecord) -> str:
-        """:meth:`add` with the labels of ``record``."""
-        return self.add(record.metric, record.layer, record.expert, record.tensor, record.stat)
-
-    def labels(self, key: str) -> LabelTuple:
-        """The ``(metric, layer, expert, tensor, stat)`` that produced ``key``.
+    def series(self, key: str) -> tuple[str, Labels]:
+        """The ``(metric, labels)`` that produced ``key``.
 
         Raises:
             KeyError: ``key`` was never returned by :meth:`add`.
         """
-        return self._labels_of[key]
+        return self._series_of[key]
 
 
 def check_collisions(
-    records_or_label_tuples: Iterable[MetricRecord | tuple],
+    series: Iterable[tuple[str, Labels]],
     rules: KeyRules,
     *,
     layer_width: int = 2,
     expert_width: int = 3,
 ) -> None:
-    """Check at configuration time that distinct label sets get distinct keys.
-
-    Items are records or label tuples ``(metric, layer, expert, tensor, stat)`` (shorter tuples
-    are padded with ``None``). Every collision is reported at once.
+    """Check at configuration time that distinct series ``(metric, labels)`` get distinct keys.
+    Every collision is reported at once.
 
     Raises:
         ConfigError: one or more keys are shared by different label sets; the message lists
@@ -279,9 +234,9 @@ def check_collisions(
     """
     book = KeyBook(rules, layer_width=layer_width, expert_width=expert_width)
     problems: list[str] = []
-    for item in records_or_label_tuples:
+    for metric, labels in series:
         try:
-            book.add(*_labels_of(item))
+            book.add(metric, labels)
         except ConfigError as error:
             problems.append(str(error).removeprefix(f"{error.path}: "))
     if problems:
