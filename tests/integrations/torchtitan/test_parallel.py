@@ -12,7 +12,13 @@ with no topology, placements or offsets written here (``from_config(..., mesh=pa
 - tokens per expert (qwen3 MoE, router hooked with no model code) equal torchtitan's own
   ``tokens_per_expert_E`` counts summed over the data-parallel ranks.
 
-Runs: llama3 one process, FSDP2 (2), TP (2), FSDP2 x TP (2x2); qwen3 MoE one process and FSDP2 (2).
+Pipeline parallel (llama3, 2 stages, torchtitan's ``pipeline_llm`` and the ``GPipe`` schedule on
+gloo): each stage holds its blocks under their global ids (``layers.1`` on the second stage), so
+layer records carry global ids with no offset given; global-grad-l2 equals the float64 norm
+over both stages and torchtitan's pp-aware ``clip_grad_norm_(..., pp_mesh=...)``.
+
+Runs: llama3 one process, FSDP2 (2), TP (2), PP (2), FSDP2 x TP (2x2); qwen3 MoE one process and
+FSDP2 (2).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ def _rank(rank, world, cases):
     for name, family, degrees in cases:
         model, dims, _ = titan_run.build(family, world, **degrees)
         out[name] = titan_run.train(model, dims, config_dir=f"/tmp/tmetrics-titan-{name}-{rank}-{world}")
+        out[name]["blocks"] = list(model.layers.keys())
         out[name]["axes"] = {kind: {a.name: a.size for a in topology.axes.values()}
                              for kind, topology in (("parallel_dims", topology_for(dims)),
                                                     ("parameters", topology_for(model=model)))}
@@ -82,14 +89,17 @@ def test_one_process(one_process):
         assert (family == "qwen3") == any(k[0] == "layer-expert-tokens" for k in run["steps"][0]["records"])
 
 
-def test_fsdp2_tp_and_moe_on_two_ranks(one_process):
-    cases = [("fsdp", "llama3", {"dp_shard": 2}), ("tp", "llama3", {"tp": 2}),
+def test_fsdp2_tp_pp_and_moe_on_two_ranks(one_process):
+    cases = [("fsdp", "llama3", {"dp_shard": 2}), ("tp", "llama3", {"tp": 2}), ("pp", "llama3", {"pp": 2}),
              ("moe-fsdp", "qwen3", {"dp_shard": 2})]
     ranks = run_distributed(_rank, 2, cases, timeout=500)
     for result in ranks:
         _check(result["fsdp"], one_process["llama3"])
         _check(result["tp"], one_process["llama3"])
+        _check(result["pp"], one_process["llama3"])
         _check(result["moe-fsdp"], one_process["qwen3"], across=1e-3)
+    # torchtitan keeps each stage's blocks under their global ids: layer 1 lives on stage 1.
+    assert [r["pp"]["blocks"] for r in ranks] == [["0"], ["1"]]
     for step, counts in zip(ranks[0]["moe-fsdp"]["steps"], _tokens(ranks, "moe-fsdp")):
         for layer, want in counts.items():
             assert step["records"][("layer-expert-tokens", layer, None, None, None)] == want
