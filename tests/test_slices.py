@@ -65,3 +65,16 @@ def test_a_slice_cut_by_a_piece_boundary_is_a_placement_error_naming_axis_and_ro
 def test_interleaved_sharding_of_the_expert_dim_is_refused() -> None:
     with pytest.raises(PlacementError, match="interleaves"):
         _place(((0, 0, 1),), (("dp", _StridedShard(0, split_factor=2)),), {"dp": 0}, {"dp": 2})
+
+
+def test_an_axis_of_one_rank_holds_the_whole_piece_whatever_its_placement() -> None:
+    # torchtitan's expert mesh (efsdp, ep) with efsdp of size 1: fully_shard gives the experts
+    # _StridedShard(0, sf=ep) there, which on one rank is the identity.
+    axes = (("efsdp", _StridedShard(0, split_factor=2)), ("ep", Shard(0)))
+    for ep in range(2):
+        local = torch.chunk(FULL[:2], 2, dim=0)[ep]  # 2 experts, one per ep rank
+        region = ((0, ep, ep + 1),)
+        placements, view = place_slice("s", "stored", region, 0, False, (2, 8, 5), axes, {"efsdp": 0, "ep": ep},
+                                       {"efsdp": 1, "ep": 2})
+        assert placements == (("efsdp", Replica()), ("ep", Owned(ep)))
+        assert torch.equal(view(local), FULL[ep])

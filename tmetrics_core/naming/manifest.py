@@ -17,6 +17,12 @@ the first of these that gives one, and the entry records which (its *origin*):
   layer under pipeline parallelism, both with global indices in the canonical name);
 * anything else is ambiguous and must be declared in the config's ``placements:``.
 
+An axis that is not a dim of a DTensor parameter's mesh but whose ranks all lie in that mesh
+(torchtitan's expert mesh ``(efsdp, ep)`` and dense mesh ``(fsdp, tp)`` span the same ranks) is
+``covered``: the DTensor's own placements already say how the tensor lies on those ranks, so the
+axis gets no placement, no reduction and no Replica claim. An axis whose ranks lie partly in
+the mesh is a :class:`~tmetrics_core.errors.PlacementError`.
+
 Every rank then knows every tensor, including those held elsewhere, and joins their collectives
 with placeholders: the plan is the same on every rank of an axis. A ``Replica`` claim, whatever
 its origin, is only a claim: ``tmetrics_core.distributed.replicas`` checks it against the values
@@ -43,8 +49,9 @@ from tmetrics_core.site import Site
 
 __all__ = ["ORIGINS", "Manifest", "TensorEntry", "dtensor_placements"]
 
-ORIGINS = ("declared", "framework", "dtensor", "inferred")
-"""Where a placement came from, highest precedence first."""
+ORIGINS = ("declared", "framework", "dtensor", "covered", "inferred")
+"""Where a placement came from, highest precedence first (``covered``: the axis lies inside the
+DTensor's own mesh and has no placement of its own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +82,10 @@ class TensorEntry:
         return dict(self.origins).get(axis)
 
     def replica_axes(self) -> tuple[str, ...]:
-        """Axes on which this tensor is claimed to be a Replica (of any origin)."""
+        """Axes on which this tensor is claimed to be a Replica (of any origin; ``covered``
+        axes are no claim)."""
         held = dict(self.placements)
-        return tuple(a for a, _ in self.origins if a not in held)
+        return tuple(a for a, o in self.origins if a not in held and o != "covered")
 
     def site(self, kind: str) -> Site:
         """The site of this tensor for source ``kind`` (``param``, ``grad``, ``exp_avg``...)."""
@@ -163,6 +171,7 @@ class Manifest:
                         f"of the topology {list(topology.names)} and a tmetrics Placement"
                     )
             shape = tuple(p.shape)
+            covered = _covered_axes(cn.original, p, topology)
             if cn.region:
                 placements, view = _slice_of(cn, p, topology)
                 if view is None:
@@ -174,7 +183,7 @@ class Manifest:
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
                                shape, str(p.dtype).replace("torch.", ""),
                                tuple((a, repr(pl)) for a, pl in placements),
-                               tuple((a, repr(pl)) for a, pl in framework.items())))
+                               tuple((a, repr(pl)) for a, pl in framework.items()), covered))
         stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
                        if cn.expert_dim is not None and cn.expert is None), default=0)
         everything = _gather((topology.global_rank, coords, local_rows, stacked), topology)
@@ -286,6 +295,7 @@ def _merge(everything: Iterable[Any], topology: Topology,
         from_dtensor = {a: parse_placement(p) for a, p in row[8]}
         from_framework = {a: parse_placement(p) for a, p in row[9]}
         override = _override(name, tuple(row[6]), overrides, topology)
+        covered = set(row[10]) - set(override) - set(from_framework)
         if not from_dtensor and not override and not from_framework:
             _same_everywhere(name, holders, topology)
         placements = []
@@ -298,7 +308,9 @@ def _merge(everything: Iterable[Any], topology: Topology,
                     origins.append((axis, origin))
                     break
             else:
-                if size > 1:
+                if axis in covered:
+                    origins.append((axis, "covered"))
+                elif size > 1:
                     placements.append((axis, _infer(name, axis, size, holders)))
                     origins.append((axis, "inferred"))
         entries.append(TensorEntry(
@@ -307,6 +319,37 @@ def _merge(everything: Iterable[Any], topology: Topology,
             owners=tuple(sorted(r for r, _, _ in holders)), origins=tuple(origins),
         ))
     return entries
+
+
+def _covered_axes(name: str, p: torch.Tensor, topology: Topology) -> tuple[str, ...]:
+    """Axes of size > 1 outside the mesh of DTensor ``p`` whose ranks all lie in that mesh
+    (empty for a plain tensor).
+
+    Raises:
+        PlacementError: an axis whose ranks lie partly in the mesh: the tensor's layout on it
+            is neither the DTensor's nor independent of it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return ()
+    dims = set(p.device_mesh.mesh_dim_names or ())
+    mesh_ranks = set(p.device_mesh.mesh.flatten().tolist())
+    out = []
+    for axis in topology.names:
+        ranks = set(topology.axes[axis].ranks)
+        if axis in dims or len(ranks) < 2:
+            continue
+        inside = ranks & mesh_ranks
+        if inside == ranks:
+            out.append(axis)
+        elif inside != {topology.global_rank}:
+            raise PlacementError(
+                f"parameter {name!r} is a DTensor on mesh {tuple(p.device_mesh.mesh_dim_names or ())} over ranks "
+                f"{sorted(mesh_ranks)}; axis {axis!r} (ranks {sorted(ranks)}) lies partly inside that mesh, so "
+                "the tensor's placement on it is neither the DTensor's nor independent of it. Build the axes "
+                "from meshes that nest (torchtitan's ParallelDims does)")
+    return tuple(out)
 
 
 def _same_everywhere(name: str, holders: list, topology: Topology) -> None:

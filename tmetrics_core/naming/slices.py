@@ -11,7 +11,9 @@ A DTensor axis that shards a dim the slice is narrowed on (the expert dim, a fus
 makes the slice ``Owned`` by the axis coordinate whose ``torch.chunk`` piece contains the
 slice's whole range (uneven and empty pieces included); a range cut by a piece boundary has no
 exact placement and is a :class:`~tmetrics_core.errors.PlacementError`. An axis that shards a dim
-the slice spans whole keeps ``Shard`` on that dim of the slice's logical shape.
+the slice spans whole keeps ``Shard`` on that dim of the slice's logical shape. An axis of size 1
+holds the whole piece under any placement (torchtitan's ``efsdp`` of size 1 under expert
+parallelism gives the experts ``_StridedShard`` there) and is ``Replica``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]]
         coords, sizes: this rank's coordinate on, and the size of, every axis.
 
     Raises:
-        PlacementError: a mesh dim places the tensor otherwise than DTensor's plain ``Shard``,
+        PlacementError: a mesh dim of more than one rank places the tensor otherwise than DTensor's plain ``Shard``,
             ``Replicate`` or ``Partial`` (``_StridedShard`` interleaves a dim across ranks), or a
             piece boundary cuts the slice's range (it would be split unevenly across some of the
             axis ranks, which no placement expresses).
@@ -84,6 +86,9 @@ def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]]
     here = True
     for axis, p in axes:
         size, mine = sizes[axis], coords.get(axis, 0)
+        if size == 1:  # one rank holds the whole piece, whatever the placement says
+            placements.append((axis, Replica()))
+            continue
         if p.is_partial():
             op = str(getattr(p, "reduce_op", "sum"))
             placements.append((axis, Partial(op if op in ("sum", "avg", "max", "min") else "sum")))  # type: ignore[arg-type]

@@ -6,9 +6,11 @@ with no topology, placements or offsets written here (``from_config(..., mesh=pa
   value here even in one process);
 - tensor grad L2 equals the float64 norm of each full gradient of the same run (rel 1e-6), one
   tensor per expert for the stacked routed experts (their slices of the full gradient);
-- layer grad and param L2, tensor grad L2 and per-expert grad and param L2 equal the one-process run (rel 1e-4 across runs;
-  1e-3 for the MoE model, whose small q/k-norm gradients differ by 1.6e-4 between one process
-  and FSDP2, an honest difference of the two runs' float32 sums, not of the measure);
+- layer grad and param L2, tensor grad L2 and per-expert grad and param L2 equal the one-process
+  run (rel 1e-4 across runs; 2e-3 for the MoE model: its expert and router gradients differ from
+  one process by up to 1.5e-4 at step 1, an honest difference of the runs' float32 sums in
+  another order, which AdamW's normalized first update amplifies to 1.1e-3 at step 2; the
+  same-run comparisons above are the exact check);
 - tokens per expert (qwen3 MoE, router hooked with no model code) equal torchtitan's own
   ``tokens_per_expert_E`` counts summed over the data-parallel ranks.
 
@@ -17,8 +19,13 @@ gloo): each stage holds its blocks under their global ids (``layers.1`` on the s
 layer records carry global ids with no offset given; global-grad-l2 equals the float64 norm
 over both stages and torchtitan's pp-aware ``clip_grad_norm_(..., pp_mesh=...)``.
 
-Runs: llama3 one process, FSDP2 (2), TP (2), PP (2), FSDP2 x TP (2x2); qwen3 MoE one process and
-FSDP2 (2).
+Expert parallel (qwen3 MoE, ``dp_shard`` 2 with ``ep`` 2: torchtitan's all-to-all token
+dispatch over gloo; 2 of the 4 experts per rank, ``efsdp`` of size 1): the expert mesh
+``(efsdp, ep)`` and the dense mesh ``(fsdp,)`` span the same ranks, and each tensor is measured
+over its own mesh only; per-expert records carry global expert ids.
+
+Runs: llama3 one process, FSDP2 (2), TP (2), PP (2), FSDP2 x TP (2x2); qwen3 MoE one process,
+FSDP2 (2) and FSDP2 x EP (2, 2).
 """
 
 from __future__ import annotations
@@ -91,18 +98,20 @@ def test_one_process(one_process):
 
 def test_fsdp2_tp_pp_and_moe_on_two_ranks(one_process):
     cases = [("fsdp", "llama3", {"dp_shard": 2}), ("tp", "llama3", {"tp": 2}), ("pp", "llama3", {"pp": 2}),
-             ("moe-fsdp", "qwen3", {"dp_shard": 2})]
+             ("moe-fsdp", "qwen3", {"dp_shard": 2}), ("moe-ep", "qwen3", {"dp_shard": 2, "ep": 2})]
     ranks = run_distributed(_rank, 2, cases, timeout=500)
     for result in ranks:
         _check(result["fsdp"], one_process["llama3"])
         _check(result["tp"], one_process["llama3"])
         _check(result["pp"], one_process["llama3"])
-        _check(result["moe-fsdp"], one_process["qwen3"], across=1e-3)
+        _check(result["moe-fsdp"], one_process["qwen3"], across=2e-3)
+        _check(result["moe-ep"], one_process["qwen3"], across=2e-3)
     # torchtitan keeps each stage's blocks under their global ids: layer 1 lives on stage 1.
     assert [r["pp"]["blocks"] for r in ranks] == [["0"], ["1"]]
-    for step, counts in zip(ranks[0]["moe-fsdp"]["steps"], _tokens(ranks, "moe-fsdp")):
-        for layer, want in counts.items():
-            assert step["records"][("layer-expert-tokens", layer, None, None, None)] == want
+    for case in ("moe-fsdp", "moe-ep"):
+        for step, counts in zip(ranks[0][case]["steps"], _tokens(ranks, case)):
+            for layer, want in counts.items():
+                assert step["records"][("layer-expert-tokens", layer, None, None, None)] == want
 
 
 def test_fsdp2_over_tp_on_2x2(one_process):

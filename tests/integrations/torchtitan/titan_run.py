@@ -70,9 +70,11 @@ def build(family: str, world: int, *, dp_shard: int = 1, tp: int = 1, ep: int = 
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.trainer import Trainer
 
     parallel_dims_module.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")  # as torchtitan's Trainer does; its MoE dispatch reads it
     spec = _spec(family)
     parallelism = ParallelismConfig(data_parallel_shard_degree=dp_shard, data_parallel_replicate_degree=dp_replicate,
                                     tensor_parallel_degree=tp, expert_parallel_degree=ep,
