@@ -410,7 +410,7 @@ def _override(name: str, shape: tuple[int, ...], overrides: Mapping[str, Mapping
                 raise ConfigError(str(exc), path=f"placements.{pattern}.{axis}") from exc
             where = f"placements.{pattern}.{axis}"
             size = topology.axes[axis].size
-            dim = getattr(placement, "dim", None) if placement.is_shard() else None
+            dim = placement.shard_dim()
             if dim is not None and dim >= len(shape):
                 raise ConfigError(f"{placement} on tensor {name!r} of shape {shape}: a {len(shape)}-dim tensor "
                                   f"has dims 0..{len(shape) - 1}; fix the dim or the glob", path=where)
