@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import ConfigError, PlacementError
-from tmetrics_core.naming.canonical import CanonicalName, canonicalize
+from tmetrics_core.naming.canonical import CanonicalName, canonicalize, qkv_views
+from tmetrics_core.naming.layouts.torchtitan import fused_qkv_geometry
 from tmetrics_core.naming.dtensor import dtensor_placements
 from tmetrics_core.naming.slices import SliceView, place_slice
 from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
@@ -132,7 +133,8 @@ class Manifest:
     def build(cls, model: torch.nn.Module, topology: Topology, *,
               overrides: Mapping[str, Mapping[str, str]] | None = None,
               framework_placements: Mapping[str, Mapping[str, Placement]] | None = None,
-              layer_offset: int = 0, expert_offset: int = 0, layout: str | None = None) -> "Manifest":
+              layer_offset: int = 0, expert_offset: int = 0, layout: str | None = None,
+              qkv_select: Iterable[str] = ()) -> "Manifest":
         """Canonicalize ``model``'s parameters, gather them across ranks and infer placements.
 
         Args:
@@ -140,6 +142,10 @@ class Manifest:
             framework_placements: placements a framework integration knows, keyed by the
                 ORIGINAL parameter name (as ``model.named_parameters()`` gives it) ->
                 ``{axis: Placement}``; below ``overrides``, above DTensor and inference.
+            qkv_select: the metrics' ``select`` globs. A fused q/k/v tensor (torchtitan's
+                ``wqkv``) is listed as its ``attn.q``, ``attn.k`` and ``attn.v`` views instead of
+                whole when a glob matches a view's name and not the whole tensor's
+                (``layers.*.attn.k.*``); the views partition it, so layer sums are unchanged.
 
         Raises:
             ConfigError: a DTensor or framework axis that is not in ``topology``; an override
@@ -149,6 +155,10 @@ class Manifest:
         params = dict(model.named_parameters())
         names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset, layout=layout,
                              split_stacked=True)
+        split = _qkv_split(model, names, params, tuple(qkv_select))
+        if split:
+            names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset,
+                                 layout=layout, split_stacked=True, qkv_groups=split)
         coords = topology.coords()
         local_rows = []
         local: dict[str, torch.nn.Parameter] = {}
@@ -271,7 +281,7 @@ def _slice_of(cn: CanonicalName, p: torch.Tensor, topology: Topology
     squeeze = cn.expert_dim if cn.expert is not None else None
     sizes = {a: topology.axes[a].size for a in topology.names}
     return place_slice(cn.name, cn.original, cn.region, squeeze, cn.transposed, tuple(p.shape), mesh_axes,
-                       topology.coords(), sizes)
+                       topology.coords(), sizes, cn.groups)
 
 
 def _gather(mine: Any, topology: Topology) -> list[Any]:
@@ -319,6 +329,22 @@ def _merge(everything: Iterable[Any], topology: Topology,
             owners=tuple(sorted(r for r, _, _ in holders)), origins=tuple(origins),
         ))
     return entries
+
+
+def _qkv_split(model: torch.nn.Module, names: list[CanonicalName], params: Mapping[str, torch.Tensor],
+               select: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """The fused q/k/v tensors some glob of ``select`` asks to see as q/k/v views."""
+    if not select:
+        return {}
+    geometry = fused_qkv_geometry(model)
+    out = {}
+    for cn in names:
+        if cn.original not in geometry or cn.component != "attn.qkv":
+            continue
+        views = qkv_views(cn, tuple(params[cn.original].shape), *geometry[cn.original])
+        if any(fnmatchcase(v.name, g) and not fnmatchcase(cn.name, g) for v in views for g in select):
+            out[cn.original] = geometry[cn.original]
+    return out
 
 
 def _covered_axes(name: str, p: torch.Tensor, topology: Topology) -> tuple[str, ...]:

@@ -30,6 +30,8 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 BATCH, SEQ = 4, 16
 METRICS = ("global-grad-l2", "layer-grad-l2", "layer-param-l2", "tensor-grad-l2")
 MOE_METRICS = METRICS + ("layer-expert-tokens", "expert-grad-l2", "expert-param-l2")
+QKV_SELECT = ["layers.*.attn.[qkv].*", "layers.*.attn.o.*"]
+"""tensor-grad-l2 on the q/k/v views of the fused wqkv (the ``llama3-gqa`` runs)."""
 
 
 def _spec(family: str):
@@ -40,6 +42,14 @@ def _spec(family: str):
 
         spec = model_registry("debugmodel")
         spec.model.layers = spec.model.layers[:2]
+    elif family == "llama3-gqa":  # 16 query heads over 4 key/value heads: wqkv rows in 4 groups of 6 heads
+        from torchtitan.models.common.rope import ComplexRoPE
+        from torchtitan.models.llama3 import _build_llama3_layers, model_registry
+
+        spec = model_registry("debugmodel")
+        spec.model.layers = _build_llama3_layers(
+            n_layers=2, dim=256, n_heads=16, n_kv_heads=4, hidden_dim=768, attn_backend="flex",
+            rope=ComplexRoPE.Config(dim=16, max_seq_len=131072, theta=500000, scaling="llama"))
     else:
         from torchtitan.models.qwen3 import _build_qwen3_moe_layers, model_registry
         from torchtitan.models.common.rope import CosSinRoPE
@@ -137,6 +147,20 @@ def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
             param.copy_(full)
 
 
+def _reference(name: str, views: dict[str, Any], modules: dict[str, torch.nn.Module], full: torch.Tensor
+               ) -> torch.Tensor:
+    """Entry ``name`` of a full stored tensor: its canonical view, or for the q/k/v views of a
+    fused ``wqkv`` the rows torchtitan's own ``FusedQKVLinear`` gives q, k and v (its checkpoint
+    split: ``[n_kv, heads_per_kv + 2, head_dim, dim]``, then ``[:, :h]``, ``[:, h]``, ``[:, h + 1]``)."""
+    if name in views:
+        return views[name].view(full)
+    layer, part = name.split(".")[1], name.split(".")[3]
+    qkv = modules[f"layers.{layer}.attention.qkv_linear"]
+    h, hd = qkv.heads_per_kv, qkv.head_dim
+    rows = full.reshape(-1, h + 2, hd, *full.shape[1:])
+    return {"q": rows[:, :h].flatten(1, 2), "k": rows[:, h], "v": rows[:, h + 1]}[part]
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -169,13 +193,17 @@ def train(model: torch.nn.Module, dims: Any, steps: int = 2, *, metrics: TensorM
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if metrics is None:
+        names = MOE_METRICS if hasattr(next(iter(model.layers.values())), "moe") else METRICS
+        gqa = names is METRICS and getattr(next(iter(model.layers.values())).attention.qkv_linear, "heads_per_kv", 1) > 1
         config = {"run": {"dir": config_dir or "/tmp/tmetrics-titan"}, "sinks": [],
-                  "metrics": [{"name": n, "interval": 1}
-                              for n in (MOE_METRICS if hasattr(next(iter(model.layers.values())), "moe") else METRICS)]}
+                  "metrics": [{"name": n, "interval": 1, **({"select": QKV_SELECT} if gqa and n == "tensor-grad-l2" else {})}
+                              for n in names]}
         metrics = TensorMetrics.from_config(config, model=model, optimizer=optimizer, mesh=dims)
     named = dict(model.named_parameters())
     views = {cn.name: cn for cn in canonicalize(named.items(), split_stacked=True)}
+    modules = dict(model.named_modules())
     out = []
+    groups: dict[str, int] = {}
     ep = dims is not None and dims.ep > 1
     pipeline = getattr(model, "pipeline", None)
     pp_mesh = dims.get_mesh("pp") if pipeline is not None else None
@@ -199,8 +227,15 @@ def train(model: torch.nn.Module, dims: Any, steps: int = 2, *, metrics: TensorM
                 loss.backward()
             # Per canonical entry (one per expert of a stacked tensor: its slice of the full
             # gradient), and the whole model once per stored parameter.
-            squares = {e.name: views[e.name].view(_full(named[e.original].grad)).double().pow(2).sum().item()
+            squares = {e.name: _reference(e.name, views, modules, _full(named[e.original].grad)).double().pow(2).sum().item()
                        for e in metrics.manifest.entries if e.original in named and named[e.original].grad is not None}
+            for e in metrics.manifest.entries:  # the key/value-head groups this rank's q/k/v view holds
+                if e.component in ("attn.q", "attn.k", "attn.v") and e.name in metrics.manifest.local:
+                    grad = named[e.original].grad
+                    mine = metrics.manifest.viewed(e.name, grad.to_local() if hasattr(grad, "to_local") else grad)
+                    ref = _reference(e.name, views, modules, _full(grad))
+                    groups[e.name] = next(g for g in range(ref.shape[0] - mine.shape[0] + 1)
+                                          if torch.equal(ref[g:g + mine.shape[0]], mine))
             exact = torch.tensor(sum(_full(g).double().pow(2).sum().item()
                                      for g in (p.grad for p in named.values()) if g is not None), dtype=torch.float64)
             if pp_mesh is not None:  # the stages hold different parameters
@@ -219,4 +254,7 @@ def train(model: torch.nn.Module, dims: Any, steps: int = 2, *, metrics: TensorM
                     "tokens_per_expert": counts,
                     "failures": [str(f) for f in metrics.failures]})
     metrics.close()
-    return {"steps": out, "placements": sorted({str(getattr(p, "placements", "plain")) for p in model.parameters()})}
+    return {"steps": out, "placements": sorted({str(getattr(p, "placements", "plain")) for p in model.parameters()}),
+            "views": {e.name: (e.shape, tuple((a, str(p)) for a, p in e.placements))
+                      for e in metrics.manifest.entries if ".attn." in e.name},
+            "first_group": groups}
