@@ -65,3 +65,33 @@ def test_a_slice_cut_by_a_piece_boundary_is_a_placement_error_naming_axis_and_ro
 def test_interleaved_sharding_of_the_expert_dim_is_refused() -> None:
     with pytest.raises(PlacementError, match="interleaves"):
         _place(((0, 0, 1),), (("dp", _StridedShard(0, split_factor=2)),), {"dp": 0}, {"dp": 2})
+
+
+def test_an_axis_of_one_rank_holds_the_whole_piece_whatever_its_placement() -> None:
+    # torchtitan's expert mesh (efsdp, ep) with efsdp of size 1: fully_shard gives the experts
+    # _StridedShard(0, sf=ep) there, which on one rank is the identity.
+    axes = (("efsdp", _StridedShard(0, split_factor=2)), ("ep", Shard(0)))
+    for ep in range(2):
+        local = torch.chunk(FULL[:2], 2, dim=0)[ep]  # 2 experts, one per ep rank
+        region = ((0, ep, ep + 1),)
+        placements, view = place_slice("s", "stored", region, 0, False, (2, 8, 5), axes, {"efsdp": 0, "ep": ep},
+                                       {"efsdp": 1, "ep": 2})
+        assert placements == (("efsdp", Replica()), ("ep", Owned(ep)))
+        assert torch.equal(view(local), FULL[ep])
+
+
+def test_grouped_qkv_views_are_shard_of_whole_groups_and_refuse_a_cut_group() -> None:
+    # A fused wqkv of 3 key/value heads, each group 2 q rows + 1 k + 1 v = 4 rows: [12, 5].
+    full = torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5)
+    groups = full.reshape(3, 4, 5)
+    axes = (("tp", Shard(0)),)
+    # 3 groups over 3 TP ranks: one whole group each, so q is Shard(0) of [3, 2, 5].
+    for rank in range(3):
+        local = torch.chunk(full, 3, dim=0)[rank]
+        placements, view = place_slice("q", "wqkv", ((1, 0, 2),), None, False, (12, 5), axes, {"tp": rank},
+                                       {"tp": 3}, (0, 4))
+        assert placements == (("tp", TShard(0)),)
+        assert torch.equal(view(local), groups[rank:rank + 1, 0:2])
+    # Over 2 ranks torch.chunk gives rows 0-5 and 6-11: group 1 (rows 4-7) is cut.
+    with pytest.raises(PlacementError, match="cut its groups of 4 rows"):
+        place_slice("k", "wqkv", ((1, 2, 3),), None, False, (12, 5), axes, {"tp": 0}, {"tp": 2}, (0, 4))

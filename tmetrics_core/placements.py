@@ -61,6 +61,17 @@ class Placement:
         """True for :class:`Shard` (on ``dim`` when given; ``None`` is the population split)."""
         return False
 
+    def is_strided_shard(self) -> bool:
+        """True for :class:`StridedShard` (a sibling of :class:`Shard`, not a kind of it: its
+        pieces interleave, so code that assumes ``torch.chunk`` pieces must ask for it)."""
+        return False
+
+    def shard_dim(self) -> int | None:
+        """The tensor dim a :class:`Shard` or :class:`StridedShard` splits (None for the
+        population split ``Shard(None)`` and for every other placement). Either holds
+        ``local_length`` entries of that dim; only ``Shard`` holds one contiguous piece."""
+        return None
+
     def is_flat_shard(self) -> bool:
         """True for :class:`FlatShard`."""
         return False
@@ -112,6 +123,9 @@ class Shard(Placement):
     def is_shard(self, dim: int | None | Literal["any"] = "any") -> bool:
         return dim == "any" or dim == self.dim
 
+    def shard_dim(self) -> int | None:
+        return self.dim
+
     def splits(self) -> bool:
         return True
 
@@ -130,7 +144,7 @@ class Shard(Placement):
 
 
 @dataclass(frozen=True, slots=True)
-class StridedShard(Shard):
+class StridedShard(Placement):
     """DTensor's ``_StridedShard(dim, split_factor)``: ``Shard(dim)`` as if applied after the
     ``split_factor`` shards of the placements to its right (FSDP2 ``fully_shard`` over a
     tensor-parallel DTensor shards each TP piece again, along the same dim).
@@ -141,17 +155,33 @@ class StridedShard(Shard):
     rank 1 rows 2-3 and 6-7; a following ``Shard(0)`` on the TP axis then leaves rank (fsdp 0,
     tp 1) rows 4-5, as FSDP2 over TP stores them. For statistics over elements (sums, maxima,
     counts) it is a disjoint split like ``Shard``; row positions come from :meth:`runs`.
+
+    A sibling of :class:`Shard`, not a subclass: ``is_shard()`` is False, so no code treats its
+    interleaved pieces as one ``torch.chunk`` piece without asking ``is_strided_shard()``.
     """
 
+    dim: int
     split_factor: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.dim, int) or self.dim < 0:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
             raise PlacementError(f"StridedShard(dim={self.dim!r}): dim must be a non-negative int")
-        if not isinstance(self.split_factor, int) or self.split_factor < 1:
+        if not isinstance(self.split_factor, int) or isinstance(self.split_factor, bool) or self.split_factor < 1:
             raise PlacementError(f"StridedShard(split_factor={self.split_factor!r}): need an int >= 1")
 
+    def is_strided_shard(self) -> bool:
+        return True
+
+    def shard_dim(self) -> int | None:
+        return self.dim
+
+    def splits(self) -> bool:
+        return True
+
     def runs(self, size: int, parts: int, index: int) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` runs of dim ``dim`` (of current size ``size``) that axis rank
+        ``index`` of ``parts`` holds, in the order its local tensor stores them: one piece of
+        each of the ``split_factor`` chunks."""
         out = []
         for j in range(self.split_factor):
             start, length = chunk_range(size, self.split_factor, j)
@@ -159,6 +189,10 @@ class StridedShard(Shard):
             if held:
                 out.append((start + inner, held))
         return tuple(out)
+
+    def local_length(self, size: int, parts: int, index: int) -> int:
+        """How many of ``size`` entries along ``dim`` axis rank ``index`` of ``parts`` holds."""
+        return sum(length for _, length in self.runs(size, parts, index))
 
     def __str__(self) -> str:
         return f"S{self.dim}/{self.split_factor}"

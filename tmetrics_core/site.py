@@ -84,8 +84,8 @@ class Site:
         for axis, placement in self.placements:
             if placement.is_flat_shard():
                 return (placement.numel,)  # type: ignore[attr-defined]
-            if placement.is_shard() and placement.dim is not None:  # type: ignore[attr-defined]
-                d = placement.dim  # type: ignore[attr-defined]
+            d = placement.shard_dim()
+            if d is not None:  # Shard or StridedShard: both give local_length entries of dim d
                 shape[d] = placement.local_length(shape[d], sizes[axis], coords.get(axis, 0))  # type: ignore[attr-defined]
         return tuple(shape)
 

@@ -141,7 +141,8 @@ class TensorMetrics:
                                  device=_collective_device())
         self.manifest = Manifest.build(model, self.topology, overrides=placements,
                                        framework_placements=framework_placements,
-                                       layer_offset=layer_offset, expert_offset=expert_offset)
+                                       layer_offset=layer_offset, expert_offset=expert_offset,
+                                       qkv_select=[g for m, _ in self.metrics for g in getattr(m, "select", ())])
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
         self.flat: dict[str, list[FlatBuffer]] = {}

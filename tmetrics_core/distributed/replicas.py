@@ -76,13 +76,15 @@ def replica_claims(sites: Sequence[Site], topology: Topology, origins: Mapping[s
                    ) -> list[ReplicaClaim]:
     """Every ``(site, axis)`` whose placement on an axis of size > 1 is ``Replica``, in site
     order then axis order (rank-symmetric: sites are). ``origins``: canonical name ->
-    ``{axis: origin}`` from the manifest."""
+    ``{axis: origin}`` from the manifest; an axis ``covered`` by the tensor's own DTensor mesh
+    is no claim."""
     claims = []
     for site in sites:
         held = site.placement_map
         for axis in topology.names:
-            if topology.axes[axis].size > 1 and axis not in held:
-                claims.append(ReplicaClaim(site, axis, origins.get(site.name, {}).get(axis, "inferred")))
+            origin = origins.get(site.name, {}).get(axis, "inferred")
+            if topology.axes[axis].size > 1 and axis not in held and origin != "covered":
+                claims.append(ReplicaClaim(site, axis, origin))
     return claims
 
 

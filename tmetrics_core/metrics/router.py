@@ -109,7 +109,7 @@ def _check_rows(site: Site, metric: str, *, allow_class_split: bool) -> None:
     """Token sites: 2-D, rows split only as a population, classes split only if allowed."""
     if site.kind == "expert_bias":
         for axis, p in site.placements:
-            if p.is_shard() or p.is_flat_shard():
+            if p.is_shard() or p.is_strided_shard() or p.is_flat_shard():
                 raise PlacementError(
                     f"{metric}: expert_bias must be whole on every rank that routes (Replica, or "
                     f"Owned by its pipeline stage); got {p} on axis {axis!r} in {site.describe()}"
@@ -120,11 +120,12 @@ def _check_rows(site: Site, metric: str, *, allow_class_split: bool) -> None:
     for axis, p in site.placements:
         if p.is_flat_shard():
             raise PlacementError(f"{metric}: a FlatShard cuts token rows; got {site.describe()}")
-        if p.is_shard() and p.dim is not None and p.dim >= 1:  # type: ignore[attr-defined]
-            if allow_class_split and p.dim == 1 and site.kind == "router_logits":  # type: ignore[attr-defined]
-                continue
+        dim = p.shard_dim()
+        if dim is not None and dim >= 1:
+            if allow_class_split and p.is_shard(1) and site.kind == "router_logits":
+                continue  # a StridedShard of the experts interleaves them: not a class split
             raise PlacementError(
-                f"{metric}: {site.kind} is split by expert (Shard({p.dim}) on axis {axis!r}) but this "  # type: ignore[attr-defined]
+                f"{metric}: {site.kind} is split by expert ({p} on axis {axis!r}) but this "
                 f"metric needs each token's full row; got {site.describe()}. Observe the router "
                 "tensors replicated on that axis (tm.observe without shard_dim): they are small"
             )

@@ -77,8 +77,13 @@ class RowSoftmax(Statistic):
                     f"softmax cannot be formed; got {site.describe()}. Observe the tensor as Shard(0) "
                     "or Shard(1), or replicated"
                 )
-            if p.is_shard() and p.dim is not None and p.dim > 1:  # type: ignore[attr-defined]
-                raise PlacementError(f"{self.name}: Shard({p.dim}) on a 2-D tensor; got {site.describe()}")  # type: ignore[attr-defined]
+            dim = p.shard_dim()
+            if dim is not None and dim > 1:
+                raise PlacementError(f"{self.name}: {p} (dim {dim}) on a 2-D tensor; got {site.describe()}")
+            if p.is_strided_shard() and dim == 1:
+                raise PlacementError(
+                    f"{self.name}: {p} on axis {axis!r} interleaves the classes across ranks; a class split "
+                    f"must be a plain Shard(1); got {site.describe()}")
 
     def _split(self, site: Site, topology: Topology) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(axes that cut rows, axes that split the row population), in topology order."""

@@ -454,7 +454,10 @@ class RowL2(Statistic):
             p = site.placement(name)
             if topology.axes[name].size == 1 or not p.splits():
                 continue
-            if p.is_flat_shard() or (p.is_shard() and (p.dim in (0, None)) != (self.dim == 0)):  # type: ignore[attr-defined]
+            # A StridedShard splits its dim like a Shard: which entries a rank holds does not
+            # matter to a sum over lines.
+            split = p.shard_dim() if p.is_shard() or p.is_strided_shard() else -1
+            if p.is_flat_shard() or (split != -1 and (split in (0, None)) != (self.dim == 0)):
                 cut.append(name)
             else:
                 population.append(name)

@@ -27,7 +27,7 @@ a known block they keep their path below it, under ``layers.{i}.``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,10 +38,12 @@ from tmetrics_core.naming.layouts import LAYOUTS, Layout, RuleMatch, component_o
 __all__ = [
     "COMPONENTS",
     "KNOWN_LAYOUTS",
+    "QKV_PARTS",
     "CanonicalName",
     "canonical_name",
     "canonicalize",
     "detect_layout",
+    "qkv_views",
     "strip_wrappers",
 ]
 
@@ -86,6 +88,10 @@ class CanonicalName:
     - ``region``: for a slice, ``(dim, start, stop)`` ranges of the stored tensor that hold
       it, in the coordinates of the tensor passed in (global ones for a DTensor); empty for
       a whole tensor.
+    - ``groups``: ``(dim, length)`` when the slice is read from the stored tensor with dim
+      ``dim`` unflattened into ``[groups, length]`` first (torchtitan's fused ``wqkv``: one
+      group of rows per key/value head); ``region`` is then in the unflattened coordinates
+      and the slice keeps the group dim. None otherwise.
     - ``tied``: original names of parameters sharing this tensor, dropped from the list.
     - ``layout``: the layout that named it, None for unknown names.
     """
@@ -100,17 +106,20 @@ class CanonicalName:
     transposed: bool = False
     expert_dim: int | None = None
     region: tuple[tuple[int, int, int], ...] = ()
+    groups: tuple[int, int] | None = None
     tied: tuple[str, ...] = ()
     layout: str | None = None
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The logical tensor this entry names, as a view of the stored ``tensor`` (no copy).
 
-        Narrows to ``region``, drops the expert dim of an expert slice, and transposes the last
+        Unflattens ``groups``, narrows to ``region``, drops the expert dim of an expert slice, and transposes the last
         two dims when ``transposed``. ``tensor`` must be the stored tensor this entry was made
         from (same shape); a 1-D weight is returned as is.
         """
         out = tensor
+        if self.groups is not None:
+            out = out.unflatten(self.groups[0], (-1, self.groups[1]))
         for dim, start, stop in self.region:
             out = out.narrow(dim, start, stop - start)
         if self.region and self.expert is not None and self.expert_dim is not None:
@@ -193,6 +202,7 @@ def canonicalize(
     expert_offset: int = 0,
     layout: str | None = None,
     split_stacked: bool = False,
+    qkv_groups: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[CanonicalName]:
     """Canonical names for a whole model, in input order, each stored tensor once.
 
@@ -205,6 +215,8 @@ def canonicalize(
             one entry per slice, with ``region`` set and ``view`` giving the slice. Expert
             ``j`` of the stored tensor gets global index ``j + expert_offset`` (keep the offset
             0 for a DTensor, whose shape is already global).
+        qkv_groups: original name of a fused ``attn.qkv`` tensor -> ``(heads_per_kv,
+            head_dim)``: name its q, k and v rows separately (`qkv_views`) instead of whole.
 
     Tied parameters (the same tensor object, or the same storage, offset, shape, stride and
     dtype) appear once, under the first name seen; the later names go to ``tied``.
@@ -240,6 +252,8 @@ def canonicalize(
         pieces = [entry]
         if split_stacked and found is not None and found.rule.each:
             pieces = _slices(entry, found, tuple(tensor.shape), expert_offset)
+        if qkv_groups and original in qkv_groups:
+            pieces = qkv_views(entry, tuple(tensor.shape), *qkv_groups[original])
         for piece in pieces:
             if piece.name in owners:
                 raise ConfigError(
@@ -381,3 +395,36 @@ def _slices(whole: CanonicalName, found: RuleMatch, shape: Sequence[int], expert
                 )
             )
     return pieces
+
+
+QKV_PARTS = ("q", "k", "v")
+"""The views of a fused ``attn.qkv`` tensor, in the order of their rows within a group."""
+
+
+def qkv_views(whole: CanonicalName, shape: Sequence[int], heads_per_kv: int, head_dim: int) -> list[CanonicalName]:
+    """``attn.q``, ``attn.k`` and ``attn.v`` entries for a fused ``attn.qkv`` tensor whose dim-0
+    rows are grouped per key/value head: ``heads_per_kv`` query heads, then one key head, then
+    one value head, ``head_dim`` rows each (torchtitan's ``FusedQKVLinear``). Each view keeps
+    the group dim: q is ``[n_kv_heads, heads_per_kv * head_dim, ...]``, k and v
+    ``[n_kv_heads, head_dim, ...]``, so group ``g`` of each is the rows key/value head ``g``
+    and its query heads use (the stock ``wq``/``wk``/``wv`` rows, grouped).
+
+    Raises:
+        ConfigError: ``whole`` is not an ``attn.qkv`` tensor, or its rows are not a whole
+            number of groups.
+    """
+    group = (heads_per_kv + 2) * head_dim
+    if whole.component != "attn.qkv" or not shape or heads_per_kv < 1 or head_dim < 1 or shape[0] % group:
+        raise ConfigError(
+            f"{whole.original!r} ({whole.name}, shape {list(shape)}) is not a fused q/k/v tensor of "
+            f"{heads_per_kv} query heads per key/value head of {head_dim} rows: its component must be attn.qkv "
+            f"and its rows a multiple of {group}")
+    bounds = {"q": (0, heads_per_kv * head_dim), "k": (heads_per_kv * head_dim, (heads_per_kv + 1) * head_dim),
+              "v": ((heads_per_kv + 1) * head_dim, group)}
+    out = []
+    for part, name in enumerate(QKV_PARTS):
+        start, stop = bounds[name]
+        out.append(replace(whole, name=whole.name.replace(".attn.qkv.", f".attn.{name}."), component=f"attn.{name}",
+                           family=whole.family.replace(".attn.qkv.", f".attn.{name}."), part=part,
+                           region=((1, start, stop),), groups=(0, group)))
+    return out

@@ -88,8 +88,8 @@ def _check_local_shape(tensor: Any, placements: list[tuple[str, Placement]], lab
         return
     shape = list(tensor.shape)
     for (axis, p), coord, size in zip(placements, coords, mesh.shape):
-        if p.is_shard():
-            d = p.dim  # type: ignore[attr-defined]
+        d = p.shard_dim()
+        if d is not None:
             shape[d] = p.local_length(shape[d], size, coord)  # type: ignore[attr-defined]
     local = tuple(tensor._local_tensor.shape)
     if tuple(shape) != local:

@@ -17,6 +17,12 @@ the first of these that gives one, and the entry records which (its *origin*):
   layer under pipeline parallelism, both with global indices in the canonical name);
 * anything else is ambiguous and must be declared in the config's ``placements:``.
 
+An axis that is not a dim of a DTensor parameter's mesh but whose ranks all lie in that mesh
+(torchtitan's expert mesh ``(efsdp, ep)`` and dense mesh ``(fsdp, tp)`` span the same ranks) is
+``covered``: the DTensor's own placements already say how the tensor lies on those ranks, so the
+axis gets no placement, no reduction and no Replica claim. An axis whose ranks lie partly in
+the mesh is a :class:`~tmetrics_core.errors.PlacementError`.
+
 Every rank then knows every tensor, including those held elsewhere, and joins their collectives
 with placeholders: the plan is the same on every rank of an axis. A ``Replica`` claim, whatever
 its origin, is only a claim: ``tmetrics_core.distributed.replicas`` checks it against the values
@@ -35,7 +41,8 @@ import torch.distributed as dist
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import ConfigError, PlacementError
-from tmetrics_core.naming.canonical import CanonicalName, canonicalize
+from tmetrics_core.naming.canonical import CanonicalName, canonicalize, qkv_views
+from tmetrics_core.naming.layouts.torchtitan import fused_qkv_geometry
 from tmetrics_core.naming.dtensor import dtensor_placements
 from tmetrics_core.naming.slices import SliceView, place_slice
 from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
@@ -43,8 +50,9 @@ from tmetrics_core.site import Site
 
 __all__ = ["ORIGINS", "Manifest", "TensorEntry", "dtensor_placements"]
 
-ORIGINS = ("declared", "framework", "dtensor", "inferred")
-"""Where a placement came from, highest precedence first."""
+ORIGINS = ("declared", "framework", "dtensor", "covered", "inferred")
+"""Where a placement came from, highest precedence first (``covered``: the axis lies inside the
+DTensor's own mesh and has no placement of its own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +83,10 @@ class TensorEntry:
         return dict(self.origins).get(axis)
 
     def replica_axes(self) -> tuple[str, ...]:
-        """Axes on which this tensor is claimed to be a Replica (of any origin)."""
+        """Axes on which this tensor is claimed to be a Replica (of any origin; ``covered``
+        axes are no claim)."""
         held = dict(self.placements)
-        return tuple(a for a, _ in self.origins if a not in held)
+        return tuple(a for a, o in self.origins if a not in held and o != "covered")
 
     def site(self, kind: str) -> Site:
         """The site of this tensor for source ``kind`` (``param``, ``grad``, ``exp_avg``...)."""
@@ -124,7 +133,8 @@ class Manifest:
     def build(cls, model: torch.nn.Module, topology: Topology, *,
               overrides: Mapping[str, Mapping[str, str]] | None = None,
               framework_placements: Mapping[str, Mapping[str, Placement]] | None = None,
-              layer_offset: int = 0, expert_offset: int = 0, layout: str | None = None) -> "Manifest":
+              layer_offset: int = 0, expert_offset: int = 0, layout: str | None = None,
+              qkv_select: Iterable[str] = ()) -> "Manifest":
         """Canonicalize ``model``'s parameters, gather them across ranks and infer placements.
 
         Args:
@@ -132,6 +142,10 @@ class Manifest:
             framework_placements: placements a framework integration knows, keyed by the
                 ORIGINAL parameter name (as ``model.named_parameters()`` gives it) ->
                 ``{axis: Placement}``; below ``overrides``, above DTensor and inference.
+            qkv_select: the metrics' ``select`` globs. A fused q/k/v tensor (torchtitan's
+                ``wqkv``) is listed as its ``attn.q``, ``attn.k`` and ``attn.v`` views instead of
+                whole when a glob matches a view's name and not the whole tensor's
+                (``layers.*.attn.k.*``); the views partition it, so layer sums are unchanged.
 
         Raises:
             ConfigError: a DTensor or framework axis that is not in ``topology``; an override
@@ -141,6 +155,10 @@ class Manifest:
         params = dict(model.named_parameters())
         names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset, layout=layout,
                              split_stacked=True)
+        split = _qkv_split(model, names, params, tuple(qkv_select))
+        if split:
+            names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset,
+                                 layout=layout, split_stacked=True, qkv_groups=split)
         coords = topology.coords()
         local_rows = []
         local: dict[str, torch.nn.Parameter] = {}
@@ -163,6 +181,7 @@ class Manifest:
                         f"of the topology {list(topology.names)} and a tmetrics Placement"
                     )
             shape = tuple(p.shape)
+            covered = _covered_axes(cn.original, p, topology)
             if cn.region:
                 placements, view = _slice_of(cn, p, topology)
                 if view is None:
@@ -174,7 +193,7 @@ class Manifest:
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
                                shape, str(p.dtype).replace("torch.", ""),
                                tuple((a, repr(pl)) for a, pl in placements),
-                               tuple((a, repr(pl)) for a, pl in framework.items())))
+                               tuple((a, repr(pl)) for a, pl in framework.items()), covered))
         stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
                        if cn.expert_dim is not None and cn.expert is None), default=0)
         everything = _gather((topology.global_rank, coords, local_rows, stacked), topology)
@@ -262,7 +281,7 @@ def _slice_of(cn: CanonicalName, p: torch.Tensor, topology: Topology
     squeeze = cn.expert_dim if cn.expert is not None else None
     sizes = {a: topology.axes[a].size for a in topology.names}
     return place_slice(cn.name, cn.original, cn.region, squeeze, cn.transposed, tuple(p.shape), mesh_axes,
-                       topology.coords(), sizes)
+                       topology.coords(), sizes, cn.groups)
 
 
 def _gather(mine: Any, topology: Topology) -> list[Any]:
@@ -286,6 +305,7 @@ def _merge(everything: Iterable[Any], topology: Topology,
         from_dtensor = {a: parse_placement(p) for a, p in row[8]}
         from_framework = {a: parse_placement(p) for a, p in row[9]}
         override = _override(name, tuple(row[6]), overrides, topology)
+        covered = set(row[10]) - set(override) - set(from_framework)
         if not from_dtensor and not override and not from_framework:
             _same_everywhere(name, holders, topology)
         placements = []
@@ -298,7 +318,9 @@ def _merge(everything: Iterable[Any], topology: Topology,
                     origins.append((axis, origin))
                     break
             else:
-                if size > 1:
+                if axis in covered:
+                    origins.append((axis, "covered"))
+                elif size > 1:
                     placements.append((axis, _infer(name, axis, size, holders)))
                     origins.append((axis, "inferred"))
         entries.append(TensorEntry(
@@ -307,6 +329,53 @@ def _merge(everything: Iterable[Any], topology: Topology,
             owners=tuple(sorted(r for r, _, _ in holders)), origins=tuple(origins),
         ))
     return entries
+
+
+def _qkv_split(model: torch.nn.Module, names: list[CanonicalName], params: Mapping[str, torch.Tensor],
+               select: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """The fused q/k/v tensors some glob of ``select`` asks to see as q/k/v views."""
+    if not select:
+        return {}
+    geometry = fused_qkv_geometry(model)
+    out = {}
+    for cn in names:
+        if cn.original not in geometry or cn.component != "attn.qkv":
+            continue
+        views = qkv_views(cn, tuple(params[cn.original].shape), *geometry[cn.original])
+        if any(fnmatchcase(v.name, g) and not fnmatchcase(cn.name, g) for v in views for g in select):
+            out[cn.original] = geometry[cn.original]
+    return out
+
+
+def _covered_axes(name: str, p: torch.Tensor, topology: Topology) -> tuple[str, ...]:
+    """Axes of size > 1 outside the mesh of DTensor ``p`` whose ranks all lie in that mesh
+    (empty for a plain tensor).
+
+    Raises:
+        PlacementError: an axis whose ranks lie partly in the mesh: the tensor's layout on it
+            is neither the DTensor's nor independent of it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return ()
+    dims = set(p.device_mesh.mesh_dim_names or ())
+    mesh_ranks = set(p.device_mesh.mesh.flatten().tolist())
+    out = []
+    for axis in topology.names:
+        ranks = set(topology.axes[axis].ranks)
+        if axis in dims or len(ranks) < 2:
+            continue
+        inside = ranks & mesh_ranks
+        if inside == ranks:
+            out.append(axis)
+        elif inside != {topology.global_rank}:
+            raise PlacementError(
+                f"parameter {name!r} is a DTensor on mesh {tuple(p.device_mesh.mesh_dim_names or ())} over ranks "
+                f"{sorted(mesh_ranks)}; axis {axis!r} (ranks {sorted(ranks)}) lies partly inside that mesh, so "
+                "the tensor's placement on it is neither the DTensor's nor independent of it. Build the axes "
+                "from meshes that nest (torchtitan's ParallelDims does)")
+    return tuple(out)
 
 
 def _same_everywhere(name: str, holders: list, topology: Topology) -> None:
@@ -367,7 +436,7 @@ def _override(name: str, shape: tuple[int, ...], overrides: Mapping[str, Mapping
                 raise ConfigError(str(exc), path=f"placements.{pattern}.{axis}") from exc
             where = f"placements.{pattern}.{axis}"
             size = topology.axes[axis].size
-            dim = getattr(placement, "dim", None) if placement.is_shard() else None
+            dim = placement.shard_dim()
             if dim is not None and dim >= len(shape):
                 raise ConfigError(f"{placement} on tensor {name!r} of shape {shape}: a {len(shape)}-dim tensor "
                                   f"has dims 0..{len(shape) - 1}; fix the dim or the glob", path=where)

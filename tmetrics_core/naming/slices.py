@@ -11,7 +11,9 @@ A DTensor axis that shards a dim the slice is narrowed on (the expert dim, a fus
 makes the slice ``Owned`` by the axis coordinate whose ``torch.chunk`` piece contains the
 slice's whole range (uneven and empty pieces included); a range cut by a piece boundary has no
 exact placement and is a :class:`~tmetrics_core.errors.PlacementError`. An axis that shards a dim
-the slice spans whole keeps ``Shard`` on that dim of the slice's logical shape.
+the slice spans whole keeps ``Shard`` on that dim of the slice's logical shape. An axis of size 1
+holds the whole piece under any placement (torchtitan's ``efsdp`` of size 1 under expert
+parallelism gives the experts ``_StridedShard`` there) and is ``Replica``.
 """
 
 from __future__ import annotations
@@ -34,15 +36,20 @@ class SliceView:
     - ``region``: ``(dim, start, stop)`` ranges of the local tensor holding the slice.
     - ``squeeze``: the expert dim, dropped after narrowing (None for a fused part alone).
     - ``transposed``: the slice's logical form is the transpose of its last two dims.
+    - ``groups``: ``(dim, length)``: dim ``dim`` is unflattened into ``[-1, length]`` before
+      narrowing (``region`` is in those coordinates), or None.
     """
 
     region: tuple[tuple[int, int, int], ...]
     squeeze: int | None
     transposed: bool
+    groups: tuple[int, int] | None = None
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """The slice of ``tensor`` (the local stored tensor, or one of its shape), a view."""
         out = tensor
+        if self.groups is not None:
+            out = out.unflatten(self.groups[0], (-1, self.groups[1]))
         for dim, start, stop in self.region:
             out = out.narrow(dim, start, stop - start)
         if self.squeeze is not None:
@@ -54,7 +61,8 @@ class SliceView:
 
 def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]], squeeze: int | None,
                 transposed: bool, global_shape: Sequence[int],
-                axes: Sequence[tuple[str, Any]], coords: Mapping[str, int], sizes: Mapping[str, int]
+                axes: Sequence[tuple[str, Any]], coords: Mapping[str, int], sizes: Mapping[str, int],
+                groups: tuple[int, int] | None = None
                 ) -> tuple[tuple[tuple[str, Placement], ...], SliceView | None]:
     """The slice's placements (``(axis, placement)`` per mesh dim) and its view on the
     rank at ``coords``, or None for the view when that rank does not hold it.
@@ -68,14 +76,21 @@ def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]]
         axes: ``(axis name, torch DTensor placement)`` per mesh dim, in mesh order; empty for
             a plain tensor (which every rank holding it holds whole).
         coords, sizes: this rank's coordinate on, and the size of, every axis.
+        groups: ``(dim, length)``: the stored dim ``dim`` read as ``[groups, length]`` (a fused
+            q/k/v tensor's rows per key/value head); ``region`` is in those coordinates. A
+            ``Shard`` of that dim must cut it between groups on every rank of its axis.
 
     Raises:
-        PlacementError: a mesh dim places the tensor otherwise than DTensor's plain ``Shard``,
+        PlacementError: a mesh dim of more than one rank places the tensor otherwise than DTensor's plain ``Shard``,
             ``Replicate`` or ``Partial`` (``_StridedShard`` interleaves a dim across ranks), or a
             piece boundary cuts the slice's range (it would be split unevenly across some of the
-            axis ranks, which no placement expresses).
+            axis ranks, which no placement expresses), or a ``Shard`` of a grouped dim that cuts
+            a group.
     """
     from torch.distributed.tensor import Shard as DTensorShard
+
+    if groups is not None:
+        global_shape, axes = _regrouped(name, original, global_shape, axes, sizes, groups)
 
     wanted = {dim: (start, stop) for dim, start, stop in region}
     held_lo = {dim: 0 for dim in range(len(global_shape))}  # start of the held piece, per dim
@@ -84,6 +99,9 @@ def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]]
     here = True
     for axis, p in axes:
         size, mine = sizes[axis], coords.get(axis, 0)
+        if size == 1:  # one rank holds the whole piece, whatever the placement says
+            placements.append((axis, Replica()))
+            continue
         if p.is_partial():
             op = str(getattr(p, "reduce_op", "sum"))
             placements.append((axis, Partial(op if op in ("sum", "avg", "max", "min") else "sum")))  # type: ignore[arg-type]
@@ -128,7 +146,39 @@ def place_slice(name: str, original: str, region: Sequence[tuple[int, int, int]]
     if not here:
         return tuple(placements), None
     local = tuple((dim, start - held_lo[dim], stop - held_lo[dim]) for dim, (start, stop) in sorted(wanted.items()))
-    return tuple(placements), SliceView(local, squeeze, transposed)
+    return tuple(placements), SliceView(local, squeeze, transposed, groups)
+
+
+def _regrouped(name: str, original: str, global_shape: Sequence[int], axes: Sequence[tuple[str, Any]],
+               sizes: Mapping[str, int], groups: tuple[int, int]) -> tuple[tuple[int, ...], tuple[tuple[str, Any], ...]]:
+    """The stored shape with dim ``groups[0]`` unflattened into ``[n, length]``, and the mesh
+    placements on it: a plain ``Shard`` of a later dim moves one dim on; one of the grouped dim
+    becomes a ``Shard`` of the group dim when every rank's ``torch.chunk`` piece is whole groups
+    (then it is exactly the chunk of the groups), else a PlacementError."""
+    from torch.distributed.tensor import Shard as DTensorShard
+
+    gdim, length = groups
+    rows = global_shape[gdim]
+    n = rows // length
+    shape = (*global_shape[:gdim], n, length, *global_shape[gdim + 1:])
+    out = []
+    for axis, p in axes:
+        if type(p) is DTensorShard and sizes[axis] > 1:
+            dim = p.dim % len(global_shape)
+            if dim == gdim:
+                size = sizes[axis]
+                pieces = [chunk_range(rows, size, c) for c in range(size)]
+                if pieces != [(s * length, k * length) for s, k in (chunk_range(n, size, c) for c in range(size))]:
+                    raise PlacementError(
+                        f"{name}: {original!r} {list(global_shape)} is split on axis {axis!r} into row pieces "
+                        f"(starts, lengths) {pieces}, which cut its groups of {length} rows (one key/value head "
+                        "with its query heads); its q/k/v views have no exact placement. Shard it by whole key/"
+                        "value heads (n_kv_heads divisible by the axis size) or measure attn.qkv whole")
+                p = DTensorShard(gdim)
+            elif dim > gdim:
+                p = DTensorShard(dim + 1)
+        out.append((axis, p))
+    return shape, tuple(out)
 
 
 def _logical_dim(dim: int, squeeze: int | None, transposed: bool, ndim: int) -> int:

@@ -10,7 +10,9 @@ torchtitan 0.3.0 (llama3 and qwen3 flavours) names:
 - ``attention.qkv_linear.wqkv.weight``: q, k and v fused, ``[n_kv_heads * (h + 2) * head_dim,
   dim]`` with ``h = n_heads // n_kv_heads``. Its rows are grouped per key/value head: for
   each kv head ``g``, ``h`` query heads, then key head ``g``, then value head ``g`` (each
-  ``head_dim`` rows). So q, k and v are not contiguous chunks: named whole, as ``attn.qkv``.
+  ``head_dim`` rows). So q, k and v are not contiguous chunks: named whole, as ``attn.qkv``,
+  or, where a metric's ``select`` asks for them, as ``attn.q`` / ``attn.k`` / ``attn.v`` views
+  that keep the group dim (`fused_qkv_geometry` reads the geometry from the modules).
 - ``lm_head.weight`` (older: ``output.weight``): the output projection.
 - ``moe.routed_experts.inner_experts.w1_EFD`` / ``w3_EFD`` ``[E, hidden, dim]`` and ``w2_EDF``
   ``[E, dim, hidden]`` (older: ``moe.experts.w1`` ...): every routed expert stacked along dim
@@ -20,11 +22,30 @@ torchtitan 0.3.0 (llama3 and qwen3 flavours) names:
 
 from __future__ import annotations
 
+from typing import Any
+
 from tmetrics_core.naming.layouts.layout import Layout, Rule
 
 __all__ = [
     "TORCHTITAN",
+    "fused_qkv_geometry",
 ]
+
+
+def fused_qkv_geometry(model: Any) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (heads_per_kv, head_dim)}`` for the ``wqkv`` weight and bias of every
+    torchtitan ``FusedQKVLinear`` in ``model`` (found by its attributes ``wqkv``,
+    ``heads_per_kv`` and ``head_dim``, so torchtitan need not be imported); names as
+    ``model.named_parameters()`` gives them."""
+    out: dict[str, tuple[int, int]] = {}
+    for path, module in model.named_modules():
+        wqkv = getattr(module, "wqkv", None)
+        heads, dim = getattr(module, "heads_per_kv", None), getattr(module, "head_dim", None)
+        if wqkv is None or not isinstance(heads, int) or not isinstance(dim, int):
+            continue
+        for leaf, _ in wqkv.named_parameters(recurse=False):
+            out[f"{path}.wqkv.{leaf}" if path else f"wqkv.{leaf}"] = (heads, dim)
+    return out
 
 TORCHTITAN = Layout(
     name="torchtitan",
