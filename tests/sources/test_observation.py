@@ -83,18 +83,23 @@ def test_checkpointed_forward_is_observed_once():
         h0.pow(2).mean().sqrt().item(), rel=1e-6)
 
 
-def test_idle_steps_install_nothing():
+def test_idle_steps_observe_nothing_and_keep_the_hooks():
+    """Hooks are installed once (a compiled model would recompile on each hook added or
+    removed); on an idle step there is no observer, so nothing is read."""
     model = Tiny()
     metrics = _metrics(model, interval=10)
+    hooks = [dict(b._forward_hooks) for b in model.layers]
+    assert all(hooks)
     with metrics.step(1):  # the first step is always due
         assert _ACTIVE.get() is not None
-        assert any(len(b._forward_hooks) for b in model.layers)
         model(torch.randn(2, 2, 4))
     with metrics.step(2):
         assert _ACTIVE.get() is None
-        assert not any(len(b._forward_hooks) for b in model.layers)
         model(torch.randn(2, 2, 4))
+    assert [dict(b._forward_hooks) for b in model.layers] == hooks
     assert metrics.last_records and all(r.step == 1 for r in metrics.last_records)
+    metrics.close()
+    assert not any(b._forward_hooks for b in model.layers)
 
 
 def test_token_mask_removes_padding():

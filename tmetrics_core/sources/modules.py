@@ -1,7 +1,10 @@
 """Module-side sources: forward hooks for residual streams, output logits and module outputs.
 
-Hooks are installed only for steps where a due metric wants them and removed at the step's
-end, so idle steps pay nothing. Blocks are found in the usual block lists (``layers``, ``h``,
+``TensorMetrics`` installs the hooks every configured metric may read once, at construction, and
+keeps them (adding or removing a hook on a compiled module is a recompile): a hook passes its
+tensors to ``tmetrics_core.observe``, which drops them after one context-variable read on a
+step where no due metric watches their kind, and compiles into the graph as a custom operator
+(see there). Blocks are found in the usual block lists (``layers``, ``h``,
 ``blocks``, ``decoder.layers``, wrapped or not); the head under ``head``, ``lm_head``,
 ``output`` or ``output_layer``.
 """
@@ -15,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tmetrics_core.naming.canonical import canonicalize, strip_wrappers
+from tmetrics_core.observe import register_modules
 
 __all__ = ["ROUTERS", "ModuleIndex"]
 
@@ -56,6 +60,7 @@ class ModuleIndex:
         self.routers = [(m, ROUTERS[type(m).__name__]) for _, m in self.named if type(m).__name__ in ROUTERS]
         """Router modules of known frameworks (`ROUTERS`) with their output readers."""
         self._block_paths = sorted(((p, i) for p, i, _ in self.blocks), key=lambda pi: -len(pi[0]))
+        register_modules(m for _, m in self.named)  # observations under torch.compile name them by id
 
     def path(self, module: torch.nn.Module) -> str:
         """The cleaned module path (``layers.3.moe``); ``?`` for a module not in the model."""
@@ -96,7 +101,7 @@ class ModuleIndex:
 
     def install(self, record: Callable[..., None], record_residual: Callable[..., None], *, residual: bool,
                 contribution: bool, logits: bool, patterns: Sequence[str], routers: bool = False) -> list[Any]:
-        """Register the forward hooks a step needs; returns handles to remove at its end.
+        """Register the forward hooks the configured metrics need; returns their handles.
         ``routers``: hook the routers of known frameworks (`ROUTERS`) for their top-k choices
         and scores.
         ``record(module, name, tensor, kind=, shard_dim=)`` receives each output;

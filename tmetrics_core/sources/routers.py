@@ -2,9 +2,9 @@
 
 A framework integration recognises its router modules (``tmetrics_core.integrations.hf_moe``
 for Hugging Face ``transformers``) and says, for each, how to read its forward output. On a
-step where a due metric reads ``router_logits`` or ``router_topk``, :func:`install` puts one
-forward hook on each router (removed at the step's end, like every module-side source); each
-call observes the logits ``[tokens, E]`` and the chosen expert ids ``[tokens, k]`` as the sites
+run configured with a metric reading ``router_logits`` or ``router_topk``, :func:`install` puts
+one forward hook on each router (kept, like every module-side source); on a due step each call
+observes the logits ``[tokens, E]`` and the chosen expert ids ``[tokens, k]`` as the sites
 ``<MoE block path>.router_logits`` and ``<MoE block path>.router_topk``, exactly as a model
 calling ``tm.observe(block, "router_logits", ...)`` would. What is recognised is verified on
 every observed call: the logits must have ``num_experts`` columns and the choices be integer
@@ -71,7 +71,7 @@ def find_routers(model: torch.nn.Module, index: ModuleIndex) -> list[Router]:
 def install(routers: Sequence[Router], record: Callable[..., None], fail: Callable[[str], None],
             kinds: frozenset[str]) -> list[Any]:
     """Forward hooks on ``routers`` observing the ``kinds`` wanted (of :data:`ROUTER_OUTPUT_KINDS`)
-    through ``record`` (``TokenObserver.record``); ``fail(reason)`` fails the step's router
+    through ``record`` (``tmetrics_core.observe.record``); ``fail(reason)`` fails the step's router
     metrics when an output is not what the router was recognised as. Returns the handles."""
     wanted = kinds & ROUTER_OUTPUT_KINDS
     if not wanted:

@@ -97,6 +97,7 @@ class TokenObserver:
         self.index = index
         self.num_experts = num_experts
         self.kinds = frozenset(k for m in self.metrics for k in m.source_kinds) | {"token_mask"}
+        self.kept = KEPT_KINDS
         self.sites: dict[SiteKey, Site] = {}
         self.states: dict[str, dict[SiteKey, Any]] = {}
         self.errors: dict[str, str] = {}
@@ -448,6 +449,9 @@ _STANDINS = 256
 
 ROUTER_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
 """Token kinds kept until the step's end (``[tokens, experts]``: small next to activations)."""
+
+KEPT_KINDS = ROUTER_KINDS | {"token_mask"}
+"""Kinds whose observed tensor (or a view of it) outlives the call: router outputs and the mask."""
 
 
 def _joint(metric: TensorMetric) -> bool:
