@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from tmetrics_core.build import build_metric
-from tmetrics_core.demo.model import ModelConfig, Transformer, fixed_shape_dispatch
+from tmetrics_core.demo.model import MoE, ModelConfig, Transformer, fixed_shape_dispatch
+from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 BUNDLE = (
@@ -43,6 +43,7 @@ histogram metrics, which read nothing inside the compiled forward."""
 
 CADENCES: dict[str, int | None] = {"every step": 1, "every 5": 5, "never": 10**9, "no tmetrics": None}
 CONFIG = dict(d_model=16, n_heads=2, d_ff=16, n_experts=4, top_k=2, seq_len=8)
+"""The demo model's shape (``layers`` blocks, 2 by default)."""
 
 
 @dataclass
@@ -68,7 +69,7 @@ class _Warnings(logging.Handler):
 
 def run(backend: str | None, interval: int | None, *, steps: int = 7, seed: int = 0, fullgraph: bool = True,
         model_name: str = "demo", layers: int = 2) -> Counts:
-    """Train the tiny ``model_name`` (``demo`` or ``mixtral``, ``layers`` blocks) ``steps`` steps,
+    """Train the tiny ``model_name`` (``demo``, ``mixtral`` or ``tiny``, ``layers`` blocks) ``steps`` steps,
     compiled with ``backend`` (None: eager), with the bundle due every ``interval`` steps (None:
     no tmetrics). Deprecation warnings are not counted (Python does not show them by default;
     inductor's first compile in a process raises some of its own)."""
@@ -76,7 +77,7 @@ def run(backend: str | None, interval: int | None, *, steps: int = 7, seed: int 
     counters.clear()
     out = Counts()
     torch.manual_seed(seed)
-    model = _mixtral(layers) if model_name == "mixtral" else _demo(seed, layers)
+    model = MODELS[model_name](layers, seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics = None if interval is None else TensorMetrics(
         model, metrics=[(build_metric(name), interval) for name in BUNDLE], optimizer=optimizer)
@@ -120,22 +121,56 @@ def run(backend: str | None, interval: int | None, *, steps: int = 7, seed: int 
     return out
 
 
-def _demo(seed: int, layers: int) -> torch.nn.Module:
-    model = Transformer(ModelConfig(**{**CONFIG, "n_layers": layers}), seed=seed)
-    for block in model.layers.values():
-        block.moe.dispatch = fixed_shape_dispatch  # data-dependent shapes break any whole-graph compile
+class _MoEBlock(torch.nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.moe = MoE(config)
+        self.moe.dispatch = fixed_shape_dispatch
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.moe(h)
+
+
+class _Tiny(torch.nn.Module):
+    """Embedding, residual blocks holding only the demo's MoE layer (2 experts, top 1), head:
+    every observed kind of the bundle, with few kernels for inductor to compile."""
+
+    def __init__(self, layers: int, seed: int) -> None:
+        super().__init__()
+        config = ModelConfig(d_model=8, n_heads=1, d_ff=8, n_experts=2, top_k=1, n_layers=layers, seq_len=8)
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(256, 8)
+        self.layers = torch.nn.ModuleList(_MoEBlock(config) for _ in range(layers))
+        self.head = torch.nn.Linear(8, 256, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.layers:
+            h = block(h)
+        return self.head(h)
+
+
+def _demo(layers: int, seed: int) -> torch.nn.Module:
+    model = Transformer(ModelConfig(n_layers=layers, **CONFIG), seed=seed)  # type: ignore[arg-type]
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.dispatch = fixed_shape_dispatch  # data-dependent shapes break any whole-graph compile
     return model
 
 
-def _mixtral(layers: int) -> torch.nn.Module:
+def _mixtral(layers: int, seed: int) -> torch.nn.Module:
     """A tiny transformers Mixtral from a config (its routers are found by tmetrics' HF integration)."""
     import transformers
 
     config = transformers.MixtralConfig(hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
                                         num_key_value_heads=1, vocab_size=256, max_position_embeddings=64,
                                         num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
-                                        experts_implementation="batched_mm")  # no data-dependent loop
+                                        **{"experts_implementation": "batched_mm"})  # no data-dependent loop
     return transformers.MixtralForCausalLM(config)
+
+
+MODELS: dict[str, Callable[[int, int], torch.nn.Module]] = {"demo": _demo, "mixtral": _mixtral, "tiny": _Tiny}
+"""Model name -> ``(layers, seed) -> model``."""
 
 
 class _nothing:
@@ -167,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", nargs="+", default=["eager", "inductor"])
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--model", choices=["demo", "mixtral"], default="demo")
+    parser.add_argument("--model", choices=sorted(MODELS), default="demo")
     parser.add_argument("--allow-breaks", action="store_true", help="fullgraph=False: count the breaks")
     args = parser.parse_args(argv)
     shape = CONFIG if args.model == "demo" else "transformers MixtralConfig(hidden 16, 4 experts, top 2)"
