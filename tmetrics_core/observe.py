@@ -32,7 +32,8 @@ __all__ = ["Observer", "fail", "observe", "observing", "record", "record_residua
 
 class Observer(Protocol):
     """Receives the observations of one step; ``kinds`` are the site kinds some due metric wants;
-    ``kept`` the kinds whose tensors it keeps past the call (until the step's end)."""
+    ``kept`` the kinds whose tensors it keeps past the call (until the step's end); an observer
+    without ``kept`` is given copies of every observation from a compiled graph."""
 
     kinds: frozenset[str]
     kept: frozenset[str]
@@ -151,9 +152,12 @@ def _record(module: torch.nn.Module, name: str, tensor: torch.Tensor, minus: tor
     observer = _ACTIVE.get()
     if observer is None or kind not in observer.kinds:
         return
-    if compiled and kind in observer.kept:
+    if compiled and kind in getattr(observer, "kept", observer.kinds):  # not declared: every kind may be kept
         tensor = tensor.clone()  # the compiled graph may write its next values into this buffer
-    observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus)
+    if minus is None:  # observers written before ``minus`` existed take no such argument
+        observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim)
+    else:
+        observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus)
 
 
 def _record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, accumulator: bool) -> None:

@@ -31,7 +31,7 @@ class _Capture(TokenObserver):
         self.kinds = frozenset({"router_logits", "router_topk"})
         self.seen = []
 
-    def record(self, module, name, tensor, *, kind, shard_dim, minus=None):
+    def record(self, module, name, tensor, *, kind, shard_dim):
         x = tensor.detach().reshape(-1, tensor.shape[-1])
         path = self.index.path(module)
         self.seen.append((self._site(f"{path}.{name}", kind, x, shard_dim, path), x.clone()))
