@@ -99,32 +99,36 @@ def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: s
 
 
 def record(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, shard_dim: int | None,
-           minus: torch.Tensor | None = None) -> None:
-    """:func:`observe` with ``minus`` (the observation is ``tensor - minus``, same shape): the
-    entry of tmetrics' forward hooks."""
+           minus: torch.Tensor | None = None, owner: int | None = None) -> None:
+    """:func:`observe` with ``minus`` (the observation is ``tensor - minus``, same shape) and
+    ``owner``: the entry of tmetrics' forward hooks, which pass their ``TensorMetrics``' id so
+    that an observer takes only its own hooks' calls (two objects measuring one model would
+    otherwise each see every observation twice)."""
     if torch.compiler.is_compiling():
-        torch.ops.tmetrics.observe(tensor, minus, id(module), name, kind, shard_dim)
+        torch.ops.tmetrics.observe(tensor, minus, id(module), name, kind, shard_dim, owner)
     else:
-        _record(module, name, tensor, minus, kind, shard_dim, compiled=False)
+        _record(module, name, tensor, minus, kind, shard_dim, owner, compiled=False)
 
 
-def record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *, accumulator: bool) -> None:
+def record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *, accumulator: bool,
+                    owner: int | None = None) -> None:
     """A block's output ``h`` (the residual stream, when ``accumulator``) and its input ``x``
     (for the contribution ``h - x``; None when not wanted): each part goes to the observer only
-    when a due metric watches its kind."""
+    when a due metric watches its kind (``owner`` as in :func:`record`)."""
     if torch.compiler.is_compiling():
-        torch.ops.tmetrics.observe_residual(h, x, id(module), accumulator)
+        torch.ops.tmetrics.observe_residual(h, x, id(module), accumulator, owner)
     else:
-        _record_residual(module, h, x, accumulator)
+        _record_residual(module, h, x, accumulator, owner)
 
 
-def fail(reason: str) -> None:
+def fail(reason: str, owner: int | None = None) -> None:
     """Fail the current step's router metrics with ``reason`` (an automatically found router
-    whose output is not what it was recognised as); nothing on a step with no observer."""
+    whose output is not what it was recognised as); nothing on a step with no observer
+    (``owner`` as in :func:`record`)."""
     if torch.compiler.is_compiling():
-        torch.ops.tmetrics.fail(reason)
+        torch.ops.tmetrics.fail(reason, owner)
     else:
-        _fail(reason)
+        _fail(reason, owner)
 
 
 def watched(kind: str) -> bool:
@@ -147,9 +151,17 @@ def observing(observer: Observer) -> Iterator[Observer]:
         _ACTIVE.reset(token)
 
 
-def _record(module: torch.nn.Module, name: str, tensor: torch.Tensor, minus: torch.Tensor | None, kind: str,
-            shard_dim: int | None, *, compiled: bool) -> None:
+def _current(owner: int | None) -> Observer | None:
+    """The active observer, if any, and when ``owner`` is given only if it is that owner's."""
     observer = _ACTIVE.get()
+    if observer is None or (owner is not None and getattr(observer, "owner", None) != owner):
+        return None
+    return observer
+
+
+def _record(module: torch.nn.Module, name: str, tensor: torch.Tensor, minus: torch.Tensor | None, kind: str,
+            shard_dim: int | None, owner: int | None, *, compiled: bool) -> None:
+    observer = _current(owner)
     if observer is None or kind not in observer.kinds:
         return
     if compiled and kind in getattr(observer, "kept", observer.kinds):  # not declared: every kind may be kept
@@ -160,8 +172,9 @@ def _record(module: torch.nn.Module, name: str, tensor: torch.Tensor, minus: tor
         observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus)
 
 
-def _record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, accumulator: bool) -> None:
-    observer = _ACTIVE.get()
+def _record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, accumulator: bool,
+                     owner: int | None) -> None:
+    observer = _current(owner)
     if observer is None:
         return
     accumulator = accumulator and "residual_accumulator" in observer.kinds
@@ -170,41 +183,42 @@ def _record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor |
         observer.record_residual(module, h, x, accumulator=accumulator)
 
 
-def _fail(reason: str) -> None:
-    observer = _ACTIVE.get()
+def _fail(reason: str, owner: int | None) -> None:
+    observer = _current(owner)
     if observer is not None:
         observer.fail(reason)
 
 
 @torch.library.custom_op("tmetrics::observe", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _observe_op(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, kind: str,
-                shard_dim: int | None) -> None:
-    _record(_MODULES.get(module, _UNKNOWN), name, tensor, minus, kind, shard_dim, compiled=True)
+                shard_dim: int | None, owner: int | None) -> None:
+    _record(_MODULES.get(module, _UNKNOWN), name, tensor, minus, kind, shard_dim, owner, compiled=True)
 
 
 @torch.library.custom_op("tmetrics::observe_residual", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _observe_residual_op(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool) -> None:
-    _record_residual(_MODULES.get(module, _UNKNOWN), h, x, accumulator)
+def _observe_residual_op(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool,
+                         owner: int | None) -> None:
+    _record_residual(_MODULES.get(module, _UNKNOWN), h, x, accumulator, owner)
 
 
 @torch.library.custom_op("tmetrics::fail", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _fail_op(reason: str) -> None:
-    _fail(reason)
+def _fail_op(reason: str, owner: int | None) -> None:
+    _fail(reason, owner)
 
 
 @_observe_op.register_fake
 def _(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, kind: str,
-      shard_dim: int | None) -> None:
+      shard_dim: int | None, owner: int | None) -> None:
     return None
 
 
 @_observe_residual_op.register_fake
-def _(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool) -> None:
+def _(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool, owner: int | None) -> None:
     return None
 
 
 @_fail_op.register_fake
-def _(reason: str) -> None:
+def _(reason: str, owner: int | None) -> None:
     return None
 
 

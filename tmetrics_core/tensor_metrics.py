@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from fnmatch import fnmatchcase
 import json
 import logging
@@ -332,7 +333,7 @@ class TensorMetrics:
         observer = reset = None
         if token_metrics:
             observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self._num_experts,
-                                     modules=self.modules, known=self._token_sites)
+                                     modules=self.modules, known=self._token_sites, owner=id(self))
             reset = _ACTIVE.set(observer)
         failed = False
         try:
@@ -358,11 +359,15 @@ class TensorMetrics:
         token_metrics = [m for m, _ in self.metrics if set(m.source_kinds) & TOKEN_KINDS]
         kinds = frozenset(k for m in token_metrics for k in m.source_kinds)
         patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
-        handles = self.index.install(record, record_residual, residual="residual_accumulator" in kinds,
+        mine = id(self)  # this object's observer takes its hooks' calls, another's does not
+        handles = self.index.install(functools.partial(record, owner=mine),
+                                     functools.partial(record_residual, owner=mine),
+                                     residual="residual_accumulator" in kinds,
                                      contribution="residual_contribution" in kinds, logits="logits" in kinds,
                                      patterns=patterns, routers=bool(kinds & {"router_topk", "router_scores"}))
         if self.routers and kinds & ROUTER_OUTPUT_KINDS:
-            handles += install_routers(self.routers, record, fail, kinds)
+            handles += install_routers(self.routers, functools.partial(record, owner=mine),
+                                       functools.partial(fail, owner=mine), kinds)
         return handles
 
     def observe_gradients(self) -> None:

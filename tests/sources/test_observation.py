@@ -102,6 +102,24 @@ def test_idle_steps_observe_nothing_and_keep_the_hooks():
     assert not any(b._forward_hooks for b in model.layers)
 
 
+def test_two_metrics_objects_on_one_model_each_take_only_their_own_hooks_calls():
+    """Hooks stay installed: during one object's step the other's hooks must not feed it too."""
+    model = Tiny()
+    x = torch.randn(3, 5, 4)
+    alone = _metrics(model)
+    with alone.step(1):
+        model(x)
+    want = {(r.metric, r.layer): r.value for r in alone.last_records}
+    alone.close()
+    first, second = _metrics(model), _metrics(model)
+    for metrics in (first, second):
+        with metrics.step(1):
+            model(x)
+        assert {(r.metric, r.layer): r.value for r in metrics.last_records} == want
+    first.close()
+    second.close()
+
+
 def test_token_mask_removes_padding():
     model = Tiny()
     metrics = TensorMetrics(model, metrics=[

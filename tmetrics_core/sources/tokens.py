@@ -88,8 +88,10 @@ class TokenObserver:
 
     def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
                  *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None,
-                 known: TokenSites | None = None) -> None:
+                 known: TokenSites | None = None, owner: int | None = None) -> None:
         self.metrics = list(metrics)
+        self.owner = owner
+        """Id of the ``TensorMetrics`` whose hooks feed this observer (``tmetrics_core.observe.record``)."""
         self.known = known if known is not None else TokenSites()
         self._names = tuple(m.name for m in self.metrics)
         self.modules = dict(modules or {})
