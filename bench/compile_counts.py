@@ -164,8 +164,8 @@ def _mixtral(layers: int, seed: int) -> torch.nn.Module:
 
     config = transformers.MixtralConfig(hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
                                         num_key_value_heads=1, vocab_size=256, max_position_embeddings=64,
-                                        num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
-                                        **{"experts_implementation": "batched_mm"})  # no data-dependent loop
+                                        num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)
+    config._experts_implementation = "batched_mm"  # no data-dependent loop over the experts hit
     return transformers.MixtralForCausalLM(config)
 
 
