@@ -19,6 +19,7 @@ operators are tagged ``cudagraph_unsafe``: inductor does not capture them in a C
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -27,7 +28,8 @@ from typing import Iterable, Iterator, Protocol
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["Observer", "fail", "observe", "observing", "record", "record_residual", "register_modules", "watched"]
+__all__ = ["Observer", "fail", "new_owner", "observe", "observing", "record", "record_residual", "register_modules",
+           "watched"]
 
 
 class Observer(Protocol):
@@ -63,6 +65,15 @@ _MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueD
 _UNKNOWN = torch.nn.Module()
 """Stands for a module observed under compile that no model of a ``TensorMetrics`` holds: it has
 no path in any model, as that module would have none (its sites are named ``?.<name>``)."""
+
+
+_OWNERS = itertools.count(1)
+
+
+def new_owner() -> int:
+    """A number no other owner of hooks got in this process (an ``id`` may be reused once its
+    object is collected, and the hooks of an object never closed are still installed)."""
+    return next(_OWNERS)
 
 
 def register_modules(modules: Iterable[torch.nn.Module]) -> None:
@@ -101,8 +112,8 @@ def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: s
 def record(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, shard_dim: int | None,
            minus: torch.Tensor | None = None, owner: int | None = None) -> None:
     """:func:`observe` with ``minus`` (the observation is ``tensor - minus``, same shape) and
-    ``owner``: the entry of tmetrics' forward hooks, which pass their ``TensorMetrics``' id so
-    that an observer takes only its own hooks' calls (two objects measuring one model would
+    ``owner``: the entry of tmetrics' forward hooks, which pass their ``TensorMetrics``' owner
+    number (:func:`new_owner`) so that an observer takes only its own hooks' calls (two objects measuring one model would
     otherwise each see every observation twice)."""
     if torch.compiler.is_compiling():
         torch.ops.tmetrics.observe(tensor, minus, id(module), name, kind, shard_dim, owner)

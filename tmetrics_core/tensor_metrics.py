@@ -53,7 +53,7 @@ from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.catalogue import catalogue_entries
-from tmetrics_core.observe import _ACTIVE, fail, record, record_residual
+from tmetrics_core.observe import _ACTIVE, fail, new_owner, record, record_residual
 from tmetrics_core.placements import Placement
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
@@ -179,6 +179,7 @@ class TensorMetrics:
         if verify_replicas != "never" and "param" not in self.flat:  # flat buffers hold no Replica
             self._verify(["param"], [s for s in self._sites_of("param") if s.name in self._read_by_metrics()],
                          "at start-up")
+        self._owner = new_owner()  # this object's observer takes its own hooks' calls, another's does not
         self._hooks = self._observation_hooks()
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._pre_step))
@@ -333,7 +334,7 @@ class TensorMetrics:
         observer = reset = None
         if token_metrics:
             observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self._num_experts,
-                                     modules=self.modules, known=self._token_sites, owner=id(self))
+                                     modules=self.modules, known=self._token_sites, owner=self._owner)
             reset = _ACTIVE.set(observer)
         failed = False
         try:
@@ -359,7 +360,7 @@ class TensorMetrics:
         token_metrics = [m for m, _ in self.metrics if set(m.source_kinds) & TOKEN_KINDS]
         kinds = frozenset(k for m in token_metrics for k in m.source_kinds)
         patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
-        mine = id(self)  # this object's observer takes its hooks' calls, another's does not
+        mine = self._owner
         handles = self.index.install(functools.partial(record, owner=mine),
                                      functools.partial(record_residual, owner=mine),
                                      residual="residual_accumulator" in kinds,

@@ -91,7 +91,7 @@ class TokenObserver:
                  known: TokenSites | None = None, owner: int | None = None) -> None:
         self.metrics = list(metrics)
         self.owner = owner
-        """Id of the ``TensorMetrics`` whose hooks feed this observer (``tmetrics_core.observe.record``)."""
+        """Owner number of the ``TensorMetrics`` whose hooks feed this observer (``tmetrics_core.observe.record``)."""
         self.known = known if known is not None else TokenSites()
         self._names = tuple(m.name for m in self.metrics)
         self.modules = dict(modules or {})
