@@ -1,6 +1,7 @@
 """Observation: no raw activation outlives its observation, checkpoint recomputation is not
-observed twice, idle steps install nothing, the token mask removes padding, and residual
-metrics read through moments rows equal those of the full tensors."""
+observed twice, hooks stay installed and idle steps observe nothing, two metrics objects on one
+model do not feed each other, the token mask removes padding, and residual metrics read through
+moments rows equal those of the full tensors."""
 
 from __future__ import annotations
 
