@@ -12,7 +12,8 @@ Under ``torch.compile`` each call is one ``tmetrics::observe`` (``tmetrics::obse
 guard on whether a metric is due, so no recompile when the cadence changes), kept by AOT
 autograd and inductor as an ordered side effect, and run eagerly at its place in the compiled
 forward, where it does exactly what the uncompiled call does. The module travels as its
-``id`` (a constant of the graph) and is looked up in :func:`register_modules`' registry. The
+``id`` (a constant of the graph) and is looked up in :func:`register_modules`' registry; a
+hook's owner number travels the same way. The
 operators are tagged ``cudagraph_unsafe``: inductor does not capture them in a CUDA graph
 (a replayed graph would skip them), it splits the graph around them.
 """
