@@ -57,6 +57,7 @@ def main() -> None:
         print(f"{label:<46} {value:8.0f}")
     config = ModelConfig()
     model = Transformer(config, seed=0)
+    bare = Transformer(config, seed=0)  # tmetrics' hooks stay on `model` between steps: a copy without them
     tokens = torch.randint(0, 256, (8, config.seq_len))
     bundle = [(Rms(name="layer-residual-accumulator-rms", source_kinds=["residual_accumulator"], scope="layer"), 1),
               (Rms(name="layer-residual-contribution-rms", source_kinds=["residual_contribution"], scope="layer"), 1),
@@ -74,7 +75,7 @@ def main() -> None:
         for _ in range(args.steps):
             step[0] += 1
             if variant == "bare":
-                _forward(model, tokens)
+                _forward(bare, tokens)
             elif variant == "idle step":
                 with idle.step(step[0]):
                     _forward(model, tokens)

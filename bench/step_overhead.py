@@ -111,8 +111,9 @@ copies (a few percent of step time either way) cannot bias the pair."""
 
 def _switched(trainer: Trainer) -> dict[str, Callable[[int], None]]:
     """Runners of :data:`SWITCHED` over ``trainer`` (built with the bundle every step): the
-    first swaps in a metrics object that does nothing; the optimizer hooks of the bundle stay
-    registered and return at once outside a step scope (counted against the bare side)."""
+    first swaps in a metrics object that does nothing; the optimizer hooks and the forward hooks
+    of the bundle stay registered and return at once outside a step scope (counted against the
+    bare side)."""
     count = [0]
 
     def runner(metrics: StepMetrics) -> Callable[[int], None]:

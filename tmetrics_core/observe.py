@@ -1,26 +1,45 @@
 """In-model observation sites: ``tm.observe(module, name, tensor, kind=...)``.
 
 A model calls :func:`observe` where a tensor of interest exists (router logits inside an MoE
-block, say). On steps where no due metric watches that ``kind`` the call returns after one
-context-variable read and one set lookup, so sites can stay in production code. The active
-:class:`Observer` is installed by ``TensorMetrics.step()`` only for steps with due metrics.
+block, say); tmetrics' own forward hooks call :func:`record`, :func:`record_residual` and
+:func:`fail` the same way. The active :class:`Observer` is installed by ``TensorMetrics.step()``
+only for steps with due metrics; on other steps, and for a ``kind`` no due metric watches, a
+call returns after one context-variable read and one set lookup, so sites can stay in
+production code.
+
+Under ``torch.compile`` each call is one ``tmetrics::observe`` (``tmetrics::observe_residual``,
+``tmetrics::fail``) custom operator in the user's graph: opaque to dynamo (no graph break, no
+guard on whether a metric is due, so no recompile when the cadence changes), kept by AOT
+autograd and inductor as an ordered side effect, and run eagerly at its place in the compiled
+forward, where it does exactly what the uncompiled call does. The module travels as its
+``id`` (a constant of the graph) and is looked up in :func:`register_modules`' registry; a
+hook's owner number travels the same way. The
+operators are tagged ``cudagraph_unsafe``: inductor does not capture them in a CUDA graph
+(a replayed graph would skip them), it splits the graph around them.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import torch
+from torch._library.effects import EffectType
 
-__all__ = ["Observer", "observe", "observing", "watched"]
+__all__ = ["Observer", "fail", "new_owner", "observe", "observing", "record", "record_residual", "register_modules",
+           "watched"]
 
 
 class Observer(Protocol):
-    """Receives the observations of one step; ``kinds`` are the site kinds some due metric wants."""
+    """Receives the observations of one step; ``kinds`` are the site kinds some due metric wants;
+    ``kept`` the kinds whose tensors it keeps past the call (until the step's end); an observer
+    without ``kept`` is given copies of every observation from a compiled graph."""
 
     kinds: frozenset[str]
+    kept: frozenset[str]
 
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
@@ -28,8 +47,42 @@ class Observer(Protocol):
         at once, or kept until the step's end where the source says so (router outputs)."""
         ...
 
+    def record_residual(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *,
+                        accumulator: bool) -> None:
+        """Observe a block's output ``h`` as the residual stream (when ``accumulator``) and
+        ``h - x`` as its contribution (when ``x`` is given)."""
+        ...
+
+    def fail(self, reason: str, kinds: frozenset[str] | None = None) -> None:
+        """Fail the step's metrics that read any of ``kinds`` (router outputs when None) with
+        ``reason``."""
+        ...
+
 
 _ACTIVE: ContextVar[Observer | None] = ContextVar("tmetrics_observer", default=None)
+
+_MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+"""``id(module)`` -> module, for the compiled path (a custom operator takes no module)."""
+
+_UNKNOWN = torch.nn.Module()
+"""Stands for a module observed under compile that no model of a ``TensorMetrics`` holds: it has
+no path in any model, as that module would have none (its sites are named ``?.<name>``)."""
+
+
+_OWNERS = itertools.count(1)
+
+
+def new_owner() -> int:
+    """A number no other owner of hooks got in this process (an ``id`` may be reused once its
+    object is collected, and the hooks of an object never closed are still installed)."""
+    return next(_OWNERS)
+
+
+def register_modules(modules: Iterable[torch.nn.Module]) -> None:
+    """Make ``modules`` known to the compiled path by ``id`` (``ModuleIndex`` registers every
+    module of the measured model; the registry holds them weakly)."""
+    for module in modules:
+        _MODULES[id(module)] = module
 
 
 def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
@@ -52,17 +105,51 @@ def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: s
     Router outputs (``router_logits``, ``router_topk``, ``router_scores``) are kept, not copied,
     until the step's end: do not change them in place afterwards (observe ``tensor.clone()``
     instead); a change is detected by the tensor's version counter and fails the metrics that
-    read the site, on every rank.
+    read the site, on every rank. Under ``torch.compile`` they are copied on due steps (a
+    compiled graph reuses its buffers), and the call is a custom operator in the graph.
     """
-    observer = _ACTIVE.get()
-    if observer is None or kind not in observer.kinds:
-        return
-    observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim)
+    record(module, name, tensor, kind=kind, shard_dim=shard_dim)
+
+
+def record(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, shard_dim: int | None,
+           minus: torch.Tensor | None = None, owner: int | None = None) -> None:
+    """:func:`observe` with ``minus`` (the observation is ``tensor - minus``, same shape) and
+    ``owner``: the entry of tmetrics' forward hooks, which pass their ``TensorMetrics``' owner
+    number (:func:`new_owner`) so that an observer takes only its own hooks' calls (two objects measuring one model would
+    otherwise each see every observation twice)."""
+    if torch.compiler.is_compiling():
+        torch.ops.tmetrics.observe(tensor, minus, id(module), name, kind, shard_dim, owner)
+    else:
+        _record(module, name, tensor, minus, kind, shard_dim, owner, compiled=False)
+
+
+def record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *, accumulator: bool,
+                    owner: int | None = None) -> None:
+    """A block's output ``h`` (the residual stream, when ``accumulator``) and its input ``x``
+    (for the contribution ``h - x``; None when not wanted): each part goes to the observer only
+    when a due metric watches its kind (``owner`` as in :func:`record`)."""
+    if torch.compiler.is_compiling():
+        torch.ops.tmetrics.observe_residual(h, x, id(module), accumulator, owner)
+    else:
+        _record_residual(module, h, x, accumulator, owner)
+
+
+def fail(reason: str, kinds: frozenset[str] | None = None, owner: int | None = None) -> None:
+    """Fail the current step's metrics reading any of ``kinds`` (router outputs when None) with
+    ``reason`` (an automatically found router whose output is not what it was recognised as);
+    nothing on a step with no observer (``owner`` as in :func:`record`)."""
+    if torch.compiler.is_compiling():
+        torch.ops.tmetrics.fail(reason, None if kinds is None else sorted(kinds), owner)
+    else:
+        _fail(reason, kinds, owner)
 
 
 def watched(kind: str) -> bool:
     """Whether a due metric of the current step watches site ``kind``: lets an integration's
-    hook skip preparing a tensor for :func:`observe` (one context-variable read)."""
+    hook skip preparing a tensor for :func:`observe` (one context-variable read). True while
+    compiling: the graph prepares the tensor on every step and the observer decides when it runs."""
+    if torch.compiler.is_compiling():
+        return True
     observer = _ACTIVE.get()
     return observer is not None and kind in observer.kinds
 
@@ -75,3 +162,80 @@ def observing(observer: Observer) -> Iterator[Observer]:
         yield observer
     finally:
         _ACTIVE.reset(token)
+
+
+def _current(owner: int | None) -> Observer | None:
+    """The active observer, if any, and when ``owner`` is given only if it is that owner's."""
+    observer = _ACTIVE.get()
+    if observer is None or (owner is not None and getattr(observer, "owner", None) != owner):
+        return None
+    return observer
+
+
+def _record(module: torch.nn.Module, name: str, tensor: torch.Tensor, minus: torch.Tensor | None, kind: str,
+            shard_dim: int | None, owner: int | None, *, compiled: bool) -> None:
+    observer = _current(owner)
+    if observer is None or kind not in observer.kinds:
+        return
+    if compiled and kind in getattr(observer, "kept", observer.kinds):  # not declared: every kind may be kept
+        tensor = tensor.clone()  # the compiled graph may write its next values into this buffer
+    if minus is None:  # observers written before ``minus`` existed take no such argument
+        observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim)
+    else:
+        observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus)
+
+
+def _record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, accumulator: bool,
+                     owner: int | None) -> None:
+    observer = _current(owner)
+    if observer is None:
+        return
+    accumulator = accumulator and "residual_accumulator" in observer.kinds
+    x = x if "residual_contribution" in observer.kinds else None
+    if accumulator or x is not None:
+        observer.record_residual(module, h, x, accumulator=accumulator)
+
+
+def _fail(reason: str, kinds: frozenset[str] | None, owner: int | None) -> None:
+    observer = _current(owner)
+    if observer is not None:
+        observer.fail(reason, kinds)
+
+
+@torch.library.custom_op("tmetrics::observe", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _observe_op(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, kind: str,
+                shard_dim: int | None, owner: int | None) -> None:
+    _record(_MODULES.get(module, _UNKNOWN), name, tensor, minus, kind, shard_dim, owner, compiled=True)
+
+
+@torch.library.custom_op("tmetrics::observe_residual", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _observe_residual_op(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool,
+                         owner: int | None) -> None:
+    _record_residual(_MODULES.get(module, _UNKNOWN), h, x, accumulator, owner)
+
+
+@torch.library.custom_op("tmetrics::fail", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _fail_op(reason: str, kinds: list[str] | None, owner: int | None) -> None:
+    _fail(reason, None if kinds is None else frozenset(kinds), owner)
+
+
+@_observe_op.register_fake
+def _(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, kind: str,
+      shard_dim: int | None, owner: int | None) -> None:
+    return None
+
+
+@_observe_residual_op.register_fake
+def _(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool, owner: int | None) -> None:
+    return None
+
+
+@_fail_op.register_fake
+def _(reason: str, kinds: list[str] | None, owner: int | None) -> None:
+    return None
+
+
+for _op in ("tmetrics::observe", "tmetrics::observe_residual", "tmetrics::fail"):
+    # An operator with no output and no mutated input would be dropped as dead code: an ordered
+    # effect keeps it, in program order, in the forward graph.
+    torch.library._register_effectful_op(_op, EffectType.ORDERED)

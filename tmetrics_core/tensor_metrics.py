@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from fnmatch import fnmatchcase
 import json
 import logging
@@ -52,7 +53,7 @@ from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.catalogue import catalogue_entries
-from tmetrics_core.observe import _ACTIVE
+from tmetrics_core.observe import _ACTIVE, fail, new_owner, record, record_residual
 from tmetrics_core.placements import Placement
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.records import Labels, MetricRecord, RunInfo, RunStatus, status_on_exit
@@ -179,7 +180,8 @@ class TensorMetrics:
         if verify_replicas != "never" and "param" not in self.flat:  # flat buffers hold no Replica
             self._verify(["param"], [s for s in self._sites_of("param") if s.name in self._read_by_metrics()],
                          "at start-up")
-        self._hooks = []
+        self._owner = new_owner()  # this object's observer takes its own hooks' calls, another's does not
+        self._hooks = self._observation_hooks()
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self._hooks.append(self.optimizer.register_step_post_hook(self._post_step))
@@ -330,18 +332,10 @@ class TensorMetrics:
         self._sites = {}
         self._before = None
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
-        observer = handles = reset = None
+        observer = reset = None
         if token_metrics:
             observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self._num_experts,
-                                     modules=self.modules, known=self._token_sites)
-            kinds = observer.kinds
-            patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
-            handles = self.index.install(observer.record, observer.record_residual,
-                                         residual="residual_accumulator" in kinds,
-                                         contribution="residual_contribution" in kinds, logits="logits" in kinds,
-                                         patterns=patterns)
-            if self.routers and kinds & ROUTER_OUTPUT_KINDS:
-                handles += install_routers(self.routers, observer.record, observer.fail, kinds)
+                                     modules=self.modules, known=self._token_sites, owner=self._owner)
             reset = _ACTIVE.set(observer)
         failed = False
         try:
@@ -352,14 +346,31 @@ class TensorMetrics:
         finally:
             if reset is not None:
                 _ACTIVE.reset(reset)
-            for h in handles or ():
-                h.remove()
             try:
                 if not failed and self._due:
                     self._finish_step(step, observer)
             finally:
                 # Nothing outlives the step: the update snapshot is a copy of the parameters.
                 self._step, self._due, self._before, self._prepared, self._sites = None, [], None, {}, {}
+
+    def _observation_hooks(self) -> list[Any]:
+        """The forward hooks of every token source a configured metric reads, installed once and
+        kept until :meth:`close`: on steps with no due metric of their kind they pass their
+        tensors to ``tmetrics_core.observe``, which drops them; and a compiled model sees the
+        same hooks on every step (a hook added or removed is a recompile)."""
+        token_metrics = [m for m, _ in self.metrics if set(m.source_kinds) & TOKEN_KINDS]
+        kinds = frozenset(k for m in token_metrics for k in m.source_kinds)
+        patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
+        mine = self._owner
+        handles = self.index.install(functools.partial(record, owner=mine),
+                                     functools.partial(record_residual, owner=mine),
+                                     residual="residual_accumulator" in kinds,
+                                     contribution="residual_contribution" in kinds, logits="logits" in kinds,
+                                     patterns=patterns)
+        if self.routers and kinds & ROUTER_OUTPUT_KINDS:
+            handles += install_routers(self.routers, functools.partial(record, owner=mine),
+                                       functools.partial(fail, owner=mine), kinds)
+        return handles
 
     def observe_gradients(self) -> None:
         """Read gradients (and parameters) now, e.g. before clipping, instead of in the optimizer's

@@ -1,6 +1,7 @@
 """Observation: no raw activation outlives its observation, checkpoint recomputation is not
-observed twice, idle steps install nothing, the token mask removes padding, and residual
-metrics read through moments rows equal those of the full tensors."""
+observed twice, hooks stay installed and idle steps observe nothing, two metrics objects on one
+model do not feed each other, the token mask removes padding, and residual metrics read through
+moments rows equal those of the full tensors."""
 
 from __future__ import annotations
 
@@ -83,18 +84,41 @@ def test_checkpointed_forward_is_observed_once():
         h0.pow(2).mean().sqrt().item(), rel=1e-6)
 
 
-def test_idle_steps_install_nothing():
+def test_idle_steps_observe_nothing_and_keep_the_hooks():
+    """Hooks are installed once (a compiled model would recompile on each hook added or
+    removed); on an idle step there is no observer, so nothing is read."""
     model = Tiny()
     metrics = _metrics(model, interval=10)
+    hooks = [dict(b._forward_hooks) for b in model.layers]
+    assert all(hooks)
     with metrics.step(1):  # the first step is always due
         assert _ACTIVE.get() is not None
-        assert any(len(b._forward_hooks) for b in model.layers)
         model(torch.randn(2, 2, 4))
     with metrics.step(2):
         assert _ACTIVE.get() is None
-        assert not any(len(b._forward_hooks) for b in model.layers)
         model(torch.randn(2, 2, 4))
+    assert [dict(b._forward_hooks) for b in model.layers] == hooks
     assert metrics.last_records and all(r.step == 1 for r in metrics.last_records)
+    metrics.close()
+    assert not any(b._forward_hooks for b in model.layers)
+
+
+def test_two_metrics_objects_on_one_model_each_take_only_their_own_hooks_calls():
+    """Hooks stay installed: during one object's step the other's hooks must not feed it too."""
+    model = Tiny()
+    x = torch.randn(3, 5, 4)
+    alone = _metrics(model)
+    with alone.step(1):
+        model(x)
+    want = {(r.metric, r.layer): r.value for r in alone.last_records}
+    alone.close()
+    first, second = _metrics(model), _metrics(model)
+    for metrics in (first, second):
+        with metrics.step(1):
+            model(x)
+        assert {(r.metric, r.layer): r.value for r in metrics.last_records} == want
+    first.close()
+    second.close()
 
 
 def test_token_mask_removes_padding():

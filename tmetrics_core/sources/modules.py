@@ -1,7 +1,10 @@
 """Module-side sources: forward hooks for residual streams, output logits and module outputs.
 
-Hooks are installed only for steps where a due metric wants them and removed at the step's
-end, so idle steps pay nothing. Blocks are found in the usual block lists (``layers``, ``h``,
+``TensorMetrics`` installs the hooks every configured metric may read once, at construction, and
+keeps them (adding or removing a hook on a compiled module is a recompile): a hook passes its
+tensors to ``tmetrics_core.observe``, which drops them after one context-variable read on a
+step where no due metric watches their kind, and compiles into the graph as a custom operator
+(see there). Blocks are found in the usual block lists (``layers``, ``h``,
 ``blocks``, ``decoder.layers``, wrapped or not); the head under ``head``, ``lm_head``,
 ``output`` or ``output_layer``.
 """
@@ -15,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tmetrics_core.naming.canonical import canonicalize, strip_wrappers
+from tmetrics_core.observe import register_modules
 
 __all__ = ["ModuleIndex"]
 
@@ -54,6 +58,7 @@ class ModuleIndex:
             if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
                 self.head = (path, module)
         self._block_paths = sorted(((p, i) for p, i, _ in self.blocks), key=lambda pi: -len(pi[0]))
+        register_modules(m for _, m in self.named)  # observations under torch.compile name them by id
 
     def path(self, module: torch.nn.Module) -> str:
         """The cleaned module path (``layers.3.moe``); ``?`` for a module not in the model."""
@@ -97,7 +102,7 @@ class ModuleIndex:
 
     def install(self, record: Callable[..., None], record_residual: Callable[..., None], *, residual: bool,
                 contribution: bool, logits: bool, patterns: Sequence[str]) -> list[Any]:
-        """Register the forward hooks a step needs; returns handles to remove at its end
+        """Register the forward hooks the configured metrics need; returns their handles
         (routers are hooked by `tmetrics_core.sources.routers`).
         ``record(module, name, tensor, kind=, shard_dim=)`` receives each output;
         ``record_residual(module, h, x, accumulator=)`` a block's output ``h`` and, for the

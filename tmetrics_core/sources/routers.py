@@ -3,8 +3,9 @@
 One path for every framework: a :class:`Recognizer` says, as data, how to find one framework's
 router modules (the top-level package and a glob of the class name, or a structural rule) and
 what each element of their forward output is. :func:`find_routers` scans the model once at
-construction; on a step where a due metric reads router outputs, :func:`install` puts one
-forward hook on each router (removed at the step's end, like every module-side source). Each
+construction; on a run configured with a metric reading router outputs, :func:`install` puts
+one forward hook on each router (kept until ``close()``, like every module-side source, so a
+compiled model sees the same hooks on every step). Each
 call observes, as the sites ``<MoE block path>.router_logits``, ``.router_scores`` and
 ``.router_topk`` (the MoE block is the router's parent module), exactly what a model calling
 ``tm.observe(block, "router_logits", ...)`` would:
@@ -216,6 +217,9 @@ def _dispatched(router: Router, parts: dict[str, Any]) -> str | None:
         return None
     if not isinstance(mask, torch.Tensor) or mask.shape[-1] != router.num_experts:
         return f"router {router.path}: its dispatch mask is not [tokens, {router.num_experts}]"
+    if torch.compiler.is_compiling():
+        return (f"router {router.path}: its dispatch mask is checked for dropped tokens on the host, which a "
+                "compiled graph cannot do; observe router_topk with tm.observe(...) inside the compiled model")
     if not bool((mask.sum(dim=-1) == router.top_k).all()):
         return (f"router {router.path} dropped tokens over an expert's capacity (some token went to other than "
                 f"{router.top_k} experts): tokens per expert would not count what it chose; raise the model's "
@@ -250,14 +254,18 @@ def _scores(router: Router, parts: dict[str, Any]) -> tuple[torch.Tensor | None,
     ids are proportional to the returned weights, row by row (relative tolerance
     ``max(1e-4, 8 eps)`` of the weights' dtype), preferring one they equal exactly. Returns
     ``(None, None)`` where the router returns no logits (nothing to derive); ``(None, reason)``
-    where no function fits, or where the weights cannot tell them apart (one expert per token,
-    normalized)."""
+    where no function fits, where the weights cannot tell them apart (one expert per token,
+    normalized), and under ``torch.compile`` until an uncompiled call has verified it."""
     logits, weights, chosen = parts.get("router_logits"), parts.get("topk_weights"), parts.get("router_topk")
     if logits is None:
         return None, None
     flat = logits.detach().reshape(-1, logits.shape[-1])
     if router.score_function:
         return SCORE_FUNCTIONS[router.score_function[0]](flat), None
+    if torch.compiler.is_compiling():
+        return None, (f"router {router.path}: its score function is verified from values on the host, which a "
+                      "compiled graph cannot do; run the model uncompiled for one step first, or observe "
+                      "router_scores with tm.observe(...)")
     if not isinstance(weights, torch.Tensor) or chosen is None or weights.shape != chosen.shape:
         return None, (f"router {router.path}: its top-k weights are not [tokens, {router.top_k}], so its score "
                       "function cannot be verified; observe router_scores with tm.observe(...) instead")

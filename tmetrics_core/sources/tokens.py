@@ -88,8 +88,10 @@ class TokenObserver:
 
     def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
                  *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None,
-                 known: TokenSites | None = None) -> None:
+                 known: TokenSites | None = None, owner: int | None = None) -> None:
         self.metrics = list(metrics)
+        self.owner = owner
+        """Owner number of the ``TensorMetrics`` whose hooks feed this observer (``tmetrics_core.observe.record``)."""
         self.known = known if known is not None else TokenSites()
         self._names = tuple(m.name for m in self.metrics)
         self.modules = dict(modules or {})
@@ -97,6 +99,7 @@ class TokenObserver:
         self.index = index
         self.num_experts = num_experts
         self.kinds = frozenset(k for m in self.metrics for k in m.source_kinds) | {"token_mask"}
+        self.kept = KEPT_KINDS
         self.sites: dict[SiteKey, Site] = {}
         self.states: dict[str, dict[SiteKey, Any]] = {}
         self.errors: dict[str, str] = {}
@@ -449,6 +452,9 @@ _STANDINS = 256
 
 ROUTER_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
 """Token kinds kept until the step's end (``[tokens, experts]``: small next to activations)."""
+
+KEPT_KINDS = ROUTER_KINDS | {"token_mask"}
+"""Kinds whose observed tensor (or a view of it) outlives the call: router outputs and the mask."""
 
 
 def _joint(metric: TensorMetric) -> bool:
