@@ -139,7 +139,7 @@ def fail(reason: str, kinds: frozenset[str] | None = None, owner: int | None = N
     ``reason`` (an automatically found router whose output is not what it was recognised as);
     nothing on a step with no observer (``owner`` as in :func:`record`)."""
     if torch.compiler.is_compiling():
-        torch.ops.tmetrics.fail(reason, None if kinds is None else sorted(kinds), owner)
+        torch.ops.tmetrics.fail(reason, None if kinds is None else ",".join(sorted(kinds)), owner)
     else:
         _fail(reason, kinds, owner)
 
@@ -215,8 +215,9 @@ def _observe_residual_op(h: torch.Tensor, x: torch.Tensor | None, module: int, a
 
 
 @torch.library.custom_op("tmetrics::fail", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _fail_op(reason: str, kinds: list[str] | None, owner: int | None) -> None:
-    _fail(reason, None if kinds is None else frozenset(kinds), owner)
+def _fail_op(reason: str, kinds: str | None, owner: int | None) -> None:
+    # kinds comma-joined: a custom operator takes no list of strings
+    _fail(reason, None if kinds is None else frozenset(kinds.split(",")), owner)
 
 
 @_observe_op.register_fake
@@ -231,7 +232,7 @@ def _(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool, o
 
 
 @_fail_op.register_fake
-def _(reason: str, kinds: list[str] | None, owner: int | None) -> None:
+def _(reason: str, kinds: str | None, owner: int | None) -> None:
     return None
 
 

@@ -38,7 +38,6 @@ def _entropy(p: torch.Tensor) -> float:
 def _run(model: torch.nn.Module, names: tuple[str, ...], rewrite=None):
     """Two steps; returns the second's records by (metric, layer, stat), the failures and each router
     layer's outputs in it."""
-    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in names])
     seen: dict[int, list] = {}
 
     def keep(i):
@@ -48,7 +47,9 @@ def _run(model: torch.nn.Module, names: tuple[str, ...], rewrite=None):
             return out
         return hook
 
+    # Before tmetrics' own router hooks (installed with the metrics object): they run in order.
     hooks = [r.register_forward_hook(keep(i)) for i, r in _routers(model).items()]
+    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in names])
     for step in (1, 2):  # the score function found on step 1 is kept for step 2
         seen.clear()
         ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(step))
