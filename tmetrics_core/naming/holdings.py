@@ -12,28 +12,29 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Hashable, Iterable, Mapping
 
 __all__ = ["Holdings", "Row"]
 
 Row = tuple
-"""One tensor as a rank lists it: ``(name, original, layer, expert, component, family, shape,
-dtype, dtensor placements, framework placements)``, placements as ``(axis, repr)`` pairs."""
+"""One tensor as a rank lists it, its key first. The manifest's: ``(name, original, layer,
+expert, component, family, shape, dtype, dtensor placements, framework placements)``,
+placements as ``(axis, repr)`` pairs; the token plan's: ``(site key, site)``."""
 
 
 @dataclass
 class Holdings:
     """Tensors listed by a set of ranks.
 
-    ``rows`` maps each canonical name to its distinct rows, each with the lowest global rank
+    ``rows`` maps each key (a canonical name, a site key) to its distinct rows, each with the lowest global rank
     among those whose listing was merged in (several rows for one name mean ranks disagree: a tensor split by hand, or
-    a model cast on some ranks only). ``held`` maps each name to ``{axis: coordinates}`` where
+    a model cast on some ranks only). ``held`` maps each key to ``{axis: coordinates}`` where
     a listing rank stands. ``stacked`` is the largest expert count of a stacked tensor named
     whole on any of these ranks.
     """
 
-    rows: dict[str, dict[Row, int]] = field(default_factory=dict)
-    held: dict[str, dict[str, set[int]]] = field(default_factory=dict)
+    rows: dict[Hashable, dict[Row, int]] = field(default_factory=dict)
+    held: dict[Hashable, dict[str, set[int]]] = field(default_factory=dict)
     stacked: int = 0
 
     @classmethod
