@@ -17,8 +17,9 @@ experts, so per-tensor costs show; ``--large`` adds the 10,000 row and a series 
 sizes), through the public API only (``TensorMetrics.from_config`` and ``step``), with global
 and per-layer L2 of parameters and gradients, gradient absmax, non-finite count and update ratio
 due every step: torch ops tmetrics issues per due step (counted with a ``TorchDispatchMode``),
-its time per due step (median of alternating rounds), that time per tensor, and one
-``torch._foreach_norm`` pass over the same gradients for scale. ``--plot`` saves both series as
+its CPU time per due step (thread time, median of alternating rounds, so other processes on a
+shared machine do not inflate it), that time per tensor, and one ``torch._foreach_norm`` pass
+over the same gradients for scale. ``--plot`` saves both series as
 a figure when matplotlib is installed.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import pickle
 import statistics
 import tempfile
@@ -89,13 +91,11 @@ def world_table() -> list[dict[str, Any]]:
     rows = []
     for shape in MESHES:
         world = SymmetricWorld(shape, ("pp", "dp", "ep", "tp"), class_axes=("pp", "ep"))
-        start = time.perf_counter()
         by_rank = world.run(lambda rank, seam: world_rank(rank, seam, world))
         worst = {k: max(r[k] for r in by_rank.values()) for k in ("start-up", "first due step", "due step")}
         sample = next(iter(by_rank.values()))
         rows.append({"shape": shape, "world": world.world_size, "tensors": sample["tensors"],
-                     "world gather": max(r["world gather"] for r in by_rank.values()), **worst,
-                     "seconds": time.perf_counter() - start})
+                     "world gather": max(r["world gather"] for r in by_rank.values()), **worst})
     return rows
 
 
@@ -136,7 +136,7 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _moe(layers: int, experts: int, width: int) -> torch.nn.Module:
+def _moe(layers: int, experts: int, width: int) -> Transformer:
     config = ModelConfig(d_model=width, n_heads=2, d_ff=width, n_layers=layers, n_experts=experts, vocab_size=16)
     return Transformer(config)
 
@@ -151,27 +151,29 @@ def _tensor_case(layers: int, experts: int, width: int, rounds: int) -> dict[str
                         model, optimizer, rounds)
 
 
-def _measure(metrics: TensorMetrics, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def _measure(metrics: TensorMetrics, model: Transformer, optimizer: torch.optim.Optimizer,
              rounds: int) -> dict[str, Any]:
     params = list(model.parameters())
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
 
+    # CPU time of this thread (torch runs one intra-op thread here): what the step costs, not
+    # what the other processes on a shared machine take from it.
     def due(step: int) -> float:
-        start = time.perf_counter()
+        start = time.thread_time()
         with metrics.step(step):
             optimizer.step()
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
     def bare() -> float:
-        start = time.perf_counter()
+        start = time.thread_time()
         optimizer.step()
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
     def foreach() -> float:
-        start = time.perf_counter()
+        start = time.thread_time()
         torch._foreach_norm([p.grad for p in params])  # type: ignore[misc]
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
     due(1)  # the first due step plans
     counter = _CountOps()
@@ -189,7 +191,7 @@ def _measure(metrics: TensorMetrics, model: torch.nn.Module, optimizer: torch.op
         norm.append(foreach())
     metrics.close()
     seconds = max(statistics.median(with_tm) - statistics.median(without), 0.0)
-    config = model.config  # type: ignore[attr-defined]
+    config = model.config
     return {"tensors": len(params), "layers": config.n_layers, "experts": config.n_experts, "width": config.d_model,
             "ops": tm_ops,
             "ms": seconds * 1e3, "us per tensor": seconds * 1e6 / len(params),
@@ -220,8 +222,8 @@ def print_tensors(rows: list[dict[str, Any]]) -> None:
         ratio = r["ms"] / r["foreach ms"] if r["foreach ms"] else math.nan
         print(f"{r['tensors']:>7} {str(r['layers']) + ' x ' + str(r['experts']):>16} {r['width']:>5} | "
               f"{r['ops']:>18} | {r['ms']:>20.2f} {r['us per tensor']:>9.1f} | {r['foreach ms']:>16.3f} {ratio:>6.1f}")
-    print("tmetrics ms: median due step with tmetrics minus the median bare optimizer step; torch ops: those "
-          "above the bare step's.")
+    print("tmetrics ms: median due step with tmetrics minus the median bare optimizer step (thread CPU time); "
+          "torch ops: those above the bare step's.")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> str:
@@ -238,7 +240,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
         n = [r["tensors"] for r in series]
         ops.plot(n, [r["ops"] for r in series], "o-", label=f"width {width}")
         ms.plot(n, [r["ms"] for r in series], "o-", label=f"tmetrics, width {width}")
-        ms.plot(n, [r["foreach ms"] for r in series], "x--", label=f"_foreach_norm, width {width}")
+        ms.plot(n, [r["foreach ms"] for r in series], "x--", label=f"foreach_norm pass, width {width}")
     for ax, title in ((ops, "torch ops per due step"), (ms, "ms per due step")):
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -246,6 +248,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
         ax.set_title(title)
         ax.legend(fontsize=7)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path)
     return f"plot saved to {path}"
 
@@ -253,11 +256,12 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add ~10,000 tensors and realistic widths")
-    parser.add_argument("--plot", default="bench_scaling.png", help="figure path for table 2")
+    parser.add_argument("--plot", default="runs/bench_scaling.png", help="figure path for table 2")
     parser.add_argument("--no-world", action="store_true")
     parser.add_argument("--no-tensors", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    print(f"load average at start: {os.getloadavg()[0]:.1f}")
     if not args.no_world:
         print_world(world_table())
         print()
@@ -265,6 +269,7 @@ def main() -> None:
         rows = tensor_table(args.large)
         print_tensors(rows)
         print(plot(rows, args.plot))
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

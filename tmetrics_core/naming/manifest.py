@@ -138,9 +138,10 @@ class Manifest:
                 ORIGINAL parameter name (as ``model.named_parameters()`` gives it) ->
                 ``{axis: Placement}``; below ``overrides``, above DTensor and inference.
             share: this rank's holdings -> the union over all ranks (called once, on every rank
-                alike); None in a single process.
+                alike); needed when ``topology`` has more than one rank.
 
         Raises:
+            ValueError: several ranks and no ``share``.
             ConfigError: a DTensor or framework axis that is not in ``topology``; an override
                 naming an unknown axis or an unreadable placement; a tensor held on some but not
                 all coordinates of an axis without an override saying how.
@@ -185,6 +186,9 @@ class Manifest:
         stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
                        if cn.expert_dim is not None and cn.expert is None), default=0)
         mine = Holdings.local(local_rows, coords, topology.global_rank, stacked)
+        if topology.world_size > 1 and share is None:
+            raise ValueError(f"{topology} has several ranks: pass share= (tmetrics_core.distributed."
+                             "manifest_exchange.share_holdings) so every rank learns what the others hold")
         everything = share(mine) if share is not None and topology.world_size > 1 else mine
         entries = _merge(everything, topology, overrides or {})
         # A copy on a rank that a declared Owned(r) says does not hold it (a stale replica on a
