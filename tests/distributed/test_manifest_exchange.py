@@ -55,3 +55,36 @@ def test_per_rank_bytes_do_not_grow_from_world_8_to_64():
     for phase in ("start-up", "first due step", "due step"):
         assert large[phase] == small[phase], phase  # (calls, bytes): equal
     assert large["world gather"] == pytest.approx(8 * small["world gather"], rel=0.02)  # the design before
+
+
+NAMES = ("pp", "dp", "ep", "tp")
+
+
+def _by_class(coords):
+    """Rows that depend on the pp and ep coordinates only, as in the symmetric world."""
+    pp, _, ep, _ = coords
+    return [_row(f"{pp}.{ep}.w"), _row(f"{pp}.attn"), _row("embed")]
+
+
+def _full(rank, world, comm, shape):
+    topology = sim_topology(rank, shape, NAMES)
+    coords = topology.coords()
+    mine = Holdings.local(_by_class([coords[a] for a in NAMES]), coords, rank, 0)
+    return share_holdings(mine, Executor(topology, collectives=comm))
+
+
+def test_the_symmetric_world_answers_as_every_rank_would():
+    shape = (2, 2, 2, 2)
+    full = run_threaded(_full, 16, shape, timeout=60)
+    world = SymmetricWorld(shape, NAMES, class_axes=("pp", "ep"))
+
+    def rep(rank, seam):
+        topology = world.topology(rank)
+        mine = Holdings.local(_by_class(world.coords(rank)), topology.coords(), rank, 0)
+        return share_holdings(mine, Executor(topology, collectives=seam))
+
+    simulated = world.run(rep)
+    assert sorted(simulated) == world.representatives() == [0, 2, 8, 10]
+    for rank, shared in simulated.items():
+        assert shared == full[rank]
+        assert shared.held["0.1.w"] == {"pp": {0}, "dp": {0, 1}, "ep": {1}, "tp": {0, 1}}
