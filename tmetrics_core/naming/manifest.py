@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Callable, Iterable, Mapping, overload
+from typing import Any, Callable, Iterable, Mapping, cast, overload
 
 import torch
 
@@ -280,8 +280,9 @@ def _slice_of(cn: CanonicalName, p: torch.Tensor, topology: Topology
 def _merge(everything: Holdings, topology: Topology,
            overrides: Mapping[str, Mapping[str, str]]) -> list[TensorEntry]:
     entries = []
-    for name in sorted(everything.rows):
-        variants = sorted(everything.rows[name].items(), key=lambda item: item[1])
+    by_name = cast(dict[str, dict[Row, int]], everything.rows)  # keyed by canonical name in build
+    for name in sorted(by_name):
+        variants = sorted(by_name[name].items(), key=lambda item: item[1])
         row = variants[0][0]
         from_dtensor = {a: parse_placement(p) for a, p in row[8]}
         from_framework = {a: parse_placement(p) for a, p in row[9]}
