@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import Collectives
+from tmetrics_core.distributed.manifest_exchange import share_holdings
 from tmetrics_core.errors import ConfigError, PlacementError, TMetricsError
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.distributed.partials import resolve_partials
@@ -143,7 +144,8 @@ class TensorMetrics:
         self.manifest = Manifest.build(model, self.topology, overrides=placements,
                                        framework_placements=framework_placements,
                                        layer_offset=layer_offset, expert_offset=expert_offset,
-                                       qkv_select=[g for m, _ in self.metrics for g in getattr(m, "select", ())])
+                                       qkv_select=[g for m, _ in self.metrics for g in getattr(m, "select", ())],
+                                       share=lambda mine: share_holdings(mine, self.executor))
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
         self.flat: dict[str, list[FlatBuffer]] = {}
@@ -187,7 +189,7 @@ class TensorMetrics:
             self._hooks.append(self.optimizer.register_step_post_hook(self._post_step))
         if hub is not None and run is not None:
             run = dataclasses.replace(
-                run, manifest=tuple(self.manifest.rows(self.topology.world_size)),
+                run, manifest=tuple(self.manifest.rows()),
                 num_layers=self.manifest.num_layers, num_experts=self.manifest.num_experts)
             if not isinstance(hub, NullHub):
                 _write_manifest(run)
@@ -273,11 +275,10 @@ class TensorMetrics:
 
     def _present_anywhere(self) -> dict[str, Any]:
         """Whether any rank has blocks, a head, and modules matching each metric's globs."""
-        mine = {"blocks": bool(self.index.blocks), "head": self.index.head is not None,
-                "modules": {name: bool(self.index.matching(p)) for name, p in self.modules.items()}}
-        everyone = self.executor.gather_objects(mine)
-        return {"blocks": any(r["blocks"] for r in everyone), "head": any(r["head"] for r in everyone),
-                "modules": {name: any(r["modules"].get(name) for r in everyone) for name in self.modules}}
+        blocks, head, *modules = self.executor.any_ranks(
+            [bool(self.index.blocks), self.index.head is not None,
+             *(bool(self.index.matching(p)) for p in self.modules.values())])
+        return {"blocks": blocks, "head": head, "modules": dict(zip(self.modules, modules))}
 
     def _check_keys(self, key_rules: Mapping[str, KeyRules]) -> None:
         """Tensor and family labels come from the model's own names, which a backend may
@@ -485,7 +486,7 @@ class TensorMetrics:
         for kind in kinds:
             self.manifest.mark_verified(kind, [(name, axis) for name, k, axis in checked if k == kind])
         if kinds != ["param"] and self.run is not None and self.hub is not None and not isinstance(self.hub, NullHub):
-            _write_manifest(dataclasses.replace(self.run, manifest=tuple(self.manifest.rows(self.topology.world_size))))
+            _write_manifest(dataclasses.replace(self.run, manifest=tuple(self.manifest.rows())))
 
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def _run_phase(self, phase: str) -> None:

@@ -31,7 +31,7 @@ def _origins(rank: int, world: int) -> dict:
     with metrics.step(1):
         pass
     values = {r.tensor: r.value for r in metrics.last_records}
-    rows = {row["name"]: (row["placements"], row["origins"]) for row in metrics.manifest.rows(world)}
+    rows = {row["name"]: (row["placements"], row["origins"]) for row in metrics.manifest.rows()}
     metrics.close()
     return {"values": values, "rows": rows,
             "owned": metrics.manifest.entries[1].placements}

@@ -144,7 +144,7 @@ def test_a_rank_that_never_joins_fails_the_step_within_the_collective_timeout(tw
     results, _ = two_ranks
     absent = results[0]["absent"]
     assert absent["error"] == "TMetricsError"
-    assert absent["message"].startswith("a tmetrics all_gather did not complete within 3 s (")
+    assert absent["message"].startswith("a tmetrics all_reduce(max) did not complete within 3 s (")
     assert "some rank never joined it" in absent["message"]
     assert 3.0 <= absent["seconds"] < 6.0
     assert results[1]["absent"] == {"error": None}

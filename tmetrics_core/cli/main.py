@@ -82,7 +82,7 @@ def names_command(hf: str | None, factory: str | None, run_dir: Path | None, as_
         from tmetrics_core.naming.manifest import Manifest
 
         model = load_model(hf=hf, factory=factory)
-        rows = Manifest.build(model, Topology.single_process()).rows(1)
+        rows = Manifest.build(model, Topology.single_process()).rows()
     click.echo(format_manifest(rows, fmt="json" if as_json else "table"))
 
 

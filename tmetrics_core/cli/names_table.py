@@ -13,7 +13,9 @@ be absent, as in manifests written before they existed):
 ``dtype``       dtype (``torch.dtype`` or str; ``"torch."`` is dropped)
 ``numel``       elements of the logical tensor (int)
 ``placements``  axis name -> short placement tag, e.g. ``{"fsdp": "S(0)", "dp": "R"}``
-``owners``      global ranks holding a piece (sequence of int), or ``"all"``
+``owners``      ``"all"``, or axis name -> the coordinates holding it on the axes where
+                not every coordinate does (``{"pp": [1]}``), or (older manifests) the
+                global ranks holding a piece (sequence of int)
 ``origins``     axis name -> where its placement came from: ``declared`` (config
                 ``placements:``), ``framework`` (an integration), ``dtensor``, ``inferred``
                 (who holds the name); an axis here but not in ``placements`` is a Replica claim
@@ -127,7 +129,10 @@ def _normalized(index: int, entry: Mapping[str, Any]) -> dict[str, Any]:
     row["dtype"] = str(entry["dtype"]).removeprefix("torch.")
     row["placements"] = {str(axis): str(tag) for axis, tag in entry["placements"].items()}
     owners = entry["owners"]
-    row["owners"] = owners if owners == "all" else [int(rank) for rank in owners]
+    if isinstance(owners, Mapping):
+        row["owners"] = {str(axis): [int(c) for c in coords] for axis, coords in owners.items()}
+    else:
+        row["owners"] = owners if owners == "all" else [int(rank) for rank in owners]
     return row
 
 
@@ -139,6 +144,8 @@ def _cell(key: str, value: Any) -> str:
     if key == "placements":
         return " ".join(f"{axis}={tag}" for axis, tag in value.items()) or "-"
     if key == "owners":
+        if isinstance(value, Mapping):
+            return " ".join(f"{axis}={_ranks(coords)}" for axis, coords in value.items())
         return value if value == "all" else _ranks(value)
     return str(value)
 

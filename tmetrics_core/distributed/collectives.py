@@ -2,11 +2,13 @@
 
 ``TorchCollectives`` calls ``torch.distributed`` with a bounded wait on every call, so a peer
 that never arrives raises instead of hanging. Tests swap in an in-process simulation with the
-same three methods; nothing else in tmetrics talks to other ranks for metrics.
+same three methods, and benchmarks a recording one; nothing else in tmetrics talks to other
+ranks (the manifest exchange at start-up included).
 """
 
 from __future__ import annotations
 
+import pickle
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -40,8 +42,8 @@ class TorchCollectives:
     """``torch.distributed`` collectives, each waited on for at most ``timeout_s`` seconds.
 
     Raises:
-        TMetricsError: from ``all_reduce`` and ``all_gather`` when the wait fails (time out, or a
-            peer lost), naming the operation and the bound; the backend's error is the cause.
+        TMetricsError: from every call when the wait fails (time out, or a peer lost), naming
+            the operation and the bound; the backend's error is the cause.
     """
 
     def __init__(self, timeout_s: float = 60.0) -> None:
@@ -67,6 +69,13 @@ class TorchCollectives:
             ) from exc
 
     def all_gather_object(self, obj: Any, group: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
+        """Pickled to bytes and sent in two bounded ``all_gather`` calls (lengths, then the bytes
+        padded to the longest), on the current CUDA device when the group's backend is NCCL."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device or "cpu")
+        lengths = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=data.device), group)
+        longest = max(int(n.item()) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=data.device)
+        padded[:data.numel()] = data
+        return [pickle.loads(chunk[:int(n.item())].cpu().numpy().tobytes())
+                for chunk, n in zip(self.all_gather(padded, group), lengths)]

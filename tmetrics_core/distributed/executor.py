@@ -10,9 +10,11 @@ Per step the executor:
    int64 vector over the default group), so every rank skips the same metrics and no rank waits
    in a collective the others never issue;
 2. optionally checks the plan (on a metric's first run, whenever the plan changes, or on
-   demand): every rank contributes fingerprints of its per-axis layouts to one ``all_gather``;
+   demand): one ``all_reduce(MAX)`` per axis of a fingerprint of this rank's layout on that axis
+   and its negation (the group's max and min), and one over the world of the mismatch flags;
    a difference raises :class:`PlanMismatchError` on every rank, naming the metric, the axis and
-   the ranks that differ, before any mismatched collective can hang;
+   the ranks that differ (gathered then, on that failure path only), before any mismatched
+   collective can hang. Per-rank bytes of both do not grow with the world size;
 3. runs rounds: the requests of all due metrics are deduplicated by key and bucketed by (axes,
    op, dtype); a small round goes out as ONE ``all_gather`` over the joint group of all its axes
    and is reduced locally when every value has one length on all ranks, else the buckets of
@@ -47,6 +49,11 @@ log = logging.getLogger(__name__)
 _GATHER_LIMIT = 1 << 19
 """Most elements an all_gather of buckets may collect on one rank (members x values; 4 MiB in
 float64); larger buckets are all-reduced."""
+
+_GATHER_MEMBERS = 16
+"""Most members of a gathered round: what a rank receives grows with the members, what an
+all_reduce moves does not, so past this many ranks the buckets are all-reduced (per-rank bytes
+of a due step then stay flat as the axes grow)."""
 
 _REDUCE_OF: dict[str, ReduceOpName] = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
 """The reduction that materializes a ``Partial`` op (``avg``: a sum, divided after)."""
@@ -191,12 +198,17 @@ class Executor:
         return out, failures
 
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on any rank (one tiny world collective)."""
+        """True on every rank when ``flag`` is true on any rank (one ``all_reduce(MAX)`` of one
+        element over the world)."""
+        return self.any_ranks([flag])[0]
+
+    def any_ranks(self, flags: Sequence[bool]) -> list[bool]:
+        """``flags`` OR-ed over every rank, element by element (one ``all_reduce(MAX)`` over the
+        world; the same length on every rank)."""
         if not self._distributed:
-            return flag
-        self.stats.add("world", 1)
-        gathered = self.comm.all_gather(torch.tensor([int(flag)], dtype=torch.int64, device=self.device), None)
-        return any(v for g in gathered for v in g.tolist())
+            return list(flags)
+        agreed = self._world_max(torch.tensor([int(f) for f in flags], dtype=torch.int64, device=self.device))
+        return [bool(v) for v in agreed.tolist()]
 
     def gather(self, tensor: torch.Tensor, axis: str) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape everywhere) over the group of ``axis``, in axis-rank
@@ -210,12 +222,18 @@ class Executor:
         self.stats.seconds += time.perf_counter() - start
         return out
 
-    def gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj`` (slow path: plan changes only)."""
+    def gather_objects(self, obj: Any, group: Any = None, label: str = "world") -> list[Any]:
+        """Every rank's picklable ``obj`` over ``group`` (None: the world), in group-rank order,
+        counted as one call on ``label``. Slow paths (errors, plan changes) and start-up only."""
         if not self._distributed:
             return [obj]
-        self.stats.add("world", 1)
-        return self.comm.all_gather_object(obj, None)
+        self.stats.add(label, 1)
+        return self.comm.all_gather_object(obj, group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName, axis: str) -> None:
+        """Reduce ``tensor`` in place with ``op`` over the group of ``axis`` (nothing to do when
+        the axis has one rank); one collective, counted on ``axis``."""
+        self._all_reduce(tensor, op, self.topology.axes[axis].group, axis)
 
     def materialize(self, tensors: Sequence[torch.Tensor], axes: Sequence[tuple[str, ...]],
                     ops: Sequence[str]) -> list[torch.Tensor]:
@@ -290,8 +308,9 @@ class Executor:
         this rank only along the bucket's own axes, in member order (so every peer computes
         identical results). The caller guarantees one layout on every member: the buckets are
         all over ``union``, or every request is ``uniform``. Returns False, doing nothing, when
-        the joint group cannot be built or the gathered table would exceed ``_GATHER_LIMIT``
-        elements (then one ``all_reduce`` per bucket moves less data).
+        the joint group cannot be built, the gathered table would exceed ``_GATHER_LIMIT``
+        elements or the group ``_GATHER_MEMBERS`` ranks (then one ``all_reduce`` per bucket
+        moves less data).
 
         NOTE [gathered rounds]: metric rounds are latency-bound (a few thousand values), so one
         all_gather beats an all_reduce per (axes, op). Buckets over fewer axes than the union
@@ -303,7 +322,8 @@ class Executor:
         values = [[(-current[r.key] if r.op == "min" else current[r.key]).to(torch.float64) for r in bucket]
                   for bucket in buckets.values()]
         total = sum(v.numel() for vs in values for v in vs)
-        group = self.topology.joint_group(union) if total * members <= _GATHER_LIMIT else None
+        small = total * members <= _GATHER_LIMIT and members <= _GATHER_MEMBERS
+        group = self.topology.joint_group(union) if small else None
         if group is None:
             return False
         packed = torch.cat([v for vs in values for v in vs])
@@ -332,6 +352,12 @@ class Executor:
             self.comm.all_reduce(tensor, op, group)
             self.stats.seconds += time.perf_counter() - start
 
+    def _world_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` reduced with MAX over every rank (one small control collective)."""
+        self.stats.add("world", tensor.numel())
+        self.comm.all_reduce(tensor, "max", None)
+        return tensor
+
     def _to_host(self, live: Sequence[_Due]) -> dict[Hashable, list[float]]:
         outputs: dict[Hashable, torch.Tensor] = {}
         for item in live:
@@ -351,65 +377,72 @@ class Executor:
     # -- agreement and checks -------------------------------------------------------------------
     def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (),
                         flag: bool | None = None) -> list[MetricFailure]:
-        """Metrics that raised on any rank (flag 1); with ``unfed``, also sets :attr:`unfed` to
-        the metrics unfed on every rank (flag 2, same collective); with ``flag`` (not None, the
-        first agreement of a run), a last element (4) sets :attr:`flagged`."""
-        mine = [(1 if i.error else 0) | (2 if i.metric.name in unfed else 0) for i in items]
-        mine = mine + [4 if flag else 0] if flag is not None else mine or [0]
+        """Metrics that raised on any rank, in one ``all_reduce(MAX)`` over the world of
+        ``[raised per metric, fed per metric, flag]``; with ``unfed``, also sets :attr:`unfed`
+        to the metrics fed on no rank; with ``flag`` (not None, the first agreement of a run),
+        sets :attr:`flagged`. Only when some metric raised does a second collective gather the
+        error texts, to name the failing ranks and the lowest one's error."""
+        n = len(items)
+        mine = [1 if i.error else 0 for i in items] + [0 if i.metric.name in unfed else 1 for i in items]
+        mine.append(1 if flag else 0)
         if self._distributed:
-            flags = torch.tensor(mine, dtype=torch.int64, device=self.device)
-            self.stats.add("world", flags.numel())
-            table = [g.tolist() for g in self.comm.all_gather(flags, None)]
+            agreed = self._world_max(torch.tensor(mine, dtype=torch.int64, device=self.device)).tolist()
         else:
-            table = [mine]
+            agreed = mine
         if flag is not None:
-            self.flagged = any(row[-1] & 4 for row in table)
-        # Slow path, only when something failed: every rank learns the lowest failing rank's
-        # error text, so the one warning (logged where the sinks are) says what went wrong.
-        texts = self.gather_objects([i.error for i in items]) if any(v & 1 for row in table for v in row) else None
+            self.flagged = bool(agreed[-1])
+        raised = agreed[:n]
+        texts = self.gather_objects([i.error for i in items]) if any(raised) else None
         if unfed:
             self.unfed = tuple(item.metric.name for index, item in enumerate(items)
-                               if all(row[index] & 2 for row in table) and not any(row[index] & 1 for row in table))
+                               if not agreed[n + index] and not raised[index])
         failures = []
         for index, item in enumerate(items):
-            ranks = tuple(r for r, row in enumerate(table) if row[index] & 1)
-            if ranks:
-                error = texts[ranks[0]][index] if texts is not None else item.error
-                failures.append(MetricFailure(item.metric.name, ranks, error or f"raised on rank(s) {list(ranks)}"))
+            if texts is None or not raised[index]:
+                continue
+            ranks = tuple(r for r, errors in enumerate(texts) if errors[index] is not None)
+            error = texts[ranks[0]][index]
+            failures.append(MetricFailure(item.metric.name, ranks, error or f"raised on rank(s) {list(ranks)}"))
         return failures
 
     def _check_plan(self, requests: Sequence[CollectiveRequest], pending: Sequence[_Due]) -> None:
+        """Compare this step's per-axis layouts with the other ranks of each axis: one
+        ``all_reduce(MAX)`` of ``[fingerprint, -fingerprint]`` per axis (the max and the min
+        fingerprint of the group), then one ``all_reduce(MAX)`` over the world of the mismatch
+        flags so every rank raises together. Only on a mismatch are the layouts gathered, to name
+        the metric, the axis and the ranks that differ."""
         if not self._distributed:
             return
-        names = self.topology.names
+        names = [a for a in self.topology.names if self.topology.axes[a].size > 1]
         owner: dict[Hashable, str] = {}
         for item in pending:
             for req in item.round.requests:
                 owner.setdefault(req.key, item.metric.name)
         layouts = {a: _layout(requests, a, owner) for a in names}
-        coords = [self.topology.axes[a].rank for a in names]
-        fps = [_fingerprint(layouts[a]) for a in names]
-        mine = torch.tensor(coords + fps, dtype=torch.int64, device=self.device)
-        self.stats.add("world", mine.numel())
-        gathered = self.comm.all_gather(mine, None)
-        table = [g.tolist() for g in gathered]
-        n = len(names)
-        for ai, axis in enumerate(names):
+        fps = {a: _fingerprint(layouts[a]) for a in names}
+        mismatched = []
+        for axis in names:
+            spread = torch.tensor([fps[axis], -fps[axis]], dtype=torch.int64, device=self.device)
+            self.all_reduce(spread, "max", axis)
+            mismatched.append(int(spread[0].item() != -spread[1].item()))
+        if not any(self._world_max(torch.tensor(mismatched or [0], dtype=torch.int64, device=self.device)).tolist()):
+            return
+        coords = {a: self.topology.axes[a].rank for a in names}
+        table = self.gather_objects((coords, fps, layouts))
+        for axis in names:
             groups: dict[tuple, list[int]] = {}
-            for rank, row in enumerate(table):
-                other = tuple(c for j, c in enumerate(row[:n]) if j != ai)
-                groups.setdefault(other, []).append(rank)
+            for rank, (theirs, _, _) in enumerate(table):
+                groups.setdefault(tuple(c for a, c in theirs.items() if a != axis), []).append(rank)
             for ranks in groups.values():
-                ref = table[ranks[0]][n + ai]
-                bad = tuple(r for r in ranks if table[r][n + ai] != ref)
+                ref = table[ranks[0]][1][axis]
+                bad = tuple(r for r in ranks if table[r][1][axis] != ref)
                 if bad:
-                    self._raise_mismatch(axis, ranks[0], bad, layouts[axis], pending)
+                    self._raise_mismatch(axis, ranks[0], bad, table[ranks[0]][2][axis], table[bad[0]][2][axis])
 
-    def _raise_mismatch(self, axis: str, ref_rank: int, bad: tuple[int, ...],
-                        layout: list[tuple[str, str, str, int, str]], pending: Sequence[_Due]) -> None:
-        everything = self.comm.all_gather_object(layout, None)
-        ref = everything[ref_rank]
-        other = everything[bad[0]]
+    @staticmethod
+    def _raise_mismatch(axis: str, ref_rank: int, bad: tuple[int, ...],
+                        ref: list[Any], other: list[Any]) -> None:
+        """Raise the mismatch of ``other`` (a layout of a rank of ``bad``) against ``ref``."""
         metric = next((row[4] for a, b in zip(ref + [None], other + [None]) if a != b
                        for row in (a or b,)), "?")
         raise PlanMismatchError(

@@ -12,8 +12,12 @@ depend on the rank. Every Replica claim, whatever its origin (declared, framewor
   fused moments kernel where it takes the tensor), and a position-weighted sum of
   ``SAMPLE`` evenly spaced elements, so pieces holding the same values in another order differ;
 * the fingerprints of every checked tensor, of every source checked at that moment, are packed
-  into one ``[claims, 6]`` table and all-gathered ONCE per axis (``Executor.gather``, bounded
-  by the collective timeout);
+  into one table and compared ONCE per axis by two all-reduces over the axis group (bounded by
+  the collective timeout): a MAX of each column and of its negation (the group's max and min:
+  equal exactly when every rank holding the tensor has the same value; NaN rides as a flag
+  column) and a SUM of the presence column (how many ranks hold it). Per-rank bytes follow the
+  number of claims, not the axis size; only when some copies differ is the table all-gathered
+  over the axis, to name the ranks and their fingerprints;
 * one tiny world collective agrees whether any rank found a difference, so the
   :class:`~tmetrics_core.errors.PlacementError` is raised on EVERY rank (ranks of other groups
   of the axis included), never leaving one waiting in a collective; where every checked axis
@@ -145,7 +149,8 @@ def verify_replicas(claims: Sequence[ReplicaClaim], tensors: Mapping[SiteKey, to
                     topology: Topology, executor: Executor, when: str) -> list[tuple[str, str, str]]:
     """Check every claim of ``claims`` (rank-symmetric) against the local ``tensors`` (site key
     ``(canonical name, kind)`` -> this rank's local tensor, None or absent when not held): one
-    all_gather of a packed fingerprint table per axis, then one world agreement.
+    comparison of a packed fingerprint table per axis (two all-reduces; the table is gathered
+    only where copies differ), then one world agreement.
 
     Args:
         when: for the message, e.g. ``"at start-up"`` or ``"at step 3"``.
@@ -166,6 +171,10 @@ def verify_replicas(claims: Sequence[ReplicaClaim], tensors: Mapping[SiteKey, to
     checked: list[tuple[str, str, str]] = []
     for axis, group in by_axis.items():
         mine = fingerprints([tensors.get(c.site.key) for c in group], executor.device)
+        holding, differs = _compare(mine, axis, executor)
+        if not differs.any():
+            checked.extend((c.site.name, c.site.kind, axis) for c, n in zip(group, holding.tolist()) if n >= 2)
+            continue
         table = torch.stack(executor.gather(mine, axis)).cpu()  # [axis ranks, claims, columns]
         ranks = topology.axes[axis].ranks
         for index, claim in enumerate(group):
@@ -191,6 +200,23 @@ def verify_replicas(claims: Sequence[ReplicaClaim], tensors: Mapping[SiteKey, to
             "(not advised), set distributed.verify_replicas: never."
         )
     return checked
+
+
+def _compare(mine: torch.Tensor, axis: str, executor: Executor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of ``mine`` (this rank's ``[claims, 6]`` fingerprints): how many ranks of the
+    axis group hold the tensor, and whether the holders' fingerprints differ in any bit (NaN
+    equal to NaN, NOTE [exact comparison]); two all-reduces over the axis, on CPU results."""
+    present = mine[:, 0] != 0
+    values = mine[:, 1:]
+    columns = torch.cat([values.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf), values.isnan().double()], 1)
+    spread = torch.cat([columns, -columns], 1)
+    spread[~present] = -math.inf  # absent: no say in the max nor the min
+    executor.all_reduce(spread, "max", axis)
+    holding = present.to(torch.int64)
+    executor.all_reduce(holding, "sum", axis)
+    width = columns.shape[1]
+    differs = (spread[:, :width] != -spread[:, width:]).any(1) & (holding >= 2)
+    return holding.cpu(), differs.cpu()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

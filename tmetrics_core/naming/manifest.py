@@ -1,8 +1,10 @@
 """The manifest: every model tensor under its canonical name, with placements and owners.
 
 Built once per run. Each rank lists the parameters it holds (canonical name, logical shape,
-dtype, DTensor and framework placements, its axis coordinates); one ``all_gather_object`` shares
-the lists, and every rank derives the same table. Each axis of a tensor takes its placement from
+dtype, DTensor and framework placements, its axis coordinates) as :class:`Holdings`; the caller's
+``share`` (``tmetrics_core.distributed.manifest_exchange``, through the collectives seam) turns
+them into the union over all ranks, exchanging only over the axes whose ranks list different
+tensors, and every rank derives the same table. Each axis of a tensor takes its placement from
 the first of these that gives one, and the entry records which (its *origin*):
 
 1. ``declared``: the config's ``placements:`` (glob on the canonical name);
@@ -34,16 +36,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Iterable, Mapping, overload
+from typing import Any, Callable, Iterable, Mapping, cast, overload
 
 import torch
-import torch.distributed as dist
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.naming.canonical import CanonicalName, canonicalize, qkv_views
 from tmetrics_core.naming.layouts.torchtitan import fused_qkv_geometry
 from tmetrics_core.naming.dtensor import dtensor_placements
+from tmetrics_core.naming.holdings import Holdings, Row
 from tmetrics_core.naming.slices import SliceView, place_slice
 from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
 from tmetrics_core.site import Site
@@ -68,7 +70,9 @@ class TensorEntry:
     shape: tuple[int, ...]
     dtype: str
     placements: tuple[tuple[str, Placement], ...]
-    owners: tuple[int, ...]
+    holders: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """``(axis, coordinates)`` for every axis on which some coordinates do not hold the tensor
+    (an Owned layer: ``(("pp", (1,)),)``); empty when every rank holds it."""
     origins: tuple[tuple[str, str], ...] = ()
     """``(axis, origin)`` for every axis with a placement claim, ``Replica`` claims included (an
     axis absent from :attr:`placements` but listed here is a Replica claim); origins are the
@@ -93,7 +97,7 @@ class TensorEntry:
         return Site(name=self.name, kind=kind, logical_shape=self.shape, dtype=self.dtype,
                     placements=self.placements, layer=self.layer, expert=self.expert, family=self.family)
 
-    def row(self, world_size: int) -> dict[str, Any]:
+    def row(self) -> dict[str, Any]:
         """The ``tmetrics names`` row (keys of ``names_table.MANIFEST_KEYS``)."""
         numel = 1
         for s in self.shape:
@@ -102,7 +106,7 @@ class TensorEntry:
             "name": self.name, "original": self.original, "layer": self.layer, "expert": self.expert,
             "component": self.component, "shape": list(self.shape), "dtype": self.dtype, "numel": numel,
             "placements": {a: str(p) for a, p in self.placements},
-            "owners": "all" if len(self.owners) == world_size else list(self.owners),
+            "owners": {a: list(c) for a, c in self.holders} or "all",
             "origins": dict(self.origins),
             "verified": {a: [k for ax, k in self.verified if ax == a] for a in dict.fromkeys(a for a, _ in self.verified)},
         }
@@ -134,8 +138,9 @@ class Manifest:
               overrides: Mapping[str, Mapping[str, str]] | None = None,
               framework_placements: Mapping[str, Mapping[str, Placement]] | None = None,
               layer_offset: int = 0, expert_offset: int = 0, layout: str | None = None,
-              qkv_select: Iterable[str] = ()) -> "Manifest":
-        """Canonicalize ``model``'s parameters, gather them across ranks and infer placements.
+              qkv_select: Iterable[str] = (),
+              share: Callable[[Holdings], Holdings] | None = None) -> "Manifest":
+        """Canonicalize ``model``'s parameters, share them across ranks and infer placements.
 
         Args:
             overrides: the config's ``placements:``, glob on canonical names -> ``{axis: tag}``.
@@ -146,8 +151,11 @@ class Manifest:
                 ``wqkv``) is listed as its ``attn.q``, ``attn.k`` and ``attn.v`` views instead of
                 whole when a glob matches a view's name and not the whole tensor's
                 (``layers.*.attn.k.*``); the views partition it, so layer sums are unchanged.
+            share: this rank's holdings -> the union over all ranks (called once, on every rank
+                alike); needed when ``topology`` has more than one rank.
 
         Raises:
+            ValueError: several ranks and no ``share``.
             ConfigError: a DTensor or framework axis that is not in ``topology``; an override
                 naming an unknown axis or an unreadable placement; a tensor held on some but not
                 all coordinates of an axis without an override saying how.
@@ -160,7 +168,7 @@ class Manifest:
             names = canonicalize(params.items(), layer_offset=layer_offset, expert_offset=expert_offset,
                                  layout=layout, split_stacked=True, qkv_groups=split)
         coords = topology.coords()
-        local_rows = []
+        local_rows: list[Row] = []
         local: dict[str, torch.nn.Parameter] = {}
         views: dict[str, SliceView] = {}
         slices: dict[str, CanonicalName] = {}
@@ -196,14 +204,18 @@ class Manifest:
                                tuple((a, repr(pl)) for a, pl in framework.items()), covered))
         stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
                        if cn.expert_dim is not None and cn.expert is None), default=0)
-        everything = _gather((topology.global_rank, coords, local_rows, stacked), topology)
+        mine = Holdings.local(local_rows, coords, topology.global_rank, stacked)
+        if topology.world_size > 1 and share is None:
+            raise ValueError(f"{topology} has several ranks: pass share= (tmetrics_core.distributed."
+                             "manifest_exchange.share_holdings) so every rank learns what the others hold")
+        everything = share(mine) if share is not None and topology.world_size > 1 else mine
         entries = _merge(everything, topology, overrides or {})
         # A copy on a rank that a declared Owned(r) says does not hold it (a stale replica on a
         # non-owner) is not read: that rank joins with a placeholder, like any rank without it.
         for entry in entries:
             if entry.name in local and not entry.site("param").holds(coords):
                 del local[entry.name]
-        return cls(entries, local, stacked_experts=max(row[3] for row in everything), views=views, slices=slices)
+        return cls(entries, local, stacked_experts=everything.stacked, views=views, slices=slices)
 
     def mark_verified(self, kind: str, checked: Iterable[tuple[str, str]]) -> None:
         """Record that the Replica claims ``(canonical name, axis)`` in ``checked`` held for the
@@ -254,9 +266,9 @@ class Manifest:
         """One site per tensor for ``kind``, in manifest order (sorted by canonical name)."""
         return [e.site(kind) for e in self.entries]
 
-    def rows(self, world_size: int) -> list[dict[str, Any]]:
+    def rows(self) -> list[dict[str, Any]]:
         """Rows for ``tmetrics names`` and the manifest artifact."""
-        return [e.row(world_size) for e in self.entries]
+        return [e.row() for e in self.entries]
 
     @property
     def num_layers(self) -> int:
@@ -284,30 +296,20 @@ def _slice_of(cn: CanonicalName, p: torch.Tensor, topology: Topology
                        topology.coords(), sizes, cn.groups)
 
 
-def _gather(mine: Any, topology: Topology) -> list[Any]:
-    if topology.world_size == 1 or not dist.is_initialized():
-        return [mine]
-    out: list[Any] = [None] * topology.world_size
-    dist.all_gather_object(out, mine)
-    return out
-
-
-def _merge(everything: Iterable[Any], topology: Topology,
+def _merge(everything: Holdings, topology: Topology,
            overrides: Mapping[str, Mapping[str, str]]) -> list[TensorEntry]:
-    held: dict[str, list[tuple[int, dict[str, int], tuple]]] = {}
-    for rank, coords, rows, _ in everything:
-        for row in rows:
-            held.setdefault(row[0], []).append((rank, coords, row))
     entries = []
-    for name in sorted(held):
-        holders = held[name]
-        row = holders[0][2]
+    by_name = cast(dict[str, dict[Row, int]], everything.rows)  # keyed by canonical name in build
+    for name in sorted(by_name):
+        variants = sorted(by_name[name].items(), key=lambda item: item[1])
+        row = variants[0][0]
         from_dtensor = {a: parse_placement(p) for a, p in row[8]}
         from_framework = {a: parse_placement(p) for a, p in row[9]}
         override = _override(name, tuple(row[6]), overrides, topology)
         covered = set(row[10]) - set(override) - set(from_framework)
         if not from_dtensor and not override and not from_framework:
-            _same_everywhere(name, holders, topology)
+            _same_everywhere(name, variants, topology)
+        held = everything.held[name]
         placements = []
         origins = []
         for axis in topology.names:
@@ -321,12 +323,14 @@ def _merge(everything: Iterable[Any], topology: Topology,
                 if axis in covered:
                     origins.append((axis, "covered"))
                 elif size > 1:
-                    placements.append((axis, _infer(name, axis, size, holders)))
+                    placements.append((axis, _infer(name, axis, size, held.get(axis, {0}))))
                     origins.append((axis, "inferred"))
+        holders = tuple((a, tuple(sorted(held[a]))) for a in topology.names
+                        if a in held and len(held[a]) < topology.axes[a].size)
         entries.append(TensorEntry(
             name=name, original=row[1], layer=row[2], expert=row[3], component=row[4], family=row[5],
             shape=tuple(row[6]), dtype=row[7], placements=tuple(p for p in placements if not p[1].is_replica()),
-            owners=tuple(sorted(r for r, _, _ in holders)), origins=tuple(origins),
+            holders=holders, origins=tuple(origins),
         ))
     return entries
 
@@ -378,7 +382,7 @@ def _covered_axes(name: str, p: torch.Tensor, topology: Topology) -> tuple[str, 
     return tuple(out)
 
 
-def _same_everywhere(name: str, holders: list, topology: Topology) -> None:
+def _same_everywhere(name: str, variants: list[tuple[Row, int]], topology: Topology) -> None:
     """A plain tensor without declared placements is a replica or owned: the same shape and
     dtype wherever it is held. Different ones mean a tensor split by hand (tensor parallel
     without DTensor), which inferring Replica would measure from one shard per rank.
@@ -386,8 +390,8 @@ def _same_everywhere(name: str, holders: list, topology: Topology) -> None:
     Raises:
         ConfigError: naming the tensor, two ranks that disagree and the placements to declare.
     """
-    first_rank, _, first = holders[0]
-    for rank, _, row in holders[1:]:
+    first, first_rank = variants[0]
+    for row, rank in variants[1:]:
         if row[6] == first[6] and row[7] != first[7]:
             raise ConfigError(
                 f"tensor {name!r} is {first[7]} on rank {first_rank} but {row[7]} on rank {rank} (same shape "
@@ -405,8 +409,8 @@ def _same_everywhere(name: str, holders: list, topology: Topology) -> None:
             )
 
 
-def _infer(name: str, axis: str, size: int, holders: list) -> Placement:
-    seen = sorted({coords.get(axis, 0) for _, coords, _ in holders})
+def _infer(name: str, axis: str, size: int, coords: set[int]) -> Placement:
+    seen = sorted(coords)
     if len(seen) == size:
         return Replica()
     if len(seen) == 1:

@@ -2,7 +2,8 @@
 
 Token sites appear while the model runs, so unlike parameters they are not in the manifest.
 At the end of each due step every rank says (one tiny world collective) whether it saw a site
-not yet in the plan; if any did, all ranks exchange their site lists once and extend the plan.
+not yet in the plan; if any did, all ranks share their site lists once (axis by axis, as the
+manifest's holdings) and extend the plan.
 Sites held by one coordinate of a non-population axis (a layer on one pipeline stage) become
 ``Owned`` there. Ranks that did not see a planned site this step join with placeholders, so a
 stage without experts or a rank whose batch was all padding never stalls the others.
@@ -11,12 +12,14 @@ stage without experts or a rank whose batch was all padding never stalls the oth
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.executor import Executor
+from tmetrics_core.distributed.manifest_exchange import share_holdings
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.block_state import BlockState
+from tmetrics_core.naming.holdings import Holdings
 from tmetrics_core.placements import Owned, Placement
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.tokens import TokenObserver
@@ -32,30 +35,32 @@ class TokenPlan:
         self.sites: dict[SiteKey, Site] = {}
 
     def sync(self, observer: TokenObserver, executor: Executor) -> bool:
-        """Extend the plan with sites any rank saw; True when the plan changed (on every rank)."""
+        """Extend the plan with sites any rank saw; True when the plan changed (on every rank).
+
+        The site lists are shared as the manifest's are (``share_holdings``: exchanged only
+        over the axes whose ranks saw different sites), so per-rank bytes follow the number of
+        sites and the axis sizes, not the world size."""
         unplanned = [k for k in observer.sites if k not in self.sites]
         if not executor.any_rank(bool(unplanned)):
             return False
-        coords = self.topology.coords()
-        everything = executor.gather_objects((coords, list(observer.sites.values())))
-        holders: dict[SiteKey, list[tuple[dict[str, int], Site]]] = {}
-        for rank_coords, sites in everything:
-            for site in sites:
-                holders.setdefault(site.key, []).append((rank_coords, site))
-        for key in sorted(holders):
+        mine = Holdings.local([(site.key, site) for site in observer.sites.values()], self.topology.coords(),
+                              self.topology.global_rank, 0)
+        shared = share_holdings(mine, executor)
+        found = cast(dict[SiteKey, dict[tuple[SiteKey, Site], int]], shared.rows)  # keyed as listed above
+        for key in sorted(found):
             if key not in self.sites:
-                self.sites[key] = self._merge(holders[key])
+                (_, site), _ = min(found[key].items(), key=lambda item: item[1])
+                self.sites[key] = self._merge(site, shared.held[key])
         return True
 
-    def _merge(self, seen: list[tuple[dict[str, int], Site]]) -> Site:
-        site = seen[0][1]
+    def _merge(self, site: Site, held: Mapping[str, set[int]]) -> Site:
         placements: list[tuple[str, Placement]] = list(site.placements)
         present = {a for a, _ in placements}
         for axis in self.topology.names:
             size = self.topology.axes[axis].size
             if size == 1 or axis in present:
                 continue
-            coords = sorted({c.get(axis, 0) for c, _ in seen})
+            coords = sorted(held.get(axis, {0}))
             if len(coords) == 1:
                 placements.append((axis, Owned(coords[0])))
         order = {a: i for i, a in enumerate(self.topology.names)}
