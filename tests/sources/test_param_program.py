@@ -21,6 +21,7 @@ import torch
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.sources.param_program import ParamProgram
+from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, seq_len=16)
@@ -43,7 +44,7 @@ def _train(intervals: dict[str, int], *, program: bool, steps: int = 4, dtype=to
     ran = [0]
     with monkeypatch.context() as patch:
         if not program:
-            patch.setattr(TensorMetrics, "_plan_program", lambda self: None)
+            patch.setattr(ParamObserver, "_plan_program", lambda self, *args: None)
         for name in ("read_pre", "read_post"):
             original = getattr(ParamProgram, name)
 

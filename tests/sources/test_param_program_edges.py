@@ -50,6 +50,7 @@ from tmetrics_core.metrics.statistics import (
     Statistic,
 )
 from tmetrics_core.sources.param_program import ParamProgram
+from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 VOCAB, WIDTH = 16, 8
@@ -117,7 +118,7 @@ def _train(make: Callable[[], Net], spec: list[tuple[Callable[[], Any], int]], b
     ran = [0, 0]
     with monkeypatch.context() as patch:
         if not program:
-            patch.setattr(TensorMetrics, "_plan_program", lambda self: None)
+            patch.setattr(ParamObserver, "_plan_program", lambda self, *args: None)
         for index, name in enumerate(("read_pre", "read_post")):
             original = getattr(ParamProgram, name)
 
@@ -516,7 +517,7 @@ def test_two_tensor_metrics_on_one_model(monkeypatch):
     def run(program: bool) -> list:
         with monkeypatch.context() as patch:
             if not program:
-                patch.setattr(TensorMetrics, "_plan_program", lambda self: None)
+                patch.setattr(ParamObserver, "_plan_program", lambda self, *args: None)
             model = Net()
             optimizer = _adamw(model)
             a = TensorMetrics(model, metrics=[(build_metric("layer-update-ratio"), 1),
@@ -534,8 +535,7 @@ def test_two_tensor_metrics_on_one_model(monkeypatch):
                     optimizer.zero_grad()
                 out.append(sorted((r.metric, r.layer, r.value) for r in [*a.last_records, *b.last_records]))
             assert a.failures == [] and b.failures == []
-            planned = [v is not None for m in (a, b) for k, v in m._static.items()
-                       if isinstance(k, tuple) and k[0] == "program"]
+            planned = [plan.program is not None for m in (a, b) for plan in m.params._plans.values()]
             assert planned and all(planned) == program
             a.close()
             b.close()
@@ -555,7 +555,7 @@ def test_update_ratio_and_snapshot_reads_against_float64(dtype):
     optimizer = _adamw(model)
     metrics = TensorMetrics(model, optimizer=optimizer, metrics=[(build_metric("layer-update-ratio"), 1),
                                                                  (build_metric("layer-param-l2"), 1)])
-    assert metrics._static == {}
+    assert metrics.params._plans == {}
     for step in range(1, 3):
         with metrics.step(step):
             _loss(model, step).backward()
@@ -563,7 +563,7 @@ def test_update_ratio_and_snapshot_reads_against_float64(dtype):
             optimizer.step()
             after = {n: p.detach().double().clone() for n, p in model.named_parameters()}
             optimizer.zero_grad()
-        program = [v for k, v in metrics._static.items() if isinstance(k, tuple) and k[0] == "program"]
+        program = [plan.program for plan in metrics.params._plans.values()]
         assert len(program) == 1 and program[0] is not None and len(program[0].post.recipes) == 2
         values = {(r.metric, r.layer): r.value for r in metrics.last_records}
         for layer in range(3):
@@ -591,7 +591,7 @@ def train_data_parallel(rank: int, world: int, program: bool) -> tuple[list[dict
     from tmetrics_core.demo.degrees import ParallelDegrees as DemoTopology
 
     if not program:
-        TensorMetrics._plan_program = lambda self: None
+        ParamObserver._plan_program = lambda self, *args: None
     ran = [0, 0]
     for index, name in enumerate(("read_pre", "read_post")):
         original = getattr(ParamProgram, name)

@@ -38,7 +38,7 @@ class UpdateMeanRowL2(StatMetric):
 
 def _run(path: str, monkeypatch) -> tuple[dict[tuple[str, int | None], float], list[torch.Tensor],
                                          list[torch.Tensor], list[str]]:
-    import tmetrics_core.tensor_metrics as tm
+    import tmetrics_core.sources.param_observer as tm
 
     kinds: list[str] = []
     original = tm.read_kind
