@@ -130,7 +130,7 @@ class ParamObserver:
             partial_params=any(s.partial for kind in ("update", "param") for s in self._kind_sites[kind]),
             dtensor_params=any(dtensor_placements(p) is not None for p in manifest.local.values()))
         self._choices = SiteChoices()
-        self._plans: dict[tuple[tuple[str, ...], bool], DueSetPlan] = {}
+        self._plans: dict[tuple[str, ...], DueSetPlan] = {}
         self._verified_kinds: set[str] = set()
         self.step: int | None = None
         self.due: tuple[TensorMetric, ...] = ()
@@ -191,14 +191,13 @@ class ParamObserver:
 
     def plan(self) -> DueSetPlan:
         """The :class:`DueSetPlan` of the current due set, made on its first due step."""
-        on = moments.available()
-        key = (tuple(m.name for m in self.due), on)
+        key = tuple(m.name for m in self.due)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._make_plan(on)
+            plan = self._plans[key] = self._make_plan()
         return plan
 
-    def _make_plan(self, kernel_on: bool) -> DueSetPlan:
+    def _make_plan(self) -> DueSetPlan:
         updates = [m for m in self.due if "update" in m.source_kinds]
         names = frozenset(s.name for s in self._kind_sites["update"] if any(m.accepts(s) for m in updates))
         later: set[str] = set()
@@ -218,7 +217,7 @@ class ParamObserver:
         post = tuple(m for m in self.due if in_phase(m, "post"))
         before = tuple(m for m in self.due if m.name in later)
         try:
-            program = self._plan_program(pre, post, before, names) if kernel_on else None
+            program = self._plan_program(pre, post, before, names)
         except Exception:  # noqa: BLE001 - a metric's own code raised (e.g. kept): the
             program = None  # general path reports it per metric, on every rank
         return DueSetPlan(pre, post, before, names, program)
@@ -346,10 +345,11 @@ class ParamObserver:
 
     def _programmed(self, phase: str) -> bool:
         """Prepare the phase's metrics with the due set's :class:`ParamProgram` (the states the
-        general path prepares, without its per-tensor work); False, with nothing prepared or
-        consumed, where the general path must run: no program for the due set, the kernel
-        switched off, no optimizer step in the scope, a tensor the kernel does not take, or any
-        error (which the general path then reports)."""
+        general path prepares, without its per-tensor work), on every device and dtype; False,
+        with nothing prepared or consumed, where the general path must run: no program for the
+        due set, no optimizer step in the scope, a parameter without a gradient (left out of
+        gradient statistics with a placeholder), or an error (which the general path then
+        reports)."""
         program = self.plan().program
         if program is None:
             return False
@@ -366,13 +366,15 @@ class ParamObserver:
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
                 states = None
         else:
-            # The snapshot's flat buffer, read by address: no copy is handed out or consumed, so
-            # the general path finds the snapshot intact when the program does not apply.
-            held = self._before.held(program.names) if isinstance(self._before, Snapshot) else None
-            if held is None:
+            # The kernel's flat snapshot is read by address; torch's copies as they are. Neither
+            # is changed, so the general path finds the snapshot intact if the program raises.
+            if not isinstance(self._before, Snapshot):
                 return False
+            held = self._before.held(program.names)
+            then: Sequence[moments.Held] | Sequence[torch.Tensor] = (
+                held if held is not None else [self._before[name] for name in program.names])
             try:
-                states = program.read_post(params, held, self.facts.views)
+                states = program.read_post(params, then, self.facts.views)
             except Exception:  # noqa: BLE001 - as above
                 states = None
         if states is None:
