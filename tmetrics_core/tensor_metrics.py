@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from fnmatch import fnmatchcase
 import json
 import logging
 import os
@@ -38,16 +37,15 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from tmetrics_core.build import check_against_model
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import Collectives
-from tmetrics_core.errors import ConfigError, PlacementError, TMetricsError
+from tmetrics_core.errors import TMetricsError
 from tmetrics_core.distributed.executor import Executor, MetricFailure
 from tmetrics_core.hub.sink_hub import NullHub
-from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
+from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
-from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.metrics.catalogue import catalogue_entries
 from tmetrics_core.observe import _ACTIVE
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
@@ -57,7 +55,6 @@ from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.param_observer import ParamObserver
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.sources.token_plan import TokenPlan
@@ -160,7 +157,7 @@ class TensorMetrics:
         self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False
         self._closed_by_signal = False
-        self._check_config(key_rules or {})
+        check_against_model(self, key_rules or {})
         self.params = ParamObserver(self.manifest, self.topology, self.executor, optimizer=self.optimizer,
                                     flat=self.flat, metrics=[m for m, _ in self.metrics],
                                     verify_replicas=verify_replicas, on_verified=self._rewrite_manifest)
@@ -196,93 +193,6 @@ class TensorMetrics:
 
         return build_from_config(cls, source, model=model, optimizer=optimizer, mesh=mesh, axes=axes,
                                  sinks=sinks, run_dir=run_dir, **kwargs)
-
-    def _check_config(self, key_rules: Mapping[str, KeyRules]) -> None:
-        components = {e.component for e in self.manifest.entries}
-        adam = self.optimizer is not None and "betas" in getattr(self.optimizer, "defaults", {})
-        seen: dict[str, int] = {}
-        for index, (metric, _) in enumerate(self.metrics):
-            if metric.name in seen:
-                raise ConfigError(f"metric {metric.name!r} is listed twice (metrics[{seen[metric.name]}] and "
-                                  f"metrics[{index}]); list it once with every pattern in one select or modules "
-                                  "list, e.g. select: ['layers.0.*', 'layers.1.*']", path=f"metrics[{index}]")
-            seen[metric.name] = index
-        # A pipeline stage may lack the head, the blocks or the modules another stage has: what
-        # the model has is agreed across ranks (one small gather), so every rank decides alike.
-        present = self._present_anywhere()
-        for index, (metric, _) in enumerate(self.metrics):
-            path = f"metrics[{index}]"
-            kinds = set(metric.source_kinds)
-            param_sites = [s for kind in kinds & (PARAM_KINDS | OPTIMIZER_KINDS) for s in self.manifest.sites(kind)]
-            if kinds & {"exp_avg", "exp_avg_sq"} - set(self.flat) and not adam:
-                raise ConfigError(f"metric {metric.name!r} reads Adam state (exp_avg, exp_avg_sq) but the optimizer "
-                                  f"is {type(self.optimizer).__name__}; pass an Adam/AdamW optimizer or drop it",
-                                  path=path)
-            if kinds & {"update"} and self.optimizer is None:
-                raise ConfigError(f"metric {metric.name!r} measures optimizer updates; pass optimizer=",
-                                  path=path)
-            if kinds & {"router_logits", "router_topk", "router_scores"} and "moe.router" not in components:
-                raise ConfigError(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
-                                  "parameter (canonical component moe.router); drop it for a dense model",
-                                  path=path)
-            counts = {r.num_experts for r in self.routers}
-            if kinds & ROUTER_OUTPUT_KINDS and counts and counts != {self._num_experts}:
-                raise ConfigError(f"metric {metric.name!r}: the model's config says {sorted(counts)} experts per "
-                                  f"router but its expert parameters number {self.manifest.num_experts} (global "
-                                  "ids); pass expert_offset= on each expert-parallel rank, or shard the stacked "
-                                  "expert tensors as DTensors", path=path)
-            if kinds & {"residual_accumulator", "residual_contribution"} and not present["blocks"]:
-                raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
-                                  "decoder.layers; none found in the model", path=path)
-            if "logits" in kinds and not present["head"]:
-                raise ConfigError(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
-                                  "output_layer as an nn.Linear); none found", path=path)
-            patterns = self.modules.get(metric.name, ())
-            if "activation" in kinds and patterns and not present["modules"].get(metric.name):
-                near = nearest(patterns, [*self.index.canonical.values(), *(p for p, _ in self.index.named if p)])
-                raise ConfigError(f"metric {metric.name!r}: modules {list(patterns)} match no module. modules: globs "
-                                  "take canonical module names, the naming of select: less the leaf (layers.3.attn, "
-                                  "layers.3.mlp, layers.3.moe; see `tmetrics names`), or the model's module paths; "
-                                  f"nearest: {near!r}", path=path)
-            chosen = [s for s in param_sites if metric.accepts(s)]
-            if param_sites and not chosen:
-                raise ConfigError(_nothing_chosen(metric, param_sites, self.manifest), path=path)
-            for site in chosen:
-                try:
-                    metric.check(site, self.topology)
-                except PlacementError as exc:
-                    raise ConfigError(f"metric {metric.name!r} cannot handle {site.describe()}: {exc}",
-                                      path=path) from exc
-        self._check_keys(key_rules)
-
-    def _present_anywhere(self) -> dict[str, Any]:
-        """Whether any rank has blocks, a head, and modules matching each metric's globs."""
-        mine = {"blocks": bool(self.index.blocks), "head": self.index.head is not None,
-                "modules": {name: bool(self.index.matching(p)) for name, p in self.modules.items()}}
-        everyone = self.executor.gather_objects(mine)
-        return {"blocks": any(r["blocks"] for r in everyone), "head": any(r["head"] for r in everyone),
-                "modules": {name: any(r["modules"].get(name) for r in everyone) for name in self.modules}}
-
-    def _check_keys(self, key_rules: Mapping[str, KeyRules]) -> None:
-        """Tensor and family labels come from the model's own names, which a backend may
-        rewrite (``w+1`` and ``w_1`` are one TensorBoard tag): refuse such a pair now rather
-        than fail every write of the run. Other labels are catalogue words and indices."""
-        labels = set()
-        for metric, _ in self.metrics:
-            scope = getattr(metric, "scope", None)
-            if scope not in ("tensor", "family"):
-                continue
-            for kind in set(metric.source_kinds) & (PARAM_KINDS | OPTIMIZER_KINDS):
-                for site in self.manifest.sites(kind):
-                    if metric.accepts(site):
-                        labels.add((metric.name, site.layer, site.expert, site.name, None) if scope == "tensor"
-                                   else (metric.name, None, None, site.family or site.name, None))
-        layer_width, expert_width = index_widths(self.manifest.num_layers, self.manifest.num_experts)
-        for sink, rules in key_rules.items():
-            try:
-                check_collisions(sorted(labels, key=repr), rules, layer_width=layer_width, expert_width=expert_width)
-            except ConfigError as exc:
-                raise ConfigError(str(exc).removeprefix(f"{exc.path}: "), path=f"sinks.{sink}") from None
 
     # -- the step scope -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -506,31 +416,6 @@ class TensorMetrics:
                 os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manifest) -> str:
-    """Why ``metric`` has no tensor: its select matches none, or it can use none of those it
-    matches (their placements or shapes), with what the catalogue says it supports."""
-    select = tuple(getattr(metric, "select", ()))
-    matched = [s for s in sites if not select or any(fnmatchcase(s.name, p) for p in select)]
-    if not matched:
-        framework = next(((p, e) for p in select for e in manifest.entries if fnmatchcase(e.original, p)), None)
-        hint = (f"; {framework[0]!r} matches the framework's name {framework[1].original!r}, whose canonical name "
-                f"is {framework[1].name!r}" if framework is not None else "")
-        return (f"metric {metric.name!r}: select {list(select)} matches no tensor. select: globs take canonical "
-                f"tensor names (see `tmetrics names`), e.g. {[e.name for e in manifest.entries[:3]]}; nearest: "
-                f"{nearest(select, (s.name for s in sites), prefixes=True)!r}" + hint)
-    scope = getattr(metric, "scope", None)
-    if scope in ("layer", "expert") and not any(s.layer is not None for s in matched):
-        return (f"metric {metric.name!r} is per {scope}, but no tensor got a layer index: tmetrics finds "
-                "layers in block paths such as layers.3. or model.layers.3. (see `tmetrics names --factory "
-                f"module:function` for how yours are named, e.g. {[e.name for e in manifest.entries[:3]]}); "
-                "use a global- or tensor- metric, or keep the blocks in a ModuleList named layers")
-    supported = {e.name: e.placements for e in catalogue_entries()}.get(metric.name)
-    where = f"its select {list(select)} matches" if select else "the model has"
-    return (f"metric {metric.name!r} can use none of the {len(matched)} tensors {where}, e.g. "
-            f"{matched[0].describe()}" + (f"; it supports: {supported}" if supported else "") +
-            "; change the placements or select, or drop the metric")
 
 
 def _collective_device() -> torch.device:
