@@ -8,12 +8,16 @@ per tensor and per metric: site lookups, a memo table of rows, input lists per m
 demo model that Python costs more than the kernel passes themselves, and most of it runs with
 cold caches, right after the backward pass.
 
-A :class:`ParamProgram` finds them once. A due step then runs one kernel call per phase (the
-gradients and parameters read before the optimizer step; the ``parts`` pass over each parameter
-and its snapshot after it) and, per metric, one row gather and its statistics' arithmetic. The
-states are those the general path prepares, bit for bit: the same kernel, the same rows, the
-same statistic code. :meth:`ParamProgram.plan` says when it applies; otherwise, and on a step
-where the kernel refuses a tensor, ``TensorMetrics`` takes the general path.
+A :class:`ParamProgram` finds them once. A due step then runs one moments pass per phase (the
+gradients and parameters read before the optimizer step; each parameter, its snapshot and their
+difference after it) and, per metric, one row gather and its statistics' arithmetic. The pass
+is the C kernel for the tensors it takes and batched torch ops
+(:mod:`tmetrics_core.kernels.foreach_moments`) for every other tensor, on any device: a fixed
+number of ops per statistic and ``(device, dtype)`` group, whatever the tensor count. The
+states are those the general path prepares, bit for bit: the same backends, the same rows, the
+same statistic code. :meth:`ParamProgram.plan` says when it applies (plain parameters held
+here, metrics that declare ``StatMetric.planned``); otherwise, and on a step where a parameter
+has no gradient, the parameter side takes the general path.
 """
 
 from __future__ import annotations
