@@ -24,8 +24,8 @@ from typing import Any, Iterator
 
 from bench.demo_variants import BUNDLE, make_trainer, tmetrics_factory
 from tmetrics_core import tensor_metrics
-from tmetrics_core.kernels import moments
-from tmetrics_core.sources import tokens
+from tmetrics_core.kernels import foreach_moments, moments
+from tmetrics_core.sources import param_observer, tokens
 
 __all__ = ["DueStepTime", "due_step_time", "main", "program_gain"]
 
@@ -34,7 +34,8 @@ _ENTRIES = ((tensor_metrics.TensorMetrics, "_pre_step"), (tensor_metrics.TensorM
             (tokens.TokenObserver, "record"), (tokens.TokenObserver, "record_residual"))
 """The tmetrics code of a step (never nested in one another)."""
 
-_PASSES = ((moments, "_run"), (moments, "row_softmax_sums"), (tensor_metrics, "snapshot"))
+_PASSES = ((moments, "_run"), (moments, "row_softmax_sums"), (foreach_moments, "foreach_rows"),
+           (param_observer, "snapshot"))
 """The passes over tensor elements (called only from inside the entries)."""
 
 
@@ -102,7 +103,7 @@ def program_gain(bundle: tuple[str, ...] = BUNDLE, steps: int = 40) -> tuple[Due
     with _timed(_ENTRIES, total), _timed(_PASSES, passes):
         program = make_trainer(tmetrics_factory(1, bundle))
         general = make_trainer(tmetrics_factory(1, bundle))
-        general.metrics._plan_program = lambda: None  # every phase takes the general path
+        general.metrics.params._plan_program = lambda *args: None  # every phase takes the general path
         for step in range(1, 4):
             program.step(step)
             general.step(step)

@@ -94,7 +94,7 @@ def test_due_step_copies_results_to_the_host_once(corpus, monkeypatch):
 
 
 def test_update_snapshot_covers_selected_tensors_and_ends_with_the_step(monkeypatch):
-    import tmetrics_core.tensor_metrics as tm
+    import tmetrics_core.sources.param_observer as tm
 
     model = Transformer(SMALL, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -112,7 +112,7 @@ def test_update_snapshot_covers_selected_tensors_and_ends_with_the_step(monkeypa
             before = [p.detach().clone() for _, p in layer1]
             optimizer.step()
             optimizer.zero_grad()
-        assert metrics._before is None  # released with the step, not kept until the next one
+        assert metrics.params._before is None  # released with the step, not kept until the next one
     assert taken == [{n for n, _ in layer1}] * 2
     delta = torch.cat([(p.detach() - b).reshape(-1) for (_, p), b in zip(layer1, before)]).double()
     theta = torch.cat([p.detach().reshape(-1) for _, p in layer1]).double()

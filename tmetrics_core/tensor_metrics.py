@@ -27,45 +27,37 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from fnmatch import fnmatchcase
 import json
 import logging
 import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from tmetrics_core.build import check_against_model
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import Collectives
 from tmetrics_core.distributed.manifest_exchange import share_holdings
-from tmetrics_core.errors import ConfigError, PlacementError, TMetricsError
-from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
-from tmetrics_core.distributed.partials import resolve_partials
+from tmetrics_core.errors import TMetricsError
 from tmetrics_core.distributed.executor import Executor, MetricFailure
-from tmetrics_core.distributed.replicas import replica_claims, verify_replicas
 from tmetrics_core.hub.sink_hub import NullHub
-from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
-from tmetrics_core.naming.manifest import Manifest, dtensor_placements
-from tmetrics_core.naming.nearest import nearest
-from tmetrics_core.kernels import moments
-from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
-from tmetrics_core.metrics.catalogue import catalogue_entries
+from tmetrics_core.sinks.keys import KeyRules
+from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.observe import _ACTIVE, fail, new_owner, record, record_residual
 from tmetrics_core.placements import Placement
-from tmetrics_core.sources.param_program import ParamProgram
-from tmetrics_core.records import Labels, MetricRecord, RunInfo, RunStatus, status_on_exit
+from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.feeds import what_feeds
-from tmetrics_core.sources.flat import FlatBuffer, read_buffers
+from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
+from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
-from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.sources.token_plan import TokenPlan
 
@@ -156,32 +148,24 @@ class TensorMetrics:
         self.failures: list[MetricFailure] = []
         self._checked: set[str] = set()
         self._warned: set[str] = set()
-        self._unfed: set[str] = set()  # due metrics that read no tensor here this step
-        self._no_grad: set[str] = set()  # parameters held here without a gradient this step
+        self._unfed: set[str] = set()  # due token metrics that read no tensor here this step
+        self._said_unfed: set[str] = set()  # metrics warned about once for finding nothing
         self._no_grad_said = False
         self._step: int | None = None
         self._first_step: int | None = None
         self._last_due: int | None = None
         self._due: list[tuple[TensorMetric, int]] = []
         self._due_names: tuple[str, ...] = ()
-        self._prepared: dict[str, tuple[dict[SiteKey, Any], str | None]] = {}
-        self._phases_done: set[str] = set()
-        self._before: MutableMapping[str, torch.Tensor] | None = None
-        self._sites: dict[SiteKey, Site] = {}
-        self._kind_sites: dict[str, list[Site]] = {}
-        self._choices = SiteChoices()
-        self._static: dict[Hashable, Any] = {}
         self._token_sites = TokenSites()  # token sites and their placement checks, kept across steps
         self.routers = find_routers(model, self.index)  # routers of the frameworks sources/routers.py knows
         self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False
         self._closed_by_signal = False
-        self._check_config(key_rules or {})
-        self._verify_replicas = verify_replicas
-        self._verified_kinds: set[str] = set()
-        if verify_replicas != "never" and "param" not in self.flat:  # flat buffers hold no Replica
-            self._verify(["param"], [s for s in self._sites_of("param") if s.name in self._read_by_metrics()],
-                         "at start-up")
+        check_against_model(self, key_rules or {})
+        self.params = ParamObserver(self.manifest, self.topology, self.executor, optimizer=self.optimizer,
+                                    flat=self.flat, metrics=[m for m, _ in self.metrics],
+                                    verify_replicas=verify_replicas, on_verified=self._rewrite_manifest)
+        self.params.verify_startup()
         self._owner = new_owner()  # this object's observer takes its own hooks' calls, another's does not
         self._hooks = self._observation_hooks()
         if self.optimizer is not None:
@@ -215,92 +199,6 @@ class TensorMetrics:
         return build_from_config(cls, source, model=model, optimizer=optimizer, mesh=mesh, axes=axes,
                                  sinks=sinks, run_dir=run_dir, **kwargs)
 
-    def _check_config(self, key_rules: Mapping[str, KeyRules]) -> None:
-        components = {e.component for e in self.manifest.entries}
-        adam = self.optimizer is not None and "betas" in getattr(self.optimizer, "defaults", {})
-        seen: dict[str, int] = {}
-        for index, (metric, _) in enumerate(self.metrics):
-            if metric.name in seen:
-                raise ConfigError(f"metric {metric.name!r} is listed twice (metrics[{seen[metric.name]}] and "
-                                  f"metrics[{index}]); list it once with every pattern in one select or modules "
-                                  "list, e.g. select: ['layers.0.*', 'layers.1.*']", path=f"metrics[{index}]")
-            seen[metric.name] = index
-        # A pipeline stage may lack the head, the blocks or the modules another stage has: what
-        # the model has is agreed across ranks (one small gather), so every rank decides alike.
-        present = self._present_anywhere()
-        for index, (metric, _) in enumerate(self.metrics):
-            path = f"metrics[{index}]"
-            kinds = set(metric.source_kinds)
-            param_sites = [s for kind in kinds & (PARAM_KINDS | OPTIMIZER_KINDS) for s in self.manifest.sites(kind)]
-            if kinds & {"exp_avg", "exp_avg_sq"} - set(self.flat) and not adam:
-                raise ConfigError(f"metric {metric.name!r} reads Adam state (exp_avg, exp_avg_sq) but the optimizer "
-                                  f"is {type(self.optimizer).__name__}; pass an Adam/AdamW optimizer or drop it",
-                                  path=path)
-            if kinds & {"update"} and self.optimizer is None:
-                raise ConfigError(f"metric {metric.name!r} measures optimizer updates; pass optimizer=",
-                                  path=path)
-            if kinds & {"router_logits", "router_topk", "router_scores"} and "moe.router" not in components:
-                raise ConfigError(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
-                                  "parameter (canonical component moe.router); drop it for a dense model",
-                                  path=path)
-            counts = {r.num_experts for r in self.routers}
-            if kinds & ROUTER_OUTPUT_KINDS and counts and counts != {self._num_experts}:
-                raise ConfigError(f"metric {metric.name!r}: the model's routers score {sorted(counts)} experts "
-                                  f"each but its expert parameters number {self.manifest.num_experts} (global "
-                                  "ids); pass expert_offset= on each expert-parallel rank, or shard the stacked "
-                                  "expert tensors as DTensors", path=path)
-            if kinds & {"residual_accumulator", "residual_contribution"} and not present["blocks"]:
-                raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
-                                  "decoder.layers; none found in the model", path=path)
-            if "logits" in kinds and not present["head"]:
-                raise ConfigError(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
-                                  "output_layer as an nn.Linear); none found", path=path)
-            patterns = self.modules.get(metric.name, ())
-            if "activation" in kinds and patterns and not present["modules"].get(metric.name):
-                near = nearest(patterns, [*self.index.canonical.values(), *(p for p, _ in self.index.named if p)])
-                raise ConfigError(f"metric {metric.name!r}: modules {list(patterns)} match no module. modules: globs "
-                                  "take canonical module names, the naming of select: less the leaf (layers.3.attn, "
-                                  "layers.3.mlp, layers.3.moe; see `tmetrics names`), or the model's module paths; "
-                                  f"nearest: {near!r}", path=path)
-            chosen = [s for s in param_sites if metric.accepts(s)]
-            if param_sites and not chosen:
-                raise ConfigError(_nothing_chosen(metric, param_sites, self.manifest), path=path)
-            for site in chosen:
-                try:
-                    metric.check(site, self.topology)
-                except PlacementError as exc:
-                    raise ConfigError(f"metric {metric.name!r} cannot handle {site.describe()}: {exc}",
-                                      path=path) from exc
-        self._check_keys(key_rules)
-
-    def _present_anywhere(self) -> dict[str, Any]:
-        """Whether any rank has blocks, a head, and modules matching each metric's globs."""
-        blocks, head, *modules = self.executor.any_ranks(
-            [bool(self.index.blocks), self.index.head is not None,
-             *(bool(self.index.matching(p)) for p in self.modules.values())])
-        return {"blocks": blocks, "head": head, "modules": dict(zip(self.modules, modules))}
-
-    def _check_keys(self, key_rules: Mapping[str, KeyRules]) -> None:
-        """Tensor and family labels come from the model's own names, which a backend may
-        rewrite (``w+1`` and ``w_1`` are one TensorBoard tag): refuse such a pair now rather
-        than fail every write of the run. Other labels are catalogue words and indices."""
-        labels = set()
-        for metric, _ in self.metrics:
-            scope = getattr(metric, "scope", None)
-            if scope not in ("tensor", "family"):
-                continue
-            for kind in set(metric.source_kinds) & (PARAM_KINDS | OPTIMIZER_KINDS):
-                for site in self.manifest.sites(kind):
-                    if metric.accepts(site):
-                        labels.add((metric.name, Labels(site.layer, site.expert, site.name) if scope == "tensor"
-                                    else Labels(tensor=site.family or site.name)))
-        layer_width, expert_width = index_widths(self.manifest.num_layers, self.manifest.num_experts)
-        for sink, rules in key_rules.items():
-            try:
-                check_collisions(sorted(labels, key=repr), rules, layer_width=layer_width, expert_width=expert_width)
-            except ConfigError as exc:
-                raise ConfigError(str(exc).removeprefix(f"{exc.path}: "), path=f"sinks.{sink}") from None
-
     # -- the step scope -----------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator["TensorMetrics"]:
@@ -324,14 +222,10 @@ class TensorMetrics:
             self._first_step = step
         self._step = step
         self._due = [(m, i) for m, i in self.metrics if step % i == 0 or step == self._first_step]
-        self._due_names = tuple(m.name for m, _ in self._due)  # keys the facts found once per due set
         if self._due:
             self._last_due = step
-        self._prepared = {}
-        self._unfed, self._no_grad = set(), set()
-        self._phases_done = set()
-        self._sites = {}
-        self._before = None
+        self._unfed = set()
+        self.params.begin(step, [m for m, _ in self._due])
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
         observer = reset = None
         if token_metrics:
@@ -352,7 +246,8 @@ class TensorMetrics:
                     self._finish_step(step, observer)
             finally:
                 # Nothing outlives the step: the update snapshot is a copy of the parameters.
-                self._step, self._due, self._before, self._prepared, self._sites = None, [], None, {}, {}
+                self._step, self._due = None, []
+                self.params.end()
 
     def _observation_hooks(self) -> list[Any]:
         """The forward hooks of every token source a configured metric reads, installed once and
@@ -378,13 +273,13 @@ class TensorMetrics:
         pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``, or inside
         the closure of ``optimizer.step(closure)`` after its ``backward()``. Metrics
         of parameters alone still see them as the optimizer step does when an update metric is
-        due: they are read from its snapshot (see :meth:`_from_snapshot`).
+        due: they are read from its snapshot (see :class:`~tmetrics_core.sources.param_observer.DueSetPlan`).
 
         Raises:
             TMetricsError: after :meth:`close`.
         """
         self._check_open("observe_gradients()")
-        self._prepare_phase("pre")
+        self.params.prepare("pre")
 
     def _check_open(self, call: str) -> None:
         """Raise after :meth:`close`, unless SIGTERM closed this object: a job shutting down
@@ -407,15 +302,13 @@ class TensorMetrics:
         # torch passes the optimizer itself as args[0]: step(closure) has the closure at args[1].
         closure = kwargs.get("closure") if "closure" in kwargs else args[1] if len(args) > 1 else None
         changed = None
-        if callable(closure) and "pre" not in self._phases_done:
+        if callable(closure) and not self.params.done("pre"):
             wrapped = self._after(closure)
             changed = ((args[0], wrapped, *args[2:]), kwargs) if "closure" not in kwargs else (
                 args, {**kwargs, "closure": wrapped})
         else:
-            self._prepare_phase("pre")
-        names = self._snapshot_names()
-        if names:  # only the tensors some update metric reads: the snapshot is their copy
-            self._before = snapshot(self.manifest, names)
+            self.params.prepare("pre")
+        self.params.take_snapshot()  # only the tensors some update metric reads
         return changed
 
     def _after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
@@ -424,393 +317,25 @@ class TensorMetrics:
         def closure_then_read() -> Any:
             out = closure()
             if self._step is not None and self._due:
-                self._prepare_phase("pre")
+                self.params.prepare("pre")
             return out
         return closure_then_read
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._step is None or not self._due:
             return
-        self._prepare_phase("post")
+        self.params.prepare("post")
 
-    def _prepare_phase(self, phase: str) -> None:
-        """Prepare the metrics of ``phase`` (see :meth:`_run_phase`) once per step: the later
-        calls (the optimizer hooks after ``observe_gradients()``, the step's end) return at once."""
-        if phase not in self._phases_done:
-            self._verify_phase(phase)
-            self._run_phase(phase)
-            self._phases_done.add(phase)
-
-    # -- replica verification ---------------------------------------------------------------------
-    def _read_by_metrics(self) -> frozenset[str]:
-        """Canonical names some configured metric reads from a parameter-side source."""
-        return frozenset(s.name for m, _ in self.metrics for kind in set(m.source_kinds) & (PARAM_KINDS | OPTIMIZER_KINDS)
-                         for s in self._sites_of(kind) if m.accepts(s))
-
-    def _verify_phase(self, phase: str) -> None:
-        """Check the Replica claims of the sources the phase's due metrics read: at the first due
-        step of each (``first``) or at every due step (``always``), all sources of the phase in
-        one verification; flat buffers hold no Replica."""
-        if self._verify_replicas not in ("first", "always"):
-            return
-        in_phase, later = self._phase_metrics(phase)
-        metrics = in_phase + later
-        kinds = {k for m in metrics for k in m.source_kinds} & {"param", "grad", "exp_avg", "exp_avg_sq"}
-        due = sorted(k for k in kinds - set(self.flat) if self._verify_replicas == "always" or k not in self._verified_kinds)
-        sites, absent = [], set()
-        for kind in due:
-            sites += [s for s in self._sites_of(kind) if any(m.accepts(s) for m in metrics if kind in m.source_kinds)]
-            if kind == "grad":
-                # A gradient placed otherwise than its parameter here (a DTensor Partial gradient)
-                # is no replica; it is left out locally, so the claims are the same on every rank.
-                absent = {g.key for g, s in zip(self._grad_sites(), self._sites_of(kind)) if g != s}
-        self._verify(due, sites, f"at step {self._step}", absent)
-
-    def _verify(self, kinds: Sequence[str], sites: list[Site], when: str, absent: Any = ()) -> None:
-        """Compare the local tensors of ``sites`` (of the source ``kinds``) claimed Replica across
-        their axes (one packed collective per axis for all of them; see
-        :mod:`tmetrics_core.distributed.replicas`), not reading the site keys in ``absent``, and
-        record the claims that held in the manifest. Raises ``PlacementError`` on every rank."""
-        self._verified_kinds.update(kinds)
-        origins = {e.name: dict(e.origins) for e in self.manifest.entries}
-        claims = replica_claims(sites, self.topology, origins)
-        if not claims:
-            return
-        wanted = {c.site.key for c in claims} - set(absent)
-        tensors: dict[tuple[str, str], torch.Tensor | None] = {}
-        for kind in kinds:
-            tensors.update(((e.name, kind), t) for e, t in zip(self.manifest.entries,
-                                                               read_kind(kind, self.manifest, self.optimizer))
-                           if (e.name, kind) in wanted)
-        checked = verify_replicas(claims, tensors, topology=self.topology, executor=self.executor, when=when)
-        for kind in kinds:
-            self.manifest.mark_verified(kind, [(name, axis) for name, k, axis in checked if k == kind])
-        if kinds != ["param"] and self.run is not None and self.hub is not None and not isinstance(self.hub, NullHub):
+    def _rewrite_manifest(self) -> None:
+        """``manifest.json`` again after a verification past start-up marked claims in it."""
+        if self.run is not None and self.hub is not None and not isinstance(self.hub, NullHub):
             _write_manifest(dataclasses.replace(self.run, manifest=tuple(self.manifest.rows())))
-
-    @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
-    def _run_phase(self, phase: str) -> None:
-        """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
-        state or updates (their parameters are the values after the step; updates are read as
-        ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
-        consume), and first the metrics of :meth:`_from_snapshot`. A failure to read the
-        tensors becomes every phase metric's error."""
-        if self._programmed(phase):
-            return
-        in_phase, later = self._phase_metrics(phase)
-        metrics = [m for m in in_phase if m.name not in self._prepared]
-        before = [m for m in later if m.name not in self._prepared]
-        if phase == "post" and self._before is None:
-            for m in [m for m in metrics if "update" in m.source_kinds]:
-                self._prepared[m.name] = ({}, "optimizer.step() did not run inside this step scope; no update")
-                metrics.remove(m)
-        if not metrics and not before:
-            return
-        memo: dict = {}
-        before_memo: dict = {}
-        # The snapshot as taken: the fused pass only reads it; read_kind("update") (in
-        # _read_phase) overwrites it with the updates, after the metrics of `before` read it.
-        snapshots = dict(self._before or {})
-        pairs, failed = None, None
-        if phase == "post":
-            try:
-                pairs = self._fused_updates(metrics, memo, before_memo)
-            except Exception as exc:  # noqa: BLE001 - the kernel failed (the snapshot is intact)
-                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
-        if before:
-            self._prepare_before(before, snapshots, before_memo)
-        if not metrics:
-            return
-        if failed is None:
-            try:
-                sites, tensors = self._read_phase(metrics, phase, pairs)
-            except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
-                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
-        if failed is not None:
-            # Reported and skipped on every rank by the executor's failure agreement; the
-            # placeholders keep this rank's collectives (Partial gradients) the same as the others'.
-            sites = [s for kind in sorted({k for m in metrics for k in m.source_kinds})
-                     for s in (self._grad_sites() if kind == "grad" else self._sites_of(kind))]
-            tensors, memo = [None] * len(sites), {}
-        self._prepare_from(metrics, sites, tensors, memo, failed)
-
-    def _programmed(self, phase: str) -> bool:
-        """Prepare the phase's metrics with the due set's :class:`ParamProgram` (the states the
-        general path prepares, without its per-tensor work); False, with nothing prepared or
-        consumed, where the general path must run: no program for the due set, the kernel
-        switched off, no optimizer step in the scope, a tensor the kernel does not take, or any
-        error (which the general path then reports)."""
-        on = moments.available()
-        key = ("program", self._due_names, on)
-        if key not in self._static:
-            try:
-                self._static[key] = self._plan_program() if on else None
-            except Exception:  # noqa: BLE001 - a metric's own code raised (e.g. kept): the
-                self._static[key] = None  # general path reports it per metric, on every rank
-        program = self._static[key]
-        if program is None:
-            return False
-        plan = program.pre if phase == "pre" else program.post
-        if not plan.recipes:
-            return True  # no metric of this phase is due (the program plans every one that is)
-        if phase == "post" and self._before is None:
-            return False
-        params = self._local_params()
-        if phase == "pre":
-            try:
-                states = program.read_pre(params, self._local_views())
-            except Exception:  # noqa: BLE001 - the general path reads again and reports it
-                states = None
-        else:
-            # The snapshot's flat buffer, read by address: no copy is handed out or consumed, so
-            # the general path finds the snapshot intact when the program does not apply.
-            held = self._before.held(program.names) if isinstance(self._before, Snapshot) else None
-            if held is None:
-                return False
-            try:
-                states = program.read_post(params, held, self._local_views())
-            except Exception:  # noqa: BLE001 - as above
-                states = None
-        if states is None:
-            return False
-        for metric, state in states:
-            self._prepared[metric.name] = (state, None)
-        self._sites.update(plan.sites)
-        return True
-
-    def _local_params(self) -> list[torch.Tensor]:
-        """The local parameter of every manifest entry, in manifest order (a program's due set
-        holds every one here, as plain tensors); found once (the manifest does not change)."""
-        if "local params" not in self._static:
-            self._static["local params"] = [self.manifest.local.get(e.name) for e in self.manifest.entries]
-        return self._static["local params"]
-
-    def _local_views(self) -> list[Any]:
-        """Per manifest entry, how its tensor is read from its parameter's (an expert slice of a
-        stacked tensor: ``Manifest.views``) or None (the whole tensor); found once."""
-        if "local views" not in self._static:
-            self._static["local views"] = [self.manifest.views.get(e.name) for e in self.manifest.entries]
-        return self._static["local views"]
-
-    def _plan_program(self) -> ParamProgram | None:
-        """The due set's :class:`ParamProgram`: only over plain parameters held here (no flat
-        buffer, Partial placement or DTensor, whose sites and tensors the general path changes
-        per step), with every parameter-side metric one the program prepares."""
-        if (set(self.flat) & (PARAM_KINDS | OPTIMIZER_KINDS) or self._known("partial params", self._partial_params)
-                or self._dtensor_params() or any(s.partial for s in self._sites_of("grad"))
-                or any(self.manifest.local.get(e.name) is None for e in self.manifest.entries)):
-            return None
-        pre, _ = self._phase_metrics("pre")
-        post, before = self._phase_metrics("post")
-        return ParamProgram.plan(pre, post, before, self._sites_of, self._choices.of, self._snapshot_names(),
-                                 len(self.manifest.entries))
-
-    def _phase_metrics(self, phase: str) -> tuple[tuple[TensorMetric, ...], tuple[TensorMetric, ...]]:
-        """The due metrics of ``phase`` (see :meth:`_prepare_phase`) and, in the post phase,
-        those of :meth:`_from_snapshot`; found once per due set."""
-        key = ("phase", phase, self._due_names)
-        if key not in self._static:
-            later = self._from_snapshot()
-
-            def in_phase(m: TensorMetric) -> bool:
-                kinds = set(m.source_kinds)
-                if phase == "pre":
-                    return bool(kinds) and kinds <= PARAM_KINDS and m.name not in later
-                return bool(kinds & OPTIMIZER_KINDS) and not kinds & TOKEN_KINDS
-
-            self._static[key] = (tuple(m for m, _ in self._due if in_phase(m)),
-                                 tuple(m for m, _ in self._due if m.name in later) if phase == "post" else ())
-        return self._static[key]
-
-    def _prepare_from(self, metrics: list[TensorMetric], sites: list[Site], tensors: list[torch.Tensor | None],
-                      memo: dict, failed: str | None) -> None:
-        """Prepare ``metrics`` on the local tensors of ``sites`` (Partial ones reduced first) and
-        keep their states, with ``failed`` (a reading error) as every metric's error."""
-        sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
-        for metric, picked in zip(metrics, self._choices.of(metrics, sites) if failed is None else ()):
-            if all(tensors[i] is None for i in picked):
-                self._unfed.add(metric.name)
-        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo, self._choices):
-            self._prepared[metric.name] = (state, failed or error)
-        self._sites.update((s.key, s) for s in sites)
-
-    def _prepare_before(self, metrics: list[TensorMetric], snapshots: dict[str, torch.Tensor], memo: dict) -> None:
-        """Prepare the metrics of :meth:`_from_snapshot` on the parameters as they were before
-        the optimizer step: the snapshot's copies (exact), whose moments rows ``memo`` holds when
-        the fused update pass read them; the parameters themselves when no step ran in the scope
-        (then nothing changed them)."""
-        try:
-            params = read_kind("param", self.manifest, self.optimizer)
-            tensors = [snapshots.get(e.name, p) if p is not None else None
-                       for e, p in zip(self.manifest.entries, params)]
-            failed = None
-        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
-            tensors, memo = [None] * len(self.manifest.entries), {}
-            failed = f"reading the parameters failed: {type(exc).__name__}: {exc}"
-        self._prepare_from(metrics, list(self._sites_of("param")), tensors, memo, failed)
-
-    def _snapshot_names(self) -> frozenset[str]:
-        """Names of the parameters this due step's update metrics read (their snapshot), found
-        once per due set."""
-        key = ("snapshot", self._due_names)
-        if key not in self._static:
-            updates = [m for m, _ in self._due if "update" in m.source_kinds]
-            self._static[key] = frozenset(s.name for s in self._sites_of("update")
-                                          if any(m.accepts(s) for m in updates))
-        return self._static[key]
-
-    def _from_snapshot(self) -> frozenset[str]:
-        """Names of the due metrics that read parameters only, every one of them in the update
-        snapshot. They are prepared after the optimizer step on the snapshot (the parameters
-        before the update, exactly): the fused update pass yields the snapshot's moments rows
-        with no read of its own, so no pass over the parameters runs before the step. Not with
-        flat-buffer or Partial parameters (read and reduced as they are). Found once per due set.
-        """
-        key = ("from snapshot", self._due_names)
-        if key not in self._static:
-            names = self._snapshot_names()
-            plain = "param" not in self.flat and "update" not in self.flat and not self._known(
-                "partial params", self._partial_params)
-            found = set()
-            for m, _ in self._due if names and plain else ():
-                read = {s.name for s in self._sites_of("param") if m.accepts(s)}
-                if set(m.source_kinds) == {"param"} and read and read <= names:
-                    found.add(m.name)
-            self._static[key] = frozenset(found)
-        return self._static[key]
-
-    def _partial_params(self) -> bool:
-        return any(s.partial for kind in ("update", "param") for s in self._sites_of(kind))
-
-    def _read_phase(self, metrics: list[TensorMetric], phase: str,
-                    pairs: list[tuple[torch.Tensor, torch.Tensor] | None] | None
-                    ) -> tuple[list[Site], list[torch.Tensor | None]]:
-        """Sites and local tensors of every kind the phase's metrics read (rank-symmetric sites);
-        ``pairs``: the fused updates of :meth:`_fused_updates` (their moments in the memo)."""
-        sites: list[Site] = []
-        tensors: list[torch.Tensor | None] = []
-        for kind in sorted({k for m in metrics for k in m.source_kinds}):
-            if kind == "update" and pairs is not None:
-                # The snapshots stand in for the updates: every statistic of them comes from
-                # the moments rows in the memo (kernel of p - prev, nothing written).
-                sites.extend(self._sites_of(kind))
-                tensors.extend(pair[1] if pair is not None else None for pair in pairs)
-                continue
-            if kind in self.flat:
-                flat_sites, flat_tensors, covers = read_buffers(self.flat[kind], self.manifest, self.topology.names)
-                plain = read_kind(kind, self.manifest, self.optimizer, self._before)
-                read = [t if covered else p for t, p, covered in zip(flat_tensors, plain, covers)]
-                sites.extend(flat_sites)
-            else:
-                read = read_kind(kind, self.manifest, self.optimizer, self._before)
-                sites.extend(self._sites_of(kind) if kind != "grad" else self._grad_sites())
-            if kind == "grad":
-                self._no_grad.update(e.name for e, t in zip(self.manifest.entries, read)
-                                     if t is None and e.name in self.manifest.local)
-            tensors.extend(read)
-        return sites, tensors
-
-    def _fused_updates(self, metrics: list[TensorMetric], memo: dict, before: dict
-                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
-        """``(parameter now, snapshot)`` per manifest entry, their moments put in ``memo`` (and
-        the snapshots' in ``before``), when every metric reading updates derives all its
-        statistics from fused moments and the kernel takes every pair, so the update need not
-        be written (``p - prev`` is read by the kernel); else None (and ``read_kind`` computes
-        the updates in place)."""
-        readers = [m for m in metrics if "update" in m.source_kinds]
-        if not readers or "update" in self.flat or self._before is None:
-            return None
-        # Partial parameters are materialized after reading (resolve_partials): their local
-        # moments would be of one part.
-        if self._known("partial params", self._partial_params):
-            return None
-        if not all(reads_only_moments(m) for m in readers):
-            return None
-        pairs = update_pairs(self.manifest, self._before)
-        try:
-            self._remember_updates(pairs, memo, before)
-        except ValueError:  # a tensor the kernel does not take (checked before it reads anything)
-            # Put the snapshots back for read_kind; nothing was consumed.
-            self._before = {e.name: pair[1] for e, pair in zip(self.manifest.entries, pairs) if pair is not None}
-            return None
-        return pairs
-
-    def _remember_updates(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None], memo: dict,
-                          before: dict) -> None:
-        """Moments of every update, of its parameter after the step (into ``memo``) and before
-        it (the snapshot, into ``before``), from one kernel pass over each pair.
-
-        Raises:
-            ValueError: a tensor the kernel does not take, or a snapshot whose dtype or size
-                differs from its parameter's (before anything is read).
-        """
-        keys, tensors, minus = [], [], []
-        params = {s.name: s.key for s in self._sites_of("param")} if "param" not in self.flat else {}
-        for site, pair in zip(self._sites_of("update"), pairs):
-            if pair is None:
-                continue
-            keys.append((site.key, params.get(site.name)))
-            tensors.append(pair[0])
-            minus.append(pair[1])
-        block = moments.parts(tensors, minus).flatten(0, 1)
-        after_rows, before_rows = moments.rows_of(memo), moments.rows_of(before)
-        for i, (update, param) in enumerate(keys):
-            after_rows[update] = (block, 3 * i)
-            if param is not None:
-                after_rows[param] = (block, 3 * i + 1)
-                before_rows[param] = (block, 3 * i + 2)
-
-    def _grad_sites(self) -> list[Site]:
-        """Gradient sites with the gradient's own DTensor placements where they differ from the
-        parameter's: a replicated weight fed by sequence-parallel activations has a
-        ``Partial(sum)`` gradient, which is reduced before any norm is taken. Only the axes of
-        the gradient's mesh whose placement came from DTensor change: a DTensor on a sub-mesh
-        keeps its inferred or declared placements on the other axes (an expert ``Owned`` on
-        ``ep``, a stage on ``pp``). Without DTensor parameters these are the manifest's sites."""
-        if not self._dtensor_params():
-            return self._sites_of("grad")
-        sites = []
-        for site, entry in zip(self._sites_of("grad"), self.manifest.entries):
-            param = self.manifest.local.get(entry.name)
-            held = grad_of(param) if param is not None else None
-            grad = dtensor_placements(held) if held is not None else None
-            if grad is not None and held is not None and entry.name in self.manifest.slices:
-                # An expert slice: the gradient's placements as the slice sees them (Owned on
-                # the expert axes, Partial kept); a gradient sharded otherwise raises here.
-                grad = self.manifest.slice_placements(entry.name, held, self.topology)
-            if grad is not None:
-                merged = dict(site.placements)
-                merged.update((a, p) for a, p in grad if entry.origin(a) == "dtensor")
-                placements = tuple((a, merged[a]) for a in self.topology.names
-                                   if a in merged and not merged[a].is_replica())
-                if placements != site.placements:
-                    site = dataclasses.replace(site, placements=placements)
-            sites.append(site)
-        return sites
-
-    def _dtensor_params(self) -> bool:
-        """Whether some local parameter is a DTensor (its gradient may be placed otherwise)."""
-        return self._known("dtensor params", lambda: any(dtensor_placements(p) is not None
-                                                         for p in self.manifest.local.values()))
-
-    def _known(self, fact: str, find: Callable[[], bool]) -> bool:
-        """A fact about the manifest's tensors and sites, found once (neither changes)."""
-        if fact not in self._static:
-            self._static[fact] = find()
-        return self._static[fact]
-
-    def _sites_of(self, kind: str) -> list[Site]:
-        """The manifest's sites of ``kind``, built once (the manifest does not change)."""
-        if kind not in self._kind_sites:
-            self._kind_sites[kind] = self.manifest.sites(kind)
-        return self._kind_sites[kind]
 
     # -- the step's end -----------------------------------------------------------------------
     @torch.no_grad()
     def _finish_step(self, step: int, observer: TokenObserver | None) -> None:
-        self._prepare_phase("pre")
-        self._prepare_phase("post")
-        sites: dict[SiteKey, Site] = dict(self._sites)
+        prepared = self.params.finish()
+        sites: dict[SiteKey, Site] = dict(self.params.sites)
         changed = False
         if observer is not None:
             observer.finish()
@@ -823,13 +348,13 @@ class TensorMetrics:
                 if not len(observer.states.get(metric.name, {})):
                     self._unfed.add(metric.name)
             else:
-                state, error = self._prepared.get(metric.name, ({}, None))
+                state, error = prepared.get(metric.name, ({}, None))
             due.append((metric, state, error))
         check = self.check_plan == "always" or (
             self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
         say = not self._no_grad_said and any("grad" in m.source_kinds for m, _ in self._due)
-        results, failures = self.executor.run(due, sites, check=check, unfed=self._unfed,
-                                              flag=bool(self._no_grad) if say else None)
+        results, failures = self.executor.run(due, sites, check=check, unfed=self._unfed | self.params.unfed,
+                                              flag=bool(self.params.no_grad) if say else None)
         if say:
             self._say_missing_gradients(step)
         self._checked.update(m.name for m, _, _ in due)
@@ -846,8 +371,8 @@ class TensorMetrics:
                             "Further failures of this metric are counted silently.", failure.metric, step,
                             list(failure.ranks), failure.error)
         for name in self.executor.unfed:
-            if ("unfed", name) not in self._static and self.topology.global_rank == 0:
-                self._static[("unfed", name)] = True
+            if name not in self._said_unfed and self.topology.global_rank == 0:
+                self._said_unfed.add(name)
                 metric = next(m for m, _ in self._due if m.name == name)
                 log.warning("tmetrics: metric %r found nothing to measure on any rank at step %d and wrote no record: "
                             "%s. Said once; later steps without anything to measure write no record either.", name,
@@ -863,7 +388,7 @@ class TensorMetrics:
         self._no_grad_said = True
         if not self.executor.flagged:
             return
-        everyone = self.executor.gather_objects(sorted(self._no_grad))
+        everyone = self.executor.gather_objects(sorted(self.params.no_grad))
         if self.topology.global_rank != 0 or not any(everyone):
             return
         missing = sorted({name for names in everyone for name in names})
@@ -904,31 +429,6 @@ class TensorMetrics:
                 os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manifest) -> str:
-    """Why ``metric`` has no tensor: its select matches none, or it can use none of those it
-    matches (their placements or shapes), with what the catalogue says it supports."""
-    select = tuple(getattr(metric, "select", ()))
-    matched = [s for s in sites if not select or any(fnmatchcase(s.name, p) for p in select)]
-    if not matched:
-        framework = next(((p, e) for p in select for e in manifest.entries if fnmatchcase(e.original, p)), None)
-        hint = (f"; {framework[0]!r} matches the framework's name {framework[1].original!r}, whose canonical name "
-                f"is {framework[1].name!r}" if framework is not None else "")
-        return (f"metric {metric.name!r}: select {list(select)} matches no tensor. select: globs take canonical "
-                f"tensor names (see `tmetrics names`), e.g. {[e.name for e in manifest.entries[:3]]}; nearest: "
-                f"{nearest(select, (s.name for s in sites), prefixes=True)!r}" + hint)
-    scope = getattr(metric, "scope", None)
-    if scope in ("layer", "expert") and not any(s.layer is not None for s in matched):
-        return (f"metric {metric.name!r} is per {scope}, but no tensor got a layer index: tmetrics finds "
-                "layers in block paths such as layers.3. or model.layers.3. (see `tmetrics names --factory "
-                f"module:function` for how yours are named, e.g. {[e.name for e in manifest.entries[:3]]}); "
-                "use a global- or tensor- metric, or keep the blocks in a ModuleList named layers")
-    supported = {e.name: e.placements for e in catalogue_entries()}.get(metric.name)
-    where = f"its select {list(select)} matches" if select else "the model has"
-    return (f"metric {metric.name!r} can use none of the {len(matched)} tensors {where}, e.g. "
-            f"{matched[0].describe()}" + (f"; it supports: {supported}" if supported else "") +
-            "; change the placements or select, or drop the metric")
 
 
 def _collective_device() -> torch.device:

@@ -103,6 +103,7 @@ class RaisesOnRank1(L2Norm):
     """``layer-grad-l2`` that raises on global rank 1 while :attr:`failing` is true."""
 
     failing = False
+    planned = False  # its prepare does more than compute the statistics: no planned path may skip it
 
     def prepare(self, sites, tensors, topology, memo):
         if topology.global_rank == 1 and self.failing:

@@ -21,6 +21,7 @@ import torch
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.sources.param_program import ParamProgram
+from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, seq_len=16)
@@ -43,7 +44,7 @@ def _train(intervals: dict[str, int], *, program: bool, steps: int = 4, dtype=to
     ran = [0]
     with monkeypatch.context() as patch:
         if not program:
-            patch.setattr(TensorMetrics, "_plan_program", lambda self: None)
+            patch.setattr(ParamObserver, "_plan_program", lambda self, *args: None)
         for name in ("read_pre", "read_post"):
             original = getattr(ParamProgram, name)
 
@@ -101,22 +102,24 @@ def test_program_with_gradients_read_early_and_bfloat16(monkeypatch):
         _assert_equal(fast, general)
 
 
-def test_refused_tensors_fall_back_with_the_snapshot_intact(monkeypatch):
-    """float64 tensors: the kernel refuses them when the program reads, so each phase takes the
-    general path (torch statistics); the update ratio still sees every snapshot."""
+def test_tensors_the_kernel_refuses_take_the_program_with_torch_ops(monkeypatch):
+    """float64 tensors: the C kernel does not take them, so the program reads them with batched
+    torch ops (both phases, every step, nothing tried and abandoned); the update ratio sees
+    every snapshot (torch's copies) and the states equal the general path's."""
     fast, ran = _train(BUNDLE_PARAMS, program=True, dtype=torch.float64, monkeypatch=monkeypatch)
     general, _ = _train(BUNDLE_PARAMS, program=False, dtype=torch.float64, monkeypatch=monkeypatch)
-    assert ran == 0
+    assert ran == 8
     assert all(math.isfinite(v) and v > 0 for step in fast for (m, *_), v in step.items() if m == "layer-update-ratio")
     _assert_equal(fast, general)
 
 
-def test_no_program_with_a_metric_it_does_not_take(monkeypatch):
-    """Counting non-finite values reads elements: the due set runs the general path only."""
+def test_the_program_counts_non_finite_values(monkeypatch):
+    """Counting non-finite values reads elements: the program reads them from the gradients it
+    was given (the pre phase), so the due set keeps the program."""
     intervals = {**BUNDLE_PARAMS, "layer-grad-nonfinite": 1}
     fast, ran = _train(intervals, program=True, steps=2, monkeypatch=monkeypatch)
     general, _ = _train(intervals, program=False, steps=2, monkeypatch=monkeypatch)
-    assert ran == 0
+    assert ran == 4
     _assert_equal(fast, general)
 
 

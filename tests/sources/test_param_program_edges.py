@@ -50,6 +50,7 @@ from tmetrics_core.metrics.statistics import (
     Statistic,
 )
 from tmetrics_core.sources.param_program import ParamProgram
+from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 VOCAB, WIDTH = 16, 8
@@ -117,7 +118,7 @@ def _train(make: Callable[[], Net], spec: list[tuple[Callable[[], Any], int]], b
     ran = [0, 0]
     with monkeypatch.context() as patch:
         if not program:
-            patch.setattr(TensorMetrics, "_plan_program", lambda self: None)
+            patch.setattr(ParamObserver, "_plan_program", lambda self, *args: None)
         for index, name in enumerate(("read_pre", "read_post")):
             original = getattr(ParamProgram, name)
 
@@ -304,7 +305,7 @@ def test_scope_and_optimizer_hook_raising(monkeypatch):
 
 # -- tensors the kernel refuses, replaced or resized ------------------------------------------
 
-def test_non_contiguous_parameter_runs_no_program(monkeypatch):
+def test_non_contiguous_parameter_takes_the_program_with_torch_ops(monkeypatch):
     def transposed() -> Net:
         model = Net()
         weight = model.layers[1].fc.weight
@@ -312,10 +313,10 @@ def test_non_contiguous_parameter_runs_no_program(monkeypatch):
         assert not model.layers[1].fc.weight.is_contiguous()
         return model
     _, ran = _compare(transposed, ALL, _plain, monkeypatch)
-    assert ran == (0, 0)
+    assert ran == (4, 4)  # the kernel reads the others, batched torch ops the transposed one
 
 
-def test_non_contiguous_gradient_on_one_step_falls_back_before_the_step_only(monkeypatch):
+def test_non_contiguous_gradient_on_one_step_keeps_the_program(monkeypatch):
     def body(model, optimizer, metrics, step):
         _loss(model, step).backward()
         if step == 2:
@@ -324,7 +325,7 @@ def test_non_contiguous_gradient_on_one_step_falls_back_before_the_step_only(mon
         optimizer.step()
         optimizer.zero_grad()
     _, ran = _compare(Net, ALL, body, monkeypatch, steps=3)
-    assert ran == (2, 3)
+    assert ran == (3, 3)
 
 
 class _Transposing(torch.optim.Optimizer):
@@ -346,11 +347,13 @@ class _Transposing(torch.optim.Optimizer):
 
 
 def test_parameter_made_non_contiguous_by_the_optimizer(monkeypatch):
-    """Step 2's parts pass refuses it (snapshot restored); step 3 reads it non-contiguous before
-    the step and its snapshot (a strided copy) after it, so both phases fall back."""
+    """Step 2's parts pass refuses it (the kernel's flat snapshot, the parameter strided after
+    the step): that post phase takes the general path, the snapshot intact; step 3 reads it
+    non-contiguous before the step and its snapshot (torch's copy) after it, both in the
+    program with torch ops."""
     _, ran = _compare(Net, ALL, _plain, monkeypatch,
                       optimizer=lambda m: _Transposing(m.parameters(), m.layers[0].fc.weight, {2}))
-    assert ran == (3, 2)
+    assert ran == (4, 3)
 
 
 class _Resizing(torch.optim.Optimizer):
@@ -469,7 +472,7 @@ def test_kernel_switched_off_mid_run_and_between_phases(monkeypatch):
         with moments.disabled() if step in (2, 3) else contextlib.nullcontext():
             _plain(model, optimizer, metrics, step)
     _, ran = _compare(Net, ALL, off_mid_run, monkeypatch, steps=5)
-    assert ran == (3, 3)
+    assert ran == (5, 5)  # the kernel off: batched torch ops, the same numbers as the general path
 
     def off_after_observe(model, optimizer, metrics, step):
         _loss(model, step).backward()
@@ -478,7 +481,7 @@ def test_kernel_switched_off_mid_run_and_between_phases(monkeypatch):
             optimizer.step()
         optimizer.zero_grad()
     _, ran = _compare(Net, ALL, off_after_observe, monkeypatch, steps=2)
-    assert ran == (2, 0)
+    assert ran == (2, 2)
 
     def on_after_observe(model, optimizer, metrics, step):
         with moments.disabled():
@@ -487,14 +490,14 @@ def test_kernel_switched_off_mid_run_and_between_phases(monkeypatch):
         optimizer.step()
         optimizer.zero_grad()
     _, ran = _compare(Net, ALL, on_after_observe, monkeypatch, steps=2)
-    assert ran == (0, 2)
+    assert ran == (2, 2)
 
 
-def test_kernel_switched_off_from_the_start_runs_no_program(monkeypatch):
-    """What ``TMETRICS_FUSED_KERNEL=0`` sets at import."""
+def test_kernel_switched_off_from_the_start_keeps_the_program(monkeypatch):
+    """What ``TMETRICS_FUSED_KERNEL=0`` sets at import: the program reads with torch ops."""
     monkeypatch.setitem(moments._switch, "on", False)
     _, ran = _compare(Net, ALL, _plain, monkeypatch, steps=2)
-    assert ran == (0, 0)
+    assert ran == (2, 2)
 
 
 # -- other metric shapes ---------------------------------------------------------------------
@@ -516,7 +519,7 @@ def test_two_tensor_metrics_on_one_model(monkeypatch):
     def run(program: bool) -> list:
         with monkeypatch.context() as patch:
             if not program:
-                patch.setattr(TensorMetrics, "_plan_program", lambda self: None)
+                patch.setattr(ParamObserver, "_plan_program", lambda self, *args: None)
             model = Net()
             optimizer = _adamw(model)
             a = TensorMetrics(model, metrics=[(build_metric("layer-update-ratio"), 1),
@@ -534,8 +537,7 @@ def test_two_tensor_metrics_on_one_model(monkeypatch):
                     optimizer.zero_grad()
                 out.append(sorted((r.metric, r.layer, r.value) for r in [*a.last_records, *b.last_records]))
             assert a.failures == [] and b.failures == []
-            planned = [v is not None for m in (a, b) for k, v in m._static.items()
-                       if isinstance(k, tuple) and k[0] == "program"]
+            planned = [plan.program is not None for m in (a, b) for plan in m.params._plans.values()]
             assert planned and all(planned) == program
             a.close()
             b.close()
@@ -555,7 +557,7 @@ def test_update_ratio_and_snapshot_reads_against_float64(dtype):
     optimizer = _adamw(model)
     metrics = TensorMetrics(model, optimizer=optimizer, metrics=[(build_metric("layer-update-ratio"), 1),
                                                                  (build_metric("layer-param-l2"), 1)])
-    assert metrics._static == {}
+    assert metrics.params._plans == {}
     for step in range(1, 3):
         with metrics.step(step):
             _loss(model, step).backward()
@@ -563,7 +565,7 @@ def test_update_ratio_and_snapshot_reads_against_float64(dtype):
             optimizer.step()
             after = {n: p.detach().double().clone() for n, p in model.named_parameters()}
             optimizer.zero_grad()
-        program = [v for k, v in metrics._static.items() if isinstance(k, tuple) and k[0] == "program"]
+        program = [plan.program for plan in metrics.params._plans.values()]
         assert len(program) == 1 and program[0] is not None and len(program[0].post.recipes) == 2
         values = {(r.metric, r.layer): r.value for r in metrics.last_records}
         for layer in range(3):
@@ -576,7 +578,7 @@ def test_update_ratio_and_snapshot_reads_against_float64(dtype):
     metrics.close()
 
 
-# -- data parallel, one rank falling back ----------------------------------------------------
+# -- data parallel, one rank reading a non-contiguous gradient ------------------------------
 
 DP_METRICS = {"layer-param-l2": 1, "layer-grad-l2": 1, "layer-grad-absmax": 1, "layer-update-ratio": 2,
               "tensor-grad-l2": 1, "global-param-l2": 3, "layer-grad-rms": 1}
@@ -584,14 +586,14 @@ DP_METRICS = {"layer-param-l2": 1, "layer-grad-l2": 1, "layer-grad-absmax": 1, "
 
 def train_data_parallel(rank: int, world: int, program: bool) -> tuple[list[dict], list, tuple[int, int]]:
     """Three steps of the demo model under DDP on ``dp``; on rank 1 at step 2 one gradient is
-    made non-contiguous (same values), so that rank's pre phase takes the general path."""
+    made non-contiguous (same values), read by torch ops within the program on that rank."""
     from tmetrics_core.topology import Topology
     from tmetrics_core.demo.model import ModelConfig
     from tmetrics_core.demo.parallel import parallelize
     from tmetrics_core.demo.degrees import ParallelDegrees as DemoTopology
 
     if not program:
-        TensorMetrics._plan_program = lambda self: None
+        ParamObserver._plan_program = lambda self, *args: None
     ran = [0, 0]
     for index, name in enumerate(("read_pre", "read_post")):
         original = getattr(ParamProgram, name)
@@ -625,13 +627,13 @@ def train_data_parallel(rank: int, world: int, program: bool) -> tuple[list[dict
 
 
 @pytest.mark.timeout(120)
-def test_data_parallel_with_one_rank_falling_back():
+def test_data_parallel_with_one_rank_reading_a_non_contiguous_gradient():
     fast = run_distributed(train_data_parallel, 2, True, timeout=90, collective_timeout=30)
     general = run_distributed(train_data_parallel, 2, False, timeout=90, collective_timeout=30)
     for rank in range(2):
         records, failures, ran = fast[rank]
         assert failures == [] and general[rank][1] == []
-        assert ran == ((3, 2) if rank == 0 else (2, 2)) and general[rank][2] == (0, 0)
+        assert ran == (3, 2) and general[rank][2] == (0, 0)
         assert [len(r) for r in records] == [42, 41, 40]
         assert records == general[rank][0], rank
     # replicated: the ranks agree but at step 2, where rank 1 read one gradient with torch kernels

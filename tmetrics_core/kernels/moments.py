@@ -14,7 +14,8 @@ The kernel is compiled with the system C compiler (``$CC``, else ``cc``) on firs
 under ``$TMETRICS_CACHE`` (default ``$XDG_CACHE_HOME/tmetrics`` or ``~/.cache/tmetrics``), keyed by
 the source, the compiler and the CPU's instruction sets. Without a compiler, with
 ``TMETRICS_FUSED_KERNEL=0``, and for tensors it does not take (accelerator, float64, float16,
-non-contiguous), statistics use their torch kernels: the same numbers, one pass each.
+non-contiguous), the same rows come from batched torch ops
+(:mod:`tmetrics_core.kernels.foreach_moments`, a fixed number per statistic and group).
 """
 
 from __future__ import annotations

@@ -156,6 +156,19 @@ class StatMetric:
     formula: str = ""
     unit: str = ""
     baseline: str = ""
+    planned: bool = True
+    """Declares that :meth:`prepare` gives, per accepted site (less those :meth:`kept` drops),
+    the vectors of :attr:`statistics` in order, and nothing else: then a planned path (the
+    parameter side's :class:`~tmetrics_core.sources.param_program.ParamProgram`) may compute the
+    state from moments rows instead of calling :meth:`prepare`. A subclass whose ``prepare``
+    (or ``_block``) computes something else sets False; one that only computes the same vectors
+    faster (as ``NonFinite``) keeps True."""
+    resume_agreed: bool = True
+    """Declares that :meth:`resume` raises on every rank alike or never, given vectors of the
+    lengths its statistics' stages declare (tmetrics' :meth:`resume` runs only stage arithmetic
+    on rank-symmetric shapes): together with every statistic's ``Statistic.between_agreed``,
+    the executor then needs no failure agreement after a round (``Round.agreed``). A subclass
+    overriding :meth:`resume` with code that may raise on some ranks only sets False."""
 
     def __init__(self, *, name: str | None = None, source_kinds: Sequence[str] | None = None,
                  scope: Scope | None = None, select: str | Sequence[str] | None = None) -> None:
@@ -267,8 +280,8 @@ class StatMetric:
             # The next resume finishes every batch (each requesting one is at its last stage),
             # or only tmetrics' own stage arithmetic runs, on shapes every rank shares.
             last = all(b.index == len(b.stages) - 1 for b in batches if b.index < len(b.stages))
-            own = type(self).resume is StatMetric.resume and all(
-                type(st).__module__.startswith("tmetrics_core.") for st in self.statistics)
+            own = self.resume_agreed and all(b.stat.between_agreed for b in batches
+                                             if b.index < len(b.stages) - 1)
             return Round(requests=requests, continuation=(batches, topology), agreed=last or own)
         outputs = merged_outputs(batches, self._group, id(self))
         return Round(continuation=(batches, topology), done=True, outputs=outputs)
@@ -341,11 +354,10 @@ class StatMetric:
 
 def reads_only_moments(metric: TensorMetric) -> bool:
     """Whether ``metric`` reads its tensors only through statistics that derive from the fused
-    moments rows without reading an element (its ``prepare`` is tmetrics' own), so rows in the
+    moments rows without reading an element (it declares ``StatMetric.planned``), so rows in the
     memo and a stand-in tensor of the same shape serve for each tensor (the update ``p - prev``,
     a residual contribution ``h - x``). False when the kernel is off or unavailable."""
-    return (isinstance(metric, StatMetric) and type(metric).prepare.__module__.startswith("tmetrics_core.metrics.")
-            and derivable(metric.statistics))
+    return isinstance(metric, StatMetric) and metric.planned and derivable(metric.statistics)
 
 
 def _combine(op: ReduceOpName, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,8 @@ class _Drift(Statistic):
     """Base: stage 1 MAX of ``[v, -v, NaN flag]`` (``2 width + 1`` values) over the drift axes,
     stage 2 MAX of ``[difference, NaN flag]`` over the splitting axes."""
 
+    between_agreed = True
+
     def __init__(self, axes: Sequence[str], width: int) -> None:
         self.axes = tuple(axes)
         self.width = width

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from tmetrics_core.metrics.base import StatMetric
-from tmetrics_core.kernels.moments import statistic_vectors
 from tmetrics_core.metrics.statistics import (
     ABSMAX,
     COUNT,
@@ -123,28 +120,13 @@ class NonFinite(StatMetric):
     """Counts of NaN, +Inf and -Inf elements (exact integers), as stats ``nan``, ``posinf``,
     ``neginf`` and ``total``.
 
-    Local work rides on the sum of squares that L2 and RMS metrics share through the step memo:
-    a finite sum of squares proves a tensor has no NaN or Inf, so only tensors whose sum of
-    squares is not finite (or that are not floating point) are counted element by element.
+    Local work rides on the moments rows that L2 and RMS metrics share through the step memo
+    (see ``NONFINITE``: on CPU a finite sum of squares proves a tensor finite; elsewhere the
+    counts are batched on the device).
     """
 
     statistics = (NONFINITE,)
     formula = "#{x_i = NaN}, #{x_i = +Inf}, #{x_i = -Inf}"
-
-    def prepare(self, sites, tensors, topology, memo):
-        todo = [(s, t) for s, t in zip(sites, tensors)
-                if t is not None and t.is_floating_point() and (NONFINITE.name, s.key) not in memo]
-        missing = [(s, t) for s, t in todo if (SUMSQ.name, s.key) not in memo]
-        if missing:
-            sums = statistic_vectors(SUMSQ, [t.detach() for _, t in missing], [s for s, _ in missing], topology, memo)
-            for (s, _), vec in zip(missing, sums):
-                memo[(SUMSQ.name, s.key)] = vec
-        if todo:
-            finite = torch.isfinite(torch.cat([memo[(SUMSQ.name, s.key)] for s, _ in todo])).tolist()
-            for (s, t), ok in zip(todo, finite):
-                if ok:
-                    memo[(NONFINITE.name, s.key)] = torch.zeros(3, dtype=torch.float64, device=t.device)
-        return super().prepare(sites, tensors, topology, memo)
 
     def finalize(self, stats):
         nan, pos, neg = stats["nonfinite"]

@@ -59,6 +59,8 @@ class RowSoftmax(Statistic):
 
     op = "sum"
 
+    between_agreed = True
+
     def __init__(self, probability_kinds: frozenset[str] = frozenset()) -> None:
         self.probability_kinds = frozenset(probability_kinds)
         kinds = ",".join(sorted(self.probability_kinds))

@@ -21,6 +21,7 @@ import torch
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import PlacementError
+from tmetrics_core.kernels.foreach_moments import foreach_rows, nonfinite_counts
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.site import Site
 
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 _NEUTRAL = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
-_CHUNK = 65536
 
 
 def neutral(op: ReduceOpName, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -104,6 +104,15 @@ class Statistic:
     """True when :meth:`from_moments` reads the sum-of-squares column of the moments rows and no
     other: kernel calls whose statistics all read at most that column compute it alone (see
     :func:`tmetrics_core.kernels.moments.sumsq_suffices`)."""
+    reads: frozenset[str] = frozenset({"sumsq", "sum", "max", "min", "zeros"})
+    """The moments columns :meth:`moments_matrix` reads (names of
+    :data:`tmetrics_core.kernels.foreach_moments.COLUMNS`; ``absmax``: ``max`` and ``min`` only
+    as ``max(max, -min)``). A moments pass computes only the columns its statistics declare;
+    the others may be NaN. Every column by default (a statistic that does not say)."""
+
+    between_agreed: bool = False
+    """Declares that :meth:`between` raises on every rank alike or never (it reads only shapes
+    every rank shares); single-stage statistics never call it. See ``StatMetric.resume_agreed``."""
 
     def stages(self, site: Site, topology: Topology) -> tuple[Stage, ...]:
         """The reductions of this statistic for ``site``: a single stage by default."""
@@ -149,49 +158,18 @@ class Statistic:
 
 class _SumSq(Statistic):
     """Sum of squares of the elements, carried in float64: through the fused moments kernel
-    (float64 accumulation) where it applies; else per chunk of a tensor with torch kernels in
-    fp32 (float64 for float64 tensors, and on CPU for chunks whose fp32 sum overflowed; on
-    accelerators a float32 square still overflows above 1.8e19)."""
+    (float64 accumulation) where it applies; else by ``_foreach_powsum`` accumulating in float64
+    on CPU and for float64 tensors, in float32 on accelerators (where a float32 square
+    overflows above 1.8e19)."""
 
     name, op, moments, reads_sumsq_only = "sumsq", "sum", True, True
+    reads = frozenset({"sumsq"})
 
     def moments_matrix(self, rows, tensors):
         return rows[:, 0:1]
 
     def compute(self, tensors, sites, topology):
-        if not tensors:
-            return []
-        # NOTE [chunked sums]: CPU _foreach kernels accumulate each tensor serially, which
-        # loses 1.6e-4 relative accuracy on 4M fp32 elements. Views of at most _CHUNK
-        # elements keep fp32 error near 1e-6 for one extra pass-free split (about 1.2x the
-        # plain _foreach_norm time); the chunk sums add in float64. Accelerator kernels reduce
-        # in parallel blocks (no long serial sums), so tensors there are not split: no index
-        # tensor to copy to the device either.
-        pieces: list[torch.Tensor] = []
-        owners: list[int] = []
-        for i, t in enumerate(tensors):
-            if t.numel() > _CHUNK and t.device.type == "cpu":
-                split = t.reshape(-1).split(_CHUNK)
-                pieces.extend(split)
-                owners.extend([i] * len(split))
-            else:
-                pieces.append(t)
-                owners.append(i)
-        acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-        sums = torch.stack(torch._foreach_powsum(pieces, 2, dtype=acc)).double()
-        if acc == torch.float32 and sums.device.type == "cpu":
-            # fp32 squares overflow above 1.8e19: pieces that came out infinite are summed
-            # again in float64 (an infinity in the data stays infinite). A host read is free here.
-            redo = torch.isinf(sums).nonzero().flatten().tolist()
-            if redo:
-                again = torch._foreach_powsum([pieces[i] for i in redo], 2, dtype=torch.float64)
-                sums[redo] = torch.stack(again)
-        if len(tensors) == 1:
-            sums = sums.sum(0, keepdim=True)
-        elif len(pieces) > len(tensors):
-            total = torch.zeros(len(tensors), dtype=torch.float64, device=sums.device)
-            sums = total.index_add_(0, torch.tensor(owners, device=sums.device), sums)
-        return list(sums.unsqueeze(1).unbind(0))
+        return _via_rows(self, tensors)
 
 
 class _AbsMax(Statistic):
@@ -204,6 +182,7 @@ class _AbsMax(Statistic):
     """
 
     name, op, moments = "absmax", "max", True
+    reads = frozenset({"sumsq", "absmax"})  # the sum of squares carries the NaN flag
 
     def size(self, site):
         return 2
@@ -212,35 +191,7 @@ class _AbsMax(Statistic):
         return _flagged_rows(rows, torch.maximum(rows[:, 2:3], -rows[:, 3:4]).clamp_min_(0.0), 0.0, 1.0)
 
     def compute(self, tensors, sites, topology):
-        if not tensors:
-            return []
-        full = [t for t in tensors if t.numel()]
-        if not full:
-            return [torch.zeros(2, dtype=torch.float64, device=t.device) for t in tensors]
-        # NOTE [absmax kernels]: CPU has no vectorized kernel for the inf-norm (_foreach_norm
-        # with ord=inf runs 18-30x slower than one _foreach_norm(2) pass); aminmax is one
-        # vectorized pass and propagates NaN. Accelerators keep the batched foreach kernel.
-        # Either way the per-tensor results are stacked and flagged in a few vector ops.
-        if full[0].device.type == "cpu":
-            pairs = [x for t in full for x in torch.aminmax(t)]
-            if any(x.dtype != pairs[0].dtype for x in pairs):
-                pairs = [x.double() for x in pairs]
-            bounds = torch.stack(pairs).double().reshape(-1, 2)
-            peaks = torch.maximum(-bounds[:, 0], bounds[:, 1])
-        else:
-            peaks = torch.stack(torch._foreach_norm(full, float("inf"), dtype=torch.float32)).double()
-        flagged = _with_flag(peaks, 0.0, 1.0).t()
-        if len(full) == len(tensors):
-            return list(flagged.unbind(0))
-        rows = iter(flagged.unbind(0))
-        return [next(rows) if t.numel() else torch.zeros(2, dtype=torch.float64, device=t.device) for t in tensors]
-
-
-def _with_flag(value: torch.Tensor, neutral_value: float, flag: float) -> torch.Tensor:
-    """``[value, 0]``, or ``[neutral_value, flag]`` when ``value`` is NaN."""
-    nan = torch.isnan(value)
-    return torch.stack([torch.where(nan, torch.full_like(value, neutral_value), value),
-                        torch.where(nan, torch.full_like(value, flag), torch.zeros_like(value))])
+        return _via_rows(self, tensors)
 
 
 def _flagged_rows(rows: torch.Tensor, value: torch.Tensor, neutral_value: float, flag: float) -> torch.Tensor:
@@ -252,6 +203,15 @@ def _flagged_rows(rows: torch.Tensor, value: torch.Tensor, neutral_value: float,
     return torch.cat([value.masked_fill(nan, neutral_value), flags], 1)
 
 
+def _via_rows(stat: Statistic, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``stat``'s vectors of ``tensors`` from the moments rows of batched torch ops
+    (:func:`~tmetrics_core.kernels.foreach_moments.foreach_rows`, the columns ``stat`` reads):
+    the numbers the parameter program computes for the same tensors, bit for bit."""
+    if not tensors:
+        return []
+    return list(stat.moments_matrix(foreach_rows(tensors, stat.reads), tensors).unbind(0))
+
+
 def flagged_value(vector: Sequence[float]) -> float:
     """The value of an extreme statistic ``[value, flag]``: NaN when the flag is set."""
     return math.nan if vector[1] not in (0.0, -math.inf, math.inf) else vector[0]
@@ -261,6 +221,7 @@ class _Count(Statistic):
     """Number of elements (float64: exact below 2**53)."""
 
     name, op, shape_only = "count", "sum", True
+    reads: frozenset[str] = frozenset()
 
     def moments_matrix(self, rows, tensors):
         """The element counts (the rows are not read), on the rows' device."""
@@ -275,22 +236,23 @@ class _Count(Statistic):
 
 class _Sum(Statistic):
     """Sum of the elements, for means: float64 accumulation in the fused kernel and on CPU,
-    fp32 on accelerators (float64 for float64 tensors)."""
+    fp32 on accelerators (float64 for float64 tensors), one ``segment_reduce`` per group."""
 
     name, op, linear, moments = "sum", "sum", True, True
+    reads = frozenset({"sum"})
 
     def moments_matrix(self, rows, tensors):
         return rows[:, 1:2]
 
     def compute(self, tensors, sites, topology):
-        return [t.sum(dtype=torch.float64 if t.device.type == "cpu" or t.dtype == torch.float64 else torch.float32)
-                .reshape(1).double() for t in tensors]
+        return _via_rows(self, tensors)
 
 
 class _Max(Statistic):
     """``[largest element, NaN flag]`` (``[-inf, 0]`` for an empty tensor; flag as in ``_AbsMax``)."""
 
     name, op, linear, moments = "max", "max", True, True
+    reads = frozenset({"sumsq", "max"})
 
     def size(self, site):
         return 2
@@ -299,8 +261,7 @@ class _Max(Statistic):
         return _flagged_rows(rows, rows[:, 2:3], -math.inf, 1.0)
 
     def compute(self, tensors, sites, topology):
-        return [_with_flag(t.max().double() if t.numel() else _infinite(-1.0, t.device), -math.inf, 1.0)
-                for t in tensors]
+        return _via_rows(self, tensors)
 
 
 class _Min(Statistic):
@@ -308,6 +269,7 @@ class _Min(Statistic):
     is present, so the MIN reduction keeps it)."""
 
     name, op, linear, moments = "min", "min", True, True
+    reads = frozenset({"sumsq", "min"})
 
     def size(self, site):
         return 2
@@ -316,76 +278,54 @@ class _Min(Statistic):
         return _flagged_rows(rows, rows[:, 3:4], math.inf, -1.0)
 
     def compute(self, tensors, sites, topology):
-        return [_with_flag(t.min().double() if t.numel() else _infinite(1.0, t.device), math.inf, -1.0)
-                for t in tensors]
-
-
-def _infinite(sign: float, device: torch.device) -> torch.Tensor:
-    """A float64 scalar ``sign * inf``: the extreme of an empty tensor (its flag stays 0)."""
-    return torch.full((), sign * math.inf, dtype=torch.float64, device=device)
+        return _via_rows(self, tensors)
 
 
 class _NonFinite(Statistic):
     """``[nan count, +inf count, -inf count]``.
 
-    One pass per tensor in the common case: a sum of the elements is finite exactly when no
-    element is NaN or infinite (NaN and infinities propagate; a sum that overflows merely takes
-    the exact path). Only tensors whose sum is not finite are counted element by element.
-    All tensors are checked with one host transfer.
+    From the moments rows' sum of squares (shared with the norms) on CPU, where a finite sum
+    proves a tensor finite and reading it costs no synchronisation; elsewhere, and when some sum
+    is not finite, exact counts of every tensor by a fixed number of batched ops
+    (:meth:`moments_matrix`).
     """
 
     name, op, moments, reads_elements, reads_sumsq_only = "nonfinite", "sum", True, True, True
+    reads = frozenset({"sumsq"})
 
     def size(self, site):
         return 3
 
-    def from_moments(self, rows, tensors):
-        return self._counts(tensors, torch.isfinite(rows[:, 0]).tolist())
+    def moments_matrix(self, rows, tensors):
+        """``[n, 3]`` counts from the tensors themselves (``tensors``: those the rows were read
+        from). On CPU, where reading a value costs no device synchronisation, zeros when every
+        sum of squares is finite; elsewhere the exact counts of every tensor, batched
+        (:func:`~tmetrics_core.kernels.foreach_moments.nonfinite_counts`), nothing read back."""
+        if rows.device.type == "cpu" and bool(torch.isfinite(rows[:, 0]).all()):
+            return torch.zeros((len(tensors), 3), dtype=torch.float64)
+        return nonfinite_counts(tensors[:]).to(rows.device)
 
     def compute(self, tensors, sites, topology):
-        if not tensors:
-            return []
-        sums = torch.stack([_finite_probe(t) for t in tensors])
-        return self._counts(tensors, torch.isfinite(sums).tolist())
-
-    @staticmethod
-    def _counts(tensors: Sequence[torch.Tensor], finite: Sequence[bool]) -> list[torch.Tensor]:
-        """Zeros for tensors known finite; exact NaN/+inf/-inf counts for the others."""
-        if all(finite) and len({t.device for t in tensors}) == 1:
-            return list(torch.zeros((len(tensors), 3), dtype=torch.float64, device=tensors[0].device).unbind(0))
-        out = []
-        for t, ok in zip(tensors, finite):
-            if ok:
-                out.append(torch.zeros(3, dtype=torch.float64, device=t.device))
-                continue
-            nan = torch.isnan(t).sum()
-            pos = torch.isposinf(t).sum()
-            neg = torch.isneginf(t).sum()
-            out.append(torch.stack([nan, pos, neg]).double())
+        floating = [i for i, t in enumerate(tensors) if t.is_floating_point()]
+        if len(floating) == len(tensors):
+            return _via_rows(self, tensors)
+        out = [torch.zeros(3, dtype=torch.float64, device=t.device) for t in tensors]  # integers: none
+        for i, vec in zip(floating, _via_rows(self, [tensors[i] for i in floating])):
+            out[i] = vec
         return out
-
-
-def _finite_probe(t: torch.Tensor) -> torch.Tensor:
-    """A float64 scalar that is finite when ``t`` has no NaN or infinite element (integer and
-    empty tensors give 0)."""
-    if not t.is_floating_point() or not t.numel():
-        return torch.zeros((), dtype=torch.float64, device=t.device)
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    return t.sum(dtype=acc).double()
 
 
 class _Zeros(Statistic):
     """Number of elements exactly equal to zero (``-0.0`` included)."""
 
     name, op, moments = "zeros", "sum", True
+    reads = frozenset({"zeros"})
 
     def moments_matrix(self, rows, tensors):
         return rows[:, 4:5]
 
     def compute(self, tensors, sites, topology):
-        # count_nonzero is one vectorized pass; (t == 0).sum() materializes a bool tensor
-        # and runs about 10x slower on CPU.
-        return [(t.numel() - torch.count_nonzero(t)).reshape(1).double() for t in tensors]
+        return _via_rows(self, tensors)
 
 
 SUMSQ: Statistic = _SumSq()
@@ -415,6 +355,7 @@ class RowL2(Statistic):
     """
 
     op = "sum"
+    between_agreed = True
 
     def __init__(self, dim: int) -> None:
         assert dim in (0, 1), dim

@@ -8,12 +8,16 @@ per tensor and per metric: site lookups, a memo table of rows, input lists per m
 demo model that Python costs more than the kernel passes themselves, and most of it runs with
 cold caches, right after the backward pass.
 
-A :class:`ParamProgram` finds them once. A due step then runs one kernel call per phase (the
-gradients and parameters read before the optimizer step; the ``parts`` pass over each parameter
-and its snapshot after it) and, per metric, one row gather and its statistics' arithmetic. The
-states are those the general path prepares, bit for bit: the same kernel, the same rows, the
-same statistic code. :meth:`ParamProgram.plan` says when it applies; otherwise, and on a step
-where the kernel refuses a tensor, ``TensorMetrics`` takes the general path.
+A :class:`ParamProgram` finds them once. A due step then runs one moments pass per phase (the
+gradients and parameters read before the optimizer step; each parameter, its snapshot and their
+difference after it) and, per metric, one row gather and its statistics' arithmetic. The pass
+is the C kernel for the tensors it takes and batched torch ops
+(:mod:`tmetrics_core.kernels.foreach_moments`) for every other tensor, on any device: a fixed
+number of ops per statistic and ``(device, dtype)`` group, whatever the tensor count. The
+states are those the general path prepares, bit for bit: the same backends, the same rows, the
+same statistic code. :meth:`ParamProgram.plan` says when it applies (plain parameters held
+here, metrics that declare ``StatMetric.planned``); otherwise, and on a step where a parameter
+has no gradient, the parameter side takes the general path.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Callable, Sequence, cast, overload
 import torch
 
 from tmetrics_core.kernels import moments
-from tmetrics_core.metrics.base import StatMetric, TensorMetric, reads_only_moments
+from tmetrics_core.kernels.foreach_moments import rows as moments_rows
+from tmetrics_core.metrics.base import StatMetric, TensorMetric
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.params import grad_of
@@ -97,12 +102,21 @@ class PhasePlan:
         return out
 
 
-def _eligible(metric: TensorMetric, kinds: frozenset[str]) -> bool:
-    """Whether the general path prepares ``metric`` as a block of moments rows of ``kinds``."""
-    return (isinstance(metric, StatMetric) and type(metric).prepare is StatMetric.prepare
-            and type(metric)._block is StatMetric._block
-            and bool(metric.source_kinds) and metric.source_kinds <= kinds and reads_only_moments(metric)
+def _eligible(metric: TensorMetric, kinds: frozenset[str], *, elements: bool = False) -> bool:
+    """Whether the program prepares ``metric``: a :class:`StatMetric` that declares its state
+    the vectors of its statistics (``StatMetric.planned``), reading only ``kinds``, every
+    statistic derived from moments rows (or the shape), with ``elements`` where a statistic may
+    also read the tensors' elements (``reads_elements``: only where the inputs are the tensors
+    the rows were read from, not a stand-in)."""
+    return (isinstance(metric, StatMetric) and metric.planned
+            and bool(metric.source_kinds) and metric.source_kinds <= kinds
+            and all((s.moments and (elements or not s.reads_elements)) or s.shape_only for s in metric.statistics)
             and any(stat.moments for stat in metric.statistics))
+
+
+def _columns(plan: PhasePlan) -> frozenset[str]:
+    """The moments columns the statistics of ``plan`` read (``Statistic.reads``)."""
+    return frozenset(c for recipe in plan.recipes for stat in recipe.metric.statistics for c in stat.reads)
 
 
 class ParamProgram:
@@ -123,9 +137,9 @@ class ParamProgram:
         self.post = post
         self.stepped = tuple(i for i, _ in stepped)
         self.names = tuple(name for _, name in stepped)
-        # Rows that only sums of squares are read from (L2 norms, update ratios) skip the rest.
-        self._squares = tuple(moments.sumsq_suffices(stat for recipe in plan.recipes
-                                                     for stat in recipe.metric.statistics) for plan in (pre, post))
+        # Only the columns some statistic reads are computed (L2 norms, update ratios: the sum
+        # of squares alone).
+        self._columns = (_columns(pre), _columns(post))
 
     @classmethod
     def plan(cls, pre: Sequence[TensorMetric], post: Sequence[TensorMetric], before: Sequence[TensorMetric],
@@ -148,7 +162,7 @@ class ParamProgram:
         """
         if not pre and not post and not before:
             return None
-        if not all(_eligible(m, _PRE_KINDS) for m in pre):
+        if not all(_eligible(m, _PRE_KINDS, elements=True) for m in pre):
             return None
         if not all(_eligible(m, _POST_KINDS) for m in post) or not all(_eligible(m, frozenset({"param"}))
                                                                        for m in before):
@@ -194,7 +208,8 @@ class ParamProgram:
                  = ()) -> list[tuple[StatMetric, BlockState]] | None:
         """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
         entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grad_of`),
-        in one kernel call; None (nothing read) when the kernel does not take a tensor, or a
+        from one moments pass (:func:`~tmetrics_core.kernels.foreach_moments.rows`: the C kernel
+        where it takes a tensor, batched torch ops elsewhere); None (nothing read) when a
         parameter has no gradient (the general path leaves it out of gradient statistics with
         a placeholder). ``views[i]``, where given and not None, reads entry ``i`` (an expert
         slice of a stacked tensor) as a view of its parameter and gradient (``Manifest.views``)."""
@@ -205,25 +220,37 @@ class ParamProgram:
             if read is None:
                 return None
             tensors.append(read if view is None else view(read))
-        try:
-            rows = moments.moments(tensors, sumsq_only=self._squares[0])
-        except ValueError:
-            return None
+        rows = moments_rows(tensors, self._columns[0])
         return self.pre.states(rows, tensors.__getitem__)
 
-    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[moments.Held],
+    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[moments.Held] | Sequence[torch.Tensor],
                   views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = ()
                   ) -> list[tuple[StatMetric, BlockState]] | None:
         """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
-        ``params`` and ``views``, as in :meth:`read_pre`) and their snapshots (``then``: where
-        each copy lies, in the same order), in one ``parts`` pass; None (nothing read) when the
-        kernel does not take a parameter with its snapshot (the optimizer replaced or resized it)."""
+        ``params`` and ``views``, as in :meth:`read_pre`) and their snapshots (``then``, in the
+        same order): where each copy lies in the kernel's flat snapshot, read by one ``parts``
+        pass of the C kernel; or the copies themselves (torch made them), whose updates are one
+        ``_foreach_sub`` and whose rows come from one moments pass over updates, parameters and
+        snapshots.
+
+        Raises:
+            ValueError: a parameter whose dtype or size no longer matches its snapshot (the
+                optimizer replaced or resized it).
+        """
         now = [params[i] if not views or views[i] is None else views[i](params[i])  # type: ignore[misc]
                for i in self.stepped]
-        try:
-            block = moments.parts(now, then, sumsq_only=self._squares[1]).flatten(0, 1)
-        except ValueError:
-            return None
+        if then and not isinstance(then[0], torch.Tensor):
+            held = cast("Sequence[moments.Held]", then)
+            block = moments.parts(now, held, sumsq_only=self._columns[1] <= {"sumsq"}).flatten(0, 1)
+        else:
+            copies = cast("list[torch.Tensor]", list(then))
+            if any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(now, copies)):
+                raise ValueError("a parameter's shape or dtype changed in the optimizer step")
+            updates = torch._foreach_sub(now, copies) if now else []
+            n = len(now)
+            # Rows in the parts layout: update, after, before of each tensor in turn.
+            block = moments_rows([*updates, *now, *copies], self._columns[1]).view(3, n, len(moments.FIELDS)
+                                                                                  ).transpose(0, 1).reshape(3 * n, -1)
         # A statistic that reads shapes gets the parameter for every row: the update and the
         # snapshot have its shape (the parts pass checked their sizes).
         return self.post.states(block, lambda r: now[r // 3])

@@ -1,0 +1,64 @@
+"""Moments rows from batched torch ops against float64 references, and the backend choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tmetrics_core.kernels import moments
+from tmetrics_core.kernels.foreach_moments import foreach_rows, nonfinite_counts, rows
+
+
+def _tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(5, 7, generator=g), torch.randn(33, generator=g).bfloat16(), torch.empty(0),
+            torch.randn(4, 6, generator=g).t(), torch.randn(9, generator=g, dtype=torch.float64),
+            torch.tensor([0.0, 1.5, -2.0, 0.0]).half(), torch.tensor([-0.0, 3.0])]
+
+
+def _reference(t: torch.Tensor) -> list[float]:
+    x = t.double()
+    if not x.numel():
+        return [0.0, 0.0, -math.inf, math.inf, 0.0]
+    return [x.pow(2).sum().item(), x.sum().item(), x.max().item(), x.min().item(), float((x == 0).sum())]
+
+
+def test_every_column_of_mixed_dtypes_layouts_and_empties_equals_float64():
+    ts = _tensors()
+    got = foreach_rows(ts)
+    assert got.dtype == torch.float64 and got.shape == (len(ts), 5)
+    for i, t in enumerate(ts):
+        for column, (a, b) in enumerate(zip(got[i].tolist(), _reference(t))):
+            assert a == pytest.approx(b, rel=1e-12, abs=1e-12), (i, column)
+
+
+def test_only_the_columns_asked_for_are_computed():
+    ts = _tensors()
+    squares = foreach_rows(ts, {"sumsq"})
+    assert torch.isnan(squares[:, 1:]).all() and torch.equal(squares[:, 0], foreach_rows(ts)[:, 0])
+    peaks = foreach_rows(ts, {"absmax"})
+    absmax = [max(abs(r[2]), abs(r[3])) if t.numel() else 0.0 for t, r in zip(ts, map(_reference, ts))]
+    assert peaks[:, 2].tolist() == absmax and peaks[:, 3].tolist() == [-a for a in absmax]
+    with pytest.raises(ValueError, match="unknown moments columns"):
+        foreach_rows(ts, {"mean"})
+
+
+def test_the_kernel_takes_what_it_can_and_torch_ops_the_rest():
+    """Contiguous CPU float32/bfloat16 go to the C kernel (its float64 sums), the others to torch
+    ops: each row equals the backend's own row for that tensor alone."""
+    ts = _tensors()
+    mixed = rows(ts)
+    for i, t in enumerate(ts):
+        alone = moments.moments([t]) if moments.available() and moments.takes(t) else foreach_rows([t])
+        assert torch.equal(mixed[i], alone[0]) or all(
+            (math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(mixed[i].tolist(), alone[0].tolist())), i
+    with moments.disabled():
+        assert torch.equal(rows(ts), foreach_rows(ts))
+
+
+def test_non_finite_counts_per_tensor():
+    ts = [torch.tensor([1.0, math.nan, math.inf, -math.inf, math.nan]), torch.randn(3), torch.arange(4),
+          torch.tensor([math.inf]).bfloat16(), torch.empty(0)]
+    assert nonfinite_counts(ts).tolist() == [[2, 1, 1], [0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0]]

@@ -1,0 +1,171 @@
+"""Moments rows from batched torch ops, on any device and dtype, and the backend choice.
+
+:func:`rows` gives the :data:`~tmetrics_core.kernels.moments.FIELDS` rows of a list of tensors
+(float64 ``[n, 5]``: sum of squares, sum, largest and smallest element, count of zeros), the
+same interface as the C kernel (:func:`tmetrics_core.kernels.moments.moments`). Tensors the C
+kernel takes (contiguous CPU float32/bfloat16, kernel on) go to it; every other tensor
+(accelerator, float16, float64, non-contiguous, the kernel off) to :func:`foreach_rows`, which
+issues a fixed number of batched torch ops per ``(device, dtype)`` group, whatever the tensor
+count. Only the columns a due statistic reads are computed (:data:`COLUMNS`); the others are NaN.
+
+Ops per ``(device, dtype)`` group (each a single dispatcher call over the group's tensors):
+
+================  ===========================================================================
+``sumsq``         ``_foreach_powsum(p=2)`` and a ``stack``: 2 (always computed: a NaN in the
+                  sum of squares is the NaN flag of the extremes)
+``absmax``        ``_foreach_norm(p=inf)``, ``stack``, a negation: 3 (fills ``max`` with the
+                  absolute maximum and ``min`` with its negation: read only as
+                  ``max(max, -min)``)
+``max``           ``_foreach_max``, ``stack``: 2 (non-empty tensors only)
+``min``           ``_foreach_neg``, ``_foreach_max``, ``stack``, a negation: 4
+``sum``           one ``cat`` of flat views, a cast, ``segment_reduce``: 3 (plus one view per
+                  tensor; the lengths tensor: 1)
+``zeros``         the same ``cat``, ``eq``, a cast, ``segment_reduce``: 3 more
+================  ===========================================================================
+
+plus, per group, one ``stack`` of the columns and, when there are several groups or some
+tensors go to the C kernel, one ``index_copy_`` into the output. Accumulation: float64 on CPU
+and for float64 tensors, float32 on accelerators (their reductions are tree-shaped, not long
+serial sums). Nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+
+from tmetrics_core.kernels import moments
+
+__all__ = ["COLUMNS", "foreach_rows", "nonfinite_counts", "rows"]
+
+COLUMNS = frozenset({"sumsq", "sum", "max", "min", "zeros", "absmax"})
+"""What a statistic may read of a moments row: a field of ``FIELDS``, or ``absmax``: ``max`` and
+``min`` read only as ``max(max, -min)`` (cheaper where no kernel reads both in one pass)."""
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.device.type == "cpu" or t.dtype == torch.float64 else torch.float32
+
+
+def foreach_rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> torch.Tensor:
+    """``[len(tensors), 5]`` float64 moments rows of ``tensors`` (one ``(device, dtype)`` group
+    or several) from batched torch ops, on the first tensor's device; columns no entry of
+    ``columns`` asks for are NaN. An empty tensor gives ``[0, 0, -inf, inf, 0]`` as the kernel.
+
+    Raises:
+        ValueError: a name not in :data:`COLUMNS`.
+    """
+    wanted = frozenset(columns)
+    if wanted - COLUMNS:
+        raise ValueError(f"unknown moments columns {sorted(wanted - COLUMNS)}; known: {sorted(COLUMNS)}")
+    n = len(tensors)
+    if not n:
+        return torch.empty((0, len(moments.FIELDS)), dtype=torch.float64)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    device = tensors[0].device
+    if len(groups) == 1:
+        return _group_rows(list(tensors), wanted)
+    out = torch.empty((n, len(moments.FIELDS)), dtype=torch.float64, device=device)
+    for members in groups.values():
+        block = _group_rows([tensors[i] for i in members], wanted).to(device)
+        out.index_copy_(0, torch.tensor(members, device=device), block)
+    return out
+
+
+def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
+    """Rows of tensors of one device and dtype (see the module docstring for the ops)."""
+    device, acc = ts[0].device, _acc(ts[0])
+    n = len(ts)
+    nan = torch.full((n,), math.nan, dtype=torch.float64, device=device)
+    sumsq = torch.stack(torch._foreach_powsum(ts, 2, dtype=acc)).to(torch.float64)
+    cols = [sumsq, nan, nan, nan, nan]
+    if wanted & {"max", "min", "absmax"}:
+        full = [i for i, t in enumerate(ts) if t.numel()]
+        if "max" in wanted or "min" in wanted:
+            cols[2] = _extreme([ts[i] for i in full], full, n, device, -math.inf)
+            cols[3] = -_extreme(torch._foreach_neg([ts[i] for i in full]) if full else [], full, n, device, -math.inf)
+        else:
+            peak = _filled(torch.stack(torch._foreach_norm([ts[i] for i in full], math.inf, dtype=acc))
+                           if full else None, full, n, device, 0.0)
+            cols[2], cols[3] = peak, -peak
+    if wanted & {"sum", "zeros"}:
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        lengths = torch.tensor([t.numel() for t in ts], device=device)
+        if "sum" in wanted:
+            cols[1] = torch.segment_reduce(flat.to(acc), "sum", lengths=lengths, unsafe=True,
+                                           initial=0.0).to(torch.float64)
+        if "zeros" in wanted:
+            cols[4] = torch.segment_reduce(flat.eq(0).to(torch.float64), "sum", lengths=lengths, unsafe=True,
+                                           initial=0.0)
+    return torch.stack(cols, 1)
+
+
+def _extreme(ts: Sequence[torch.Tensor], full: list[int], n: int, device: torch.device, empty: float
+             ) -> torch.Tensor:
+    """The largest element of each non-empty tensor of ``ts`` (at rows ``full`` of ``n``),
+    ``empty`` for the empty ones."""
+    values = torch.stack(torch._foreach_max(list(ts))).to(torch.float64) if full else None
+    return _filled(values, full, n, device, empty)
+
+
+def _filled(values: torch.Tensor | None, full: list[int], n: int, device: torch.device, empty: float
+            ) -> torch.Tensor:
+    """``values`` at rows ``full`` of an ``[n]`` float64 vector, ``empty`` elsewhere."""
+    if values is not None and len(full) == n:
+        return values.to(torch.float64)
+    out = torch.full((n,), empty, dtype=torch.float64, device=device)
+    if values is not None:
+        out[torch.tensor(full, device=device)] = values.to(torch.float64)
+    return out
+
+
+def rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> torch.Tensor:
+    """``[len(tensors), 5]`` float64 moments rows, each tensor read by its backend: the C kernel
+    for those it takes (:func:`~tmetrics_core.kernels.moments.takes`, kernel on), batched torch
+    ops (:func:`foreach_rows`) for the others. Chosen per tensor from its device, dtype and
+    layout (metadata: nothing is tried and abandoned). Columns no statistic reads may be NaN.
+    """
+    wanted = frozenset(columns)
+    kernel = moments.available()
+    taken = [i for i, t in enumerate(tensors) if kernel and moments.takes(t)] if tensors else []
+    if len(taken) == len(tensors):
+        return moments.moments(tensors, sumsq_only=wanted <= {"sumsq"})
+    if not taken:
+        return foreach_rows(tensors, wanted)
+    rest = [i for i in range(len(tensors)) if i not in set(taken)]
+    out = torch.empty((len(tensors), len(moments.FIELDS)), dtype=torch.float64)
+    out.index_copy_(0, torch.tensor(taken), moments.moments([tensors[i] for i in taken],
+                                                            sumsq_only=wanted <= {"sumsq"}))
+    out.index_copy_(0, torch.tensor(rest), foreach_rows([tensors[i] for i in rest], wanted).cpu())
+    return out
+
+
+def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(tensors), 3]`` float64 counts of NaN, +inf and -inf elements, on the first
+    tensor's device, from a fixed number of ops per ``(device, dtype)`` group (one ``cat`` of
+    flat views, three elementwise tests, their ``stack`` and one ``segment_reduce``), nothing
+    read back to the host. Integer tensors count 0."""
+    n = len(tensors)
+    if not n:
+        return torch.zeros((0, 3), dtype=torch.float64)
+    device = tensors[0].device
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    out = torch.zeros((n, 3), dtype=torch.float64, device=device)
+    for (_, dtype), members in groups.items():
+        if not dtype.is_floating_point:
+            continue
+        ts = [tensors[i] for i in members]
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        lengths = torch.tensor([t.numel() for t in ts], device=flat.device)
+        tests = torch.stack([flat.isnan(), flat.isposinf(), flat.isneginf()], 1).to(torch.float64)
+        counts = torch.segment_reduce(tests, "sum", lengths=lengths, unsafe=True, initial=0.0).to(device)
+        if len(members) == n:
+            return counts
+        out.index_copy_(0, torch.tensor(members, device=device), counts)
+    return out

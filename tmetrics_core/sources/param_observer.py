@@ -1,0 +1,517 @@
+"""The parameter side of a step: parameters, gradients, Adam state and updates to metric states.
+
+:class:`ParamObserver` is the parameter-side twin of
+:class:`~tmetrics_core.sources.tokens.TokenObserver`. ``TensorMetrics`` owns the step scope and
+the optimizer hooks and calls, per due step, :meth:`ParamObserver.begin`, then
+:meth:`ParamObserver.prepare` with ``"pre"`` (gradients and parameters, in the optimizer's step
+pre-hook or from ``observe_gradients()``) and ``"post"`` (Adam state and updates, in its
+post-hook), :meth:`ParamObserver.take_snapshot` between them (the parameters before the
+update, for update metrics), and at the step's end :meth:`ParamObserver.finish`, which hands
+back each due metric's prepared state.
+
+What depends only on the due set (which metrics run in which phase, the snapshot's names, the
+:class:`~tmetrics_core.sources.param_program.ParamProgram`) is a :class:`DueSetPlan`, found once
+per due set; what depends only on the manifest (its local tensors, their views, whether some
+site is ``Partial`` or some parameter a DTensor) is a :class:`ManifestFacts`, found once at
+construction. A due step looks both up and reads the tensors.
+
+This module reaches below ``sources/`` into ``distributed/`` (Partial materialization, replica
+verification, through the executor it is given) and ``metrics/`` (the metrics it prepares).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, MutableMapping, Sequence, cast
+
+import torch
+
+from tmetrics_core.distributed.executor import Executor
+from tmetrics_core.distributed.partials import resolve_partials
+from tmetrics_core.distributed.replicas import replica_claims, verify_replicas
+from tmetrics_core.kernels import moments
+from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
+from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
+from tmetrics_core.naming.manifest import Manifest, dtensor_placements
+from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.flat import FlatBuffer, read_buffers
+from tmetrics_core.sources.param_program import ParamProgram
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
+from tmetrics_core.sources.snapshot import Snapshot, snapshot
+from tmetrics_core.sources.tokens import TOKEN_KINDS
+from tmetrics_core.topology import Topology
+
+__all__ = ["DueSetPlan", "ManifestFacts", "ParamObserver", "Prepared"]
+
+Prepared = tuple[Mapping[SiteKey, Any], str | None]
+"""A due metric's local state and its error text (None when it prepared without one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestFacts:
+    """What the parameter side reads off the manifest once (neither its entries nor its local
+    tensors change after construction).
+
+    Attributes:
+        local: the local parameter of every manifest entry, in manifest order (None where held
+            elsewhere).
+        views: per entry, how its tensor is read from its parameter (an expert slice of a
+            stacked tensor: ``Manifest.views``) or None (the whole tensor).
+        partial_params: some ``param`` or ``update`` site is ``Partial`` on an axis (such
+            parameters are materialized after reading, so their local moments are of one part).
+        dtensor_params: some local parameter is a DTensor (its gradient may be placed otherwise).
+    """
+
+    local: tuple[torch.Tensor | None, ...]
+    views: tuple[Any, ...]
+    partial_params: bool
+    dtensor_params: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DueSetPlan:
+    """What one due set (the names of the due metrics) fixes for the parameter side.
+
+    Attributes:
+        pre: the due metrics of parameters and gradients only, prepared before the update
+            (less those of ``from_snapshot``).
+        post: the due metrics reading Adam state or updates, prepared after the update.
+        from_snapshot: the due metrics of parameters alone whose every tensor is in the
+            update snapshot: prepared after the step on the snapshot (the parameters as they
+            were before it), so no pass over the parameters runs before the step.
+        snapshot_names: canonical names of the parameters the due update metrics read.
+        program: the due set's :class:`ParamProgram`, or None where the general path runs.
+    """
+
+    pre: tuple[TensorMetric, ...]
+    post: tuple[TensorMetric, ...]
+    from_snapshot: tuple[TensorMetric, ...]
+    snapshot_names: frozenset[str]
+    program: ParamProgram | None
+
+
+class ParamObserver:
+    """Prepares the due parameter-side metrics of each step (see the module docstring).
+
+    Args:
+        manifest: every tensor of the model, with its local tensor here.
+        topology: named axes.
+        executor: the collectives of Partial materialization and replica verification.
+        optimizer: the unwrapped torch optimizer (Adam state), or None.
+        flat: ZeRO-style flat buffers by source kind (they hold the kind instead of the
+            parameters).
+        metrics: every configured metric (replica verification reads the tensors some reads).
+        verify_replicas: ``"startup"``, ``"first"``, ``"always"`` or ``"never"`` (see
+            ``TensorMetrics``).
+        on_verified: called after a verification past start-up marked claims in the manifest
+            (``TensorMetrics`` rewrites the run's ``manifest.json``).
+
+    Raises:
+        PlacementError: from :meth:`verify_startup` and :meth:`prepare`, on every rank, when a
+            tensor claimed Replica differs across its axis.
+    """
+
+    def __init__(self, manifest: Manifest, topology: Topology, executor: Executor, *, optimizer: Any,
+                 flat: Mapping[str, Sequence[FlatBuffer]], metrics: Sequence[TensorMetric],
+                 verify_replicas: str = "first", on_verified: Callable[[], None] | None = None) -> None:
+        self.manifest = manifest
+        self.topology = topology
+        self.executor = executor
+        self.optimizer = optimizer
+        self.flat = flat
+        self.metrics = tuple(metrics)
+        self.verify_replicas = verify_replicas
+        self._on_verified = on_verified
+        self._kind_sites = {kind: manifest.sites(kind) for kind in sorted(PARAM_KINDS | OPTIMIZER_KINDS)}
+        self.facts = ManifestFacts(
+            local=tuple(manifest.local.get(e.name) for e in manifest.entries),
+            views=tuple(manifest.views.get(e.name) for e in manifest.entries),
+            partial_params=any(s.partial for kind in ("update", "param") for s in self._kind_sites[kind]),
+            dtensor_params=any(dtensor_placements(p) is not None for p in manifest.local.values()))
+        self._choices = SiteChoices()
+        self._plans: dict[tuple[str, ...], DueSetPlan] = {}
+        self._verified_kinds: set[str] = set()
+        self.step: int | None = None
+        self.due: tuple[TensorMetric, ...] = ()
+        self.prepared: dict[str, Prepared] = {}
+        """Due metric name -> its state and error, filled as the phases run."""
+        self.sites: dict[SiteKey, Site] = {}
+        """The sites the prepared states name (resolved Partial sites included)."""
+        self.unfed: set[str] = set()
+        """Due metrics that read no tensor here this step."""
+        self.no_grad: set[str] = set()
+        """Parameters held here without a gradient this step."""
+        self._done: set[str] = set()
+        self._before: MutableMapping[str, torch.Tensor] | None = None
+
+    # -- the step ----------------------------------------------------------------------------
+    def begin(self, step: int, due: Sequence[TensorMetric]) -> None:
+        """Start due step ``step`` with the due metrics ``due`` (config order)."""
+        self.step = step
+        self.due = tuple(due)
+        self.prepared, self.sites = {}, {}
+        self.unfed, self.no_grad = set(), set()
+        self._done = set()
+        self._before = None
+
+    def end(self) -> None:
+        """Release what the step held (the snapshot is a copy of the parameters)."""
+        self.step, self.due, self._before, self.prepared, self.sites = None, (), None, {}, {}
+
+    def done(self, phase: str) -> bool:
+        """Whether ``phase`` was prepared this step."""
+        return phase in self._done
+
+    def prepare(self, phase: str) -> None:
+        """Prepare the metrics of ``phase`` (``"pre"`` or ``"post"``, see :meth:`_run_phase`)
+        once per step; later calls return at once. Checks the Replica claims of the phase's
+        sources first (``verify_replicas`` ``"first"`` or ``"always"``).
+
+        Raises:
+            PlacementError: a tensor claimed Replica differs across its axis (every rank).
+        """
+        if phase not in self._done:
+            self._verify_phase(phase)
+            self._run_phase(phase)
+            self._done.add(phase)
+
+    def take_snapshot(self) -> None:
+        """Copy the parameters the due update metrics read (in the optimizer's pre-hook)."""
+        names = self.plan().snapshot_names
+        if names:
+            self._before = snapshot(self.manifest, names)
+
+    @torch.no_grad()
+    def finish(self) -> dict[str, Prepared]:
+        """Run the phases not run yet and return every prepared due metric's state and error."""
+        self.prepare("pre")
+        self.prepare("post")
+        return self.prepared
+
+    def plan(self) -> DueSetPlan:
+        """The :class:`DueSetPlan` of the current due set, made on its first due step."""
+        key = tuple(m.name for m in self.due)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan()
+        return plan
+
+    def _make_plan(self) -> DueSetPlan:
+        updates = [m for m in self.due if "update" in m.source_kinds]
+        names = frozenset(s.name for s in self._kind_sites["update"] if any(m.accepts(s) for m in updates))
+        later: set[str] = set()
+        plain = "param" not in self.flat and "update" not in self.flat and not self.facts.partial_params
+        for m in self.due if names and plain else ():
+            read = {s.name for s in self._kind_sites["param"] if m.accepts(s)}
+            if set(m.source_kinds) == {"param"} and read and read <= names:
+                later.add(m.name)
+
+        def in_phase(m: TensorMetric, phase: str) -> bool:
+            kinds = set(m.source_kinds)
+            if phase == "pre":
+                return bool(kinds) and kinds <= PARAM_KINDS and m.name not in later
+            return bool(kinds & OPTIMIZER_KINDS) and not kinds & TOKEN_KINDS
+
+        pre = tuple(m for m in self.due if in_phase(m, "pre"))
+        post = tuple(m for m in self.due if in_phase(m, "post"))
+        before = tuple(m for m in self.due if m.name in later)
+        try:
+            program = self._plan_program(pre, post, before, names)
+        except Exception:  # noqa: BLE001 - a metric's own code raised (e.g. kept): the
+            program = None  # general path reports it per metric, on every rank
+        return DueSetPlan(pre, post, before, names, program)
+
+    def _plan_program(self, pre: Sequence[TensorMetric], post: Sequence[TensorMetric],
+                      before: Sequence[TensorMetric], names: frozenset[str]) -> ParamProgram | None:
+        """The due set's :class:`ParamProgram`: only over plain parameters held here (no flat
+        buffer, Partial placement or DTensor, whose sites and tensors the general path changes
+        per step), with every parameter-side metric one the program prepares."""
+        if (set(self.flat) & (PARAM_KINDS | OPTIMIZER_KINDS) or self.facts.partial_params
+                or self.facts.dtensor_params or any(s.partial for s in self._kind_sites["grad"])
+                or any(p is None for p in self.facts.local)):
+            return None
+        return ParamProgram.plan(pre, post, before, self._kind_sites.__getitem__, self._choices.of, names,
+                                 len(self.manifest.entries))
+
+    # -- replica verification ----------------------------------------------------------------
+    def verify_startup(self) -> None:
+        """Check the Replica claims of the parameters some configured metric reads (not with a
+        flat parameter buffer, which holds no Replica).
+
+        Raises:
+            PlacementError: a parameter claimed Replica differs across its axis (every rank).
+        """
+        if self.verify_replicas == "never" or "param" in self.flat:
+            return
+        read = frozenset(s.name for m in self.metrics for kind in set(m.source_kinds) & (PARAM_KINDS | OPTIMIZER_KINDS)
+                         for s in self._kind_sites[kind] if m.accepts(s))
+        self.verify(["param"], [s for s in self._kind_sites["param"] if s.name in read], "at start-up")
+
+    def _verify_phase(self, phase: str) -> None:
+        """Check the Replica claims of the sources the phase's due metrics read: at the first due
+        step of each (``first``) or at every due step (``always``), all sources of the phase in
+        one verification; flat buffers hold no Replica."""
+        if self.verify_replicas not in ("first", "always"):
+            return
+        plan = self.plan()
+        metrics = plan.pre if phase == "pre" else plan.post + plan.from_snapshot
+        kinds = {k for m in metrics for k in m.source_kinds} & {"param", "grad", "exp_avg", "exp_avg_sq"}
+        due = sorted(k for k in kinds - set(self.flat) if self.verify_replicas == "always" or k not in self._verified_kinds)
+        sites: list[Site] = []
+        absent: set[SiteKey] = set()
+        for kind in due:
+            sites += [s for s in self._kind_sites[kind] if any(m.accepts(s) for m in metrics if kind in m.source_kinds)]
+            if kind == "grad":
+                # A gradient placed otherwise than its parameter here (a DTensor Partial gradient)
+                # is no replica; it is left out locally, so the claims are the same on every rank.
+                absent = {g.key for g, s in zip(self._grad_sites(), self._kind_sites[kind]) if g != s}
+        self.verify(due, sites, f"at step {self.step}", absent)
+
+    def verify(self, kinds: Sequence[str], sites: list[Site], when: str, absent: Any = ()) -> None:
+        """Compare the local tensors of ``sites`` (of the source ``kinds``) claimed Replica across
+        their axes (one packed collective per axis for all of them; see
+        :mod:`tmetrics_core.distributed.replicas`), not reading the site keys in ``absent``, and
+        record the claims that held in the manifest.
+
+        Raises:
+            PlacementError: a claim that does not hold, on every rank.
+        """
+        self._verified_kinds.update(kinds)
+        origins = {e.name: dict(e.origins) for e in self.manifest.entries}
+        claims = replica_claims(sites, self.topology, origins)
+        if not claims:
+            return
+        wanted = {c.site.key for c in claims} - set(absent)
+        tensors: dict[tuple[str, str], torch.Tensor | None] = {}
+        for kind in kinds:
+            tensors.update(((e.name, kind), t) for e, t in zip(self.manifest.entries,
+                                                               read_kind(kind, self.manifest, self.optimizer))
+                           if (e.name, kind) in wanted)
+        checked = verify_replicas(claims, tensors, topology=self.topology, executor=self.executor, when=when)
+        for kind in kinds:
+            self.manifest.mark_verified(kind, [(name, axis) for name, k, axis in checked if k == kind])
+        if list(kinds) != ["param"] and self._on_verified is not None:
+            self._on_verified()
+
+    # -- the phases --------------------------------------------------------------------------
+    @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
+    def _run_phase(self, phase: str) -> None:
+        """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
+        state or updates (their parameters are the values after the step; updates are read as
+        ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
+        consume), and first the metrics of ``DueSetPlan.from_snapshot``. A failure to read the
+        tensors becomes every phase metric's error."""
+        if self._programmed(phase):
+            return
+        plan = self.plan()
+        metrics = [m for m in (plan.pre if phase == "pre" else plan.post) if m.name not in self.prepared]
+        before = [m for m in (plan.from_snapshot if phase == "post" else ()) if m.name not in self.prepared]
+        if phase == "post" and self._before is None:
+            for m in [m for m in metrics if "update" in m.source_kinds]:
+                self.prepared[m.name] = ({}, "optimizer.step() did not run inside this step scope; no update")
+                metrics.remove(m)
+        if not metrics and not before:
+            return
+        memo: dict = {}
+        before_memo: dict = {}
+        # The snapshot as taken: the fused pass only reads it; read_kind("update") (in
+        # _read_phase) overwrites it with the updates, after the metrics of `before` read it.
+        snapshots = dict(self._before or {})
+        pairs, failed = None, None
+        if phase == "post":
+            try:
+                pairs = self._fused_updates(metrics, memo, before_memo)
+            except Exception as exc:  # noqa: BLE001 - the kernel failed (the snapshot is intact)
+                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
+        if before:
+            self._prepare_before(before, snapshots, before_memo)
+        if not metrics:
+            return
+        sites: list[Site] = []
+        tensors: list[torch.Tensor | None] = []
+        if failed is None:
+            try:
+                sites, tensors = self._read_phase(metrics, pairs)
+            except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
+                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
+        if failed is not None:
+            # Reported and skipped on every rank by the executor's failure agreement; the
+            # placeholders keep this rank's collectives (Partial gradients) the same as the others'.
+            sites = [s for kind in sorted({k for m in metrics for k in m.source_kinds})
+                     for s in (self._grad_sites() if kind == "grad" else self._kind_sites[kind])]
+            tensors, memo = [None] * len(sites), {}
+        self._prepare_from(metrics, sites, tensors, memo, failed)
+
+    def _programmed(self, phase: str) -> bool:
+        """Prepare the phase's metrics with the due set's :class:`ParamProgram` (the states the
+        general path prepares, without its per-tensor work), on every device and dtype; False,
+        with nothing prepared or consumed, where the general path must run: no program for the
+        due set, no optimizer step in the scope, a parameter without a gradient (left out of
+        gradient statistics with a placeholder), or an error (which the general path then
+        reports)."""
+        program = self.plan().program
+        if program is None:
+            return False
+        plan = program.pre if phase == "pre" else program.post
+        if not plan.recipes:
+            return True  # no metric of this phase is due (the program plans every one that is)
+        if phase == "post" and self._before is None:
+            return False
+        # A program is planned only where every manifest entry is held here (no None).
+        params = cast("list[torch.Tensor]", list(self.facts.local))
+        if phase == "pre":
+            try:
+                states = program.read_pre(params, self.facts.views)
+            except Exception:  # noqa: BLE001 - the general path reads again and reports it
+                states = None
+        else:
+            # The kernel's flat snapshot is read by address; torch's copies as they are. Neither
+            # is changed, so the general path finds the snapshot intact if the program raises.
+            if not isinstance(self._before, Snapshot):
+                return False
+            held = self._before.held(program.names)
+            then: Sequence[moments.Held] | Sequence[torch.Tensor] = (
+                held if held is not None else [self._before[name] for name in program.names])
+            try:
+                states = program.read_post(params, then, self.facts.views)
+            except Exception:  # noqa: BLE001 - as above
+                states = None
+        if states is None:
+            return False
+        for metric, state in states:
+            self.prepared[metric.name] = (state, None)
+        self.sites.update(plan.sites)
+        return True
+
+    def _prepare_from(self, metrics: list[TensorMetric], sites: list[Site], tensors: list[torch.Tensor | None],
+                      memo: dict, failed: str | None) -> None:
+        """Prepare ``metrics`` on the local tensors of ``sites`` (Partial ones reduced first) and
+        keep their states, with ``failed`` (a reading error) as every metric's error."""
+        sites, tensors = resolve_partials(metrics, sites, tensors, self.topology, self.executor)
+        for metric, picked in zip(metrics, self._choices.of(metrics, sites) if failed is None else ()):
+            if all(tensors[i] is None for i in picked):
+                self.unfed.add(metric.name)
+        for metric, state, error in prepare_states(metrics, sites, tensors, self.topology, memo, self._choices):
+            self.prepared[metric.name] = (state, failed or error)
+        self.sites.update((s.key, s) for s in sites)
+
+    def _prepare_before(self, metrics: list[TensorMetric], snapshots: dict[str, torch.Tensor], memo: dict) -> None:
+        """Prepare the metrics of ``DueSetPlan.from_snapshot`` on the parameters as they were
+        before the optimizer step: the snapshot's copies (exact), whose moments rows ``memo``
+        holds when the fused update pass read them; the parameters themselves when no step ran
+        in the scope (then nothing changed them)."""
+        try:
+            params = read_kind("param", self.manifest, self.optimizer)
+            tensors = [snapshots.get(e.name, p) if p is not None else None
+                       for e, p in zip(self.manifest.entries, params)]
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
+            tensors, memo = [None] * len(self.manifest.entries), {}
+            failed = f"reading the parameters failed: {type(exc).__name__}: {exc}"
+        self._prepare_from(metrics, list(self._kind_sites["param"]), tensors, memo, failed)
+
+    def _read_phase(self, metrics: list[TensorMetric], pairs: list[tuple[torch.Tensor, torch.Tensor] | None] | None
+                    ) -> tuple[list[Site], list[torch.Tensor | None]]:
+        """Sites and local tensors of every kind the phase's metrics read (rank-symmetric sites);
+        ``pairs``: the fused updates of :meth:`_fused_updates` (their moments in the memo)."""
+        sites: list[Site] = []
+        tensors: list[torch.Tensor | None] = []
+        for kind in sorted({k for m in metrics for k in m.source_kinds}):
+            if kind == "update" and pairs is not None:
+                # The snapshots stand in for the updates: every statistic of them comes from
+                # the moments rows in the memo (kernel of p - prev, nothing written).
+                sites.extend(self._kind_sites[kind])
+                tensors.extend(pair[1] if pair is not None else None for pair in pairs)
+                continue
+            if kind in self.flat:
+                flat_sites, flat_tensors, covers = read_buffers(self.flat[kind], self.manifest, self.topology.names)
+                plain = read_kind(kind, self.manifest, self.optimizer, self._before)
+                read = [t if covered else p for t, p, covered in zip(flat_tensors, plain, covers)]
+                sites.extend(flat_sites)
+            else:
+                read = read_kind(kind, self.manifest, self.optimizer, self._before)
+                sites.extend(self._kind_sites[kind] if kind != "grad" else self._grad_sites())
+            if kind == "grad":
+                self.no_grad.update(e.name for e, t in zip(self.manifest.entries, read)
+                                    if t is None and e.name in self.manifest.local)
+            tensors.extend(read)
+        return sites, tensors
+
+    def _fused_updates(self, metrics: list[TensorMetric], memo: dict, before: dict
+                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """``(parameter now, snapshot)`` per manifest entry, their moments put in ``memo`` (and
+        the snapshots' in ``before``), when every metric reading updates derives all its
+        statistics from fused moments and the kernel takes every pair, so the update need not
+        be written (``p - prev`` is read by the kernel); else None (and ``read_kind`` computes
+        the updates in place)."""
+        readers = [m for m in metrics if "update" in m.source_kinds]
+        if not readers or "update" in self.flat or self._before is None:
+            return None
+        # Partial parameters are materialized after reading (resolve_partials): their local
+        # moments would be of one part.
+        if self.facts.partial_params:
+            return None
+        if not all(reads_only_moments(m) for m in readers):
+            return None
+        pairs = update_pairs(self.manifest, self._before)
+        try:
+            self._remember_updates(pairs, memo, before)
+        except ValueError:  # a tensor the kernel does not take (checked before it reads anything)
+            # Put the snapshots back for read_kind; nothing was consumed.
+            self._before = {e.name: pair[1] for e, pair in zip(self.manifest.entries, pairs) if pair is not None}
+            return None
+        return pairs
+
+    def _remember_updates(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None], memo: dict,
+                          before: dict) -> None:
+        """Moments of every update, of its parameter after the step (into ``memo``) and before
+        it (the snapshot, into ``before``), from one kernel pass over each pair.
+
+        Raises:
+            ValueError: a tensor the kernel does not take, or a snapshot whose dtype or size
+                differs from its parameter's (before anything is read).
+        """
+        keys, tensors, minus = [], [], []
+        params = {s.name: s.key for s in self._kind_sites["param"]} if "param" not in self.flat else {}
+        for site, pair in zip(self._kind_sites["update"], pairs):
+            if pair is None:
+                continue
+            keys.append((site.key, params.get(site.name)))
+            tensors.append(pair[0])
+            minus.append(pair[1])
+        block = moments.parts(tensors, minus).flatten(0, 1)
+        after_rows, before_rows = moments.rows_of(memo), moments.rows_of(before)
+        for i, (update, param) in enumerate(keys):
+            after_rows[update] = (block, 3 * i)
+            if param is not None:
+                after_rows[param] = (block, 3 * i + 1)
+                before_rows[param] = (block, 3 * i + 2)
+
+    def _grad_sites(self) -> list[Site]:
+        """Gradient sites with the gradient's own DTensor placements where they differ from the
+        parameter's: a replicated weight fed by sequence-parallel activations has a
+        ``Partial(sum)`` gradient, which is reduced before any norm is taken. Only the axes of
+        the gradient's mesh whose placement came from DTensor change: a DTensor on a sub-mesh
+        keeps its inferred or declared placements on the other axes (an expert ``Owned`` on
+        ``ep``, a stage on ``pp``). Without DTensor parameters these are the manifest's sites."""
+        if not self.facts.dtensor_params:
+            return self._kind_sites["grad"]
+        sites = []
+        for site, entry in zip(self._kind_sites["grad"], self.manifest.entries):
+            param = self.manifest.local.get(entry.name)
+            held = grad_of(param) if param is not None else None
+            grad = dtensor_placements(held) if held is not None else None
+            if grad is not None and held is not None and entry.name in self.manifest.slices:
+                # An expert slice: the gradient's placements as the slice sees them (Owned on
+                # the expert axes, Partial kept); a gradient sharded otherwise raises here.
+                grad = self.manifest.slice_placements(entry.name, held, self.topology)
+            if grad is not None:
+                merged = dict(site.placements)
+                merged.update((a, p) for a, p in grad if entry.origin(a) == "dtensor")
+                placements = tuple((a, merged[a]) for a in self.topology.names
+                                   if a in merged and not merged[a].is_replica())
+                if placements != site.placements:
+                    site = dataclasses.replace(site, placements=placements)
+            sites.append(site)
+        return sites
