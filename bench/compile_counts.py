@@ -68,16 +68,16 @@ class _Warnings(logging.Handler):
 
 
 def run(backend: str | None, interval: int | None, *, steps: int = 7, seed: int = 0, fullgraph: bool = True,
-        model_name: str = "demo", layers: int = 2) -> Counts:
+        model_name: str = "demo", layers: int = 2, device: str = "cpu") -> Counts:
     """Train the tiny ``model_name`` (``demo``, ``mixtral`` or ``tiny``, ``layers`` blocks) ``steps`` steps,
     compiled with ``backend`` (None: eager), with the bundle due every ``interval`` steps (None:
-    no tmetrics). Deprecation warnings are not counted (Python does not show them by default;
+    no tmetrics), on ``device``. Deprecation warnings are not counted (Python does not show them by default;
     inductor's first compile in a process raises some of its own)."""
     torch._dynamo.reset()
     counters.clear()
     out = Counts()
     torch.manual_seed(seed)
-    model = MODELS[model_name](layers, seed)
+    model = MODELS[model_name](layers, seed).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics = None if interval is None else TensorMetrics(
         model, metrics=[(build_metric(name), interval) for name in BUNDLE], optimizer=optimizer)
@@ -101,7 +101,7 @@ def run(backend: str | None, interval: int | None, *, steps: int = 7, seed: int 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(1, steps + 1):
-                tokens = torch.randint(0, 256, (2, CONFIG["seq_len"] + 1), generator=data)
+                tokens = torch.randint(0, 256, (2, CONFIG["seq_len"] + 1), generator=data).to(device)
                 with (metrics.step(step) if metrics is not None else _nothing()):
                     logits = forward(tokens[:, :-1])
                     logits = getattr(logits, "logits", logits)  # transformers returns an output object

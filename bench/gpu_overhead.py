@@ -16,6 +16,12 @@ With ``--nproc N`` (N <= number of GPUs) a second table runs N ranks under DDP o
 bundle every step against the bare loop and the per-parameter loop with one ``all_reduce``
 per norm, with collective calls per step.
 
+Then, on ``cuda:0``, the tables of ``bench.scaling`` (tensors: torch ops per due step, time per
+due step against one ``torch._foreach_norm`` pass, with the host synchronisations of a due step
+counted by ``torch.cuda.set_sync_debug_mode``) and of ``bench.compile_counts`` (graphs, graph
+breaks, recompiles under ``torch.compile(fullgraph=True)`` with ``inductor``); ``--skip-tables``
+leaves them out.
+
 Without a CUDA device it prints why and exits with status 2; the CPU tables of
 ``bench.step_overhead`` are the reference figures in the README.
 """
@@ -236,6 +242,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--d-ff", type=int, default=1024, help="expert hidden width (default 1024)")
     parser.add_argument("--experts", type=int, default=8, help="experts per MoE block (default 8)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    parser.add_argument("--skip-tables", action="store_true", help="leave out the scaling and compile tables")
     return parser
 
 
@@ -255,6 +262,55 @@ def main(argv: list[str] | None = None) -> None:
         print()
         for line in multi_gpu(args):
             print(line)
+    if not args.skip_tables:
+        print()
+        device_tables()
+
+
+def device_tables() -> None:
+    """bench.scaling's tensor table and bench.compile_counts' table on ``cuda``, and the host
+    synchronisations of one due step at the largest tensor count."""
+    from bench import compile_counts, scaling
+
+    rows = scaling.tensor_table(large=False, device="cuda")
+    scaling.print_tensors(rows)
+    print(f"host synchronisations in one due step ({syncs_of_due_step()} counted by set_sync_debug_mode)")
+    print()
+    print("| backend | token metrics due | graphs | graph breaks | recompiles after step 1 | warnings |")
+    print("|---|---|---|---|---|---|")
+    for cadence, interval in compile_counts.CADENCES.items():
+        counts = compile_counts.run("inductor", interval, device="cuda")
+        print(f"| inductor | {cadence} | {counts.graphs} | {counts.breaks} | {counts.recompiles} | {len(counts.warnings)} |")
+
+
+def syncs_of_due_step() -> int:
+    """Synchronising CUDA calls in one due step of the scaling bench's largest default model
+    (after its first due step, which plans), as ``torch.cuda.set_sync_debug_mode("warn")`` reports
+    them."""
+    from bench import scaling
+
+    layers, experts, width = scaling.TENSOR_CASES[-1]
+    model = scaling._moe(layers, experts, width).to("cuda")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    metrics = TensorMetrics.from_config({"metrics": [f"{n}:1" for n in scaling.TENSOR_METRICS], "sinks": {}},
+                                        model=model, optimizer=optimizer)
+    with metrics.step(1):
+        optimizer.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with metrics.step(2):
+                optimizer.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    metrics.close()
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 if __name__ == "__main__":

@@ -141,39 +141,52 @@ def _moe(layers: int, experts: int, width: int) -> Transformer:
     return Transformer(config)
 
 
-def _tensor_case(layers: int, experts: int, width: int, rounds: int) -> dict[str, Any]:
+def _tensor_case(layers: int, experts: int, width: int, rounds: int, device: str) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = _moe(layers, experts, width)
+    model = _moe(layers, experts, width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     config = {"metrics": [f"{name}:1" for name in TENSOR_METRICS], "sinks": {}}
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as run_dir:
         return _measure(TensorMetrics.from_config(config, model=model, optimizer=optimizer, run_dir=run_dir),
-                        model, optimizer, rounds)
+                        model, optimizer, rounds, device)
+
+
+def _clock(device: str) -> Any:
+    """Seconds: this thread's CPU time on the CPU (what the step costs, not what the other
+    processes on a shared machine take from it); wall time after a device synchronisation on an
+    accelerator, whose kernels run asynchronously."""
+    if device == "cpu":
+        return time.thread_time
+
+    def synced() -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return synced
 
 
 def _measure(metrics: TensorMetrics, model: Transformer, optimizer: torch.optim.Optimizer,
-             rounds: int) -> dict[str, Any]:
+             rounds: int, device: str) -> dict[str, Any]:
     params = list(model.parameters())
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
 
-    # CPU time of this thread (torch runs one intra-op thread here): what the step costs, not
-    # what the other processes on a shared machine take from it.
+    clock = _clock(device)
+
     def due(step: int) -> float:
-        start = time.thread_time()
+        start = clock()
         with metrics.step(step):
             optimizer.step()
-        return time.thread_time() - start
+        return clock() - start
 
     def bare() -> float:
-        start = time.thread_time()
+        start = clock()
         optimizer.step()
-        return time.thread_time() - start
+        return clock() - start
 
     def foreach() -> float:
-        start = time.thread_time()
+        start = clock()
         torch._foreach_norm([p.grad for p in params])  # type: ignore[misc]
-        return time.thread_time() - start
+        return clock() - start
 
     due(1)  # the first due step plans
     counter = _CountOps()
@@ -206,9 +219,10 @@ LARGE_CASES = ((8, 256, 8), (13, 256, 8), (2, 16, 512), (8, 40, 512))
 (d_model = d_ff = 512)."""
 
 
-def tensor_table(large: bool) -> list[dict[str, Any]]:
+def tensor_table(large: bool, device: str = "cpu") -> list[dict[str, Any]]:
+    """Table 2's rows on ``device`` (``cpu`` or ``cuda``)."""
     cases = TENSOR_CASES + (LARGE_CASES if large else ())
-    return [_tensor_case(layers, experts, width, rounds=5 if layers * experts < 2000 else 3)
+    return [_tensor_case(layers, experts, width, rounds=5 if layers * experts < 2000 else 3, device=device)
             for layers, experts, width in cases]
 
 
@@ -222,7 +236,8 @@ def print_tensors(rows: list[dict[str, Any]]) -> None:
         ratio = r["ms"] / r["foreach ms"] if r["foreach ms"] else math.nan
         print(f"{r['tensors']:>7} {str(r['layers']) + ' x ' + str(r['experts']):>16} {r['width']:>5} | "
               f"{r['ops']:>18} | {r['ms']:>20.2f} {r['us per tensor']:>9.1f} | {r['foreach ms']:>16.3f} {ratio:>6.1f}")
-    print("tmetrics ms: median due step with tmetrics minus the median bare optimizer step (thread CPU time); "
+    print("tmetrics ms: median due step with tmetrics minus the median bare optimizer step (thread CPU time on "
+          "the CPU, synchronised wall time on an accelerator); "
           "torch ops: those above the bare step's.")
 
 
@@ -259,6 +274,7 @@ def main() -> None:
     parser.add_argument("--plot", default="runs/bench_scaling.png", help="figure path for table 2")
     parser.add_argument("--no-world", action="store_true")
     parser.add_argument("--no-tensors", action="store_true")
+    parser.add_argument("--device", default="cpu", help="device of table 2 (bench.gpu_overhead passes cuda)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
@@ -266,7 +282,7 @@ def main() -> None:
         print_world(world_table())
         print()
     if not args.no_tensors:
-        rows = tensor_table(args.large)
+        rows = tensor_table(args.large, args.device)
         print_tensors(rows)
         print(plot(rows, args.plot))
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
