@@ -125,7 +125,8 @@ def _check_rows(site: Site, metric: str, *, allow_class_split: bool) -> None:
             if allow_class_split and p.is_shard(1) and site.kind == "router_logits":
                 continue  # a StridedShard of the experts interleaves them: not a class split
             raise PlacementError(
-                f"{metric}: {site.kind} is split by expert ({p!r} on axis {axis!r}) but this "
+                f"{metric}: {site.kind} is split by expert ({f'Shard({dim})' if p.is_shard() else repr(p)} on axis "
+                f"{axis!r}) but this "
                 f"metric needs each token's full row; got {site.describe()}. Observe the router "
                 "tensors replicated on that axis (tm.observe without shard_dim): they are small"
             )
