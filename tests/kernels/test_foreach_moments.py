@@ -62,3 +62,7 @@ def test_non_finite_counts_per_tensor():
     ts = [torch.tensor([1.0, math.nan, math.inf, -math.inf, math.nan]), torch.randn(3), torch.arange(4),
           torch.tensor([math.inf]).bfloat16(), torch.empty(0)]
     assert nonfinite_counts(ts).tolist() == [[2, 1, 1], [0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0]]
+    # The largest finite values are finite; a mixed group of dtypes keeps each tensor's row.
+    edge = [torch.tensor([torch.finfo(d).max, -torch.finfo(d).max, math.nan, -math.inf], dtype=d)
+            for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]
+    assert nonfinite_counts(edge).tolist() == [[1, 0, 1]] * 4

@@ -19,8 +19,9 @@ Ops per ``(device, dtype)`` group (each a single dispatcher call over the group'
 ``max``           ``_foreach_max``, ``stack``: 2 (non-empty tensors only)
 ``min``           ``_foreach_neg``, ``_foreach_max``, ``stack``, a negation: 4
 ``sum``           one ``cat`` of flat views, a cast, ``segment_reduce``: 3 (plus one view per
-                  tensor; the lengths tensor: 1)
-``zeros``         the same ``cat``, ``eq``, a cast, ``segment_reduce``: 3 more
+                  tensor; the lengths tensor: 1); the only column that copies the tensors
+``zeros``         ``_foreach_norm(p=0)`` (the count of non-zero elements), ``stack``, a
+                  subtraction from the element counts: 4
 ================  ===========================================================================
 
 plus, per group, one ``stack`` of the columns and, when there are several groups or some
@@ -92,16 +93,24 @@ def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
             peak = _filled(torch.stack(torch._foreach_norm([ts[i] for i in full], math.inf, dtype=acc))
                            if full else None, full, n, device, 0.0)
             cols[2], cols[3] = peak, -peak
-    if wanted & {"sum", "zeros"}:
+    if "sum" in wanted:
         flat = torch.cat([t.reshape(-1) for t in ts])
         lengths = torch.tensor([t.numel() for t in ts], device=device)
-        if "sum" in wanted:
-            cols[1] = torch.segment_reduce(flat.to(acc), "sum", lengths=lengths, unsafe=True,
-                                           initial=0.0).to(torch.float64)
-        if "zeros" in wanted:
-            cols[4] = torch.segment_reduce(flat.eq(0).to(torch.float64), "sum", lengths=lengths, unsafe=True,
-                                           initial=0.0)
+        cols[1] = torch.segment_reduce(flat.to(acc), "sum", lengths=lengths, unsafe=True,
+                                       initial=0.0).to(torch.float64)
+    if "zeros" in wanted:
+        cols[4] = _numels(ts, device) - _nonzero(ts)
     return torch.stack(cols, 1)
+
+
+def _nonzero(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(ts)]`` float64 counts of the non-zero elements (NaN included) of each tensor: the
+    ``p=0`` norm, counted in float64 so that it is exact for any tensor size."""
+    return torch.stack(torch._foreach_norm(list(ts), 0, dtype=torch.float64))
+
+
+def _numels(ts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([t.numel() for t in ts], dtype=torch.float64, device=device)
 
 
 def _extreme(ts: Sequence[torch.Tensor], full: list[int], n: int, device: torch.device, empty: float
@@ -146,9 +155,14 @@ def rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> t
 
 def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[len(tensors), 3]`` float64 counts of NaN, +inf and -inf elements, on the first
-    tensor's device, from a fixed number of ops per ``(device, dtype)`` group (one ``cat`` of
-    flat views, three elementwise tests, their ``stack`` and one ``segment_reduce``), nothing
-    read back to the host. Integer tensors count 0."""
+    tensor's device, nothing read back to the host. Integer tensors count 0.
+
+    Per floating ``(device, dtype)`` group a fixed number of batched ops (about 16) and one
+    temporary copy of the group at a time, never a concatenation: with ``M`` the dtype's largest
+    finite value and ``L0`` the count of non-zero elements (``_foreach_norm(p=0)``; NaN counts),
+    ``T = L0(x - x)`` counts every non-finite element, ``A = L0(max(x, M) - M)`` the +inf and NaN
+    ones, ``B = L0(min(x, -M) + M)`` the -inf and NaN ones; then NaN ``= A + B - T``, +inf
+    ``= T - B`` and -inf ``= T - A``."""
     n = len(tensors)
     if not n:
         return torch.zeros((0, 3), dtype=torch.float64)
@@ -161,10 +175,17 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if not dtype.is_floating_point:
             continue
         ts = [tensors[i] for i in members]
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        lengths = torch.tensor([t.numel() for t in ts], device=flat.device)
-        tests = torch.stack([flat.isnan(), flat.isposinf(), flat.isneginf()], 1).to(torch.float64)
-        counts = torch.segment_reduce(tests, "sum", lengths=lengths, unsafe=True, initial=0.0).to(device)
+        largest = torch.finfo(dtype).max
+        every = _nonzero(torch._foreach_sub(ts, ts))
+        up = torch._foreach_clamp_min(ts, largest)
+        torch._foreach_sub_(up, largest)
+        up_or_nan = _nonzero(up)
+        del up
+        down = torch._foreach_clamp_max(ts, -largest)
+        torch._foreach_add_(down, largest)
+        down_or_nan = _nonzero(down)
+        del down
+        counts = torch.stack([up_or_nan + down_or_nan - every, every - down_or_nan, every - up_or_nan], 1).to(device)
         if len(members) == n:
             return counts
         out.index_copy_(0, torch.tensor(members, device=device), counts)
