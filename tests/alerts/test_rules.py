@@ -96,8 +96,8 @@ def test_stuck_zero_on_vector_elements_names_the_expert():
             got[step] = alerts
     assert list(got) == [3, 5]
     opened = got[3][0]
-    assert (opened.layer, opened.expert, opened.value, opened.baseline) == (4, 1, 0.0, 3.0)
-    assert got[5][0].state == "closed" and got[5][0].expert == 1
+    assert (opened.labels.layer, opened.labels.expert, opened.value, opened.baseline) == (4, 1, 0.0, 3.0)
+    assert got[5][0].state == "closed" and got[5][0].labels.expert == 1
 
 
 def test_stuck_unchanged_counts_the_first_value():
@@ -109,7 +109,7 @@ def test_stuck_unchanged_counts_the_first_value():
 def test_scope_globs_on_labels_and_cached_misses():
     eng = engine({"kind": "threshold", "metric": "layer-*", "above": 1, "scope": {"layer": "1*"}})
     recs = [R("layer-grad-l2", 1, 5.0, layer=l) for l in (0, 1, 12)] + [R("global-grad-l2", 1, 5.0)]
-    assert sorted(a.layer for a in eng.observe(recs, 1)) == [1, 12]
+    assert sorted(a.labels.layer for a in eng.observe(recs, 1)) == [1, 12]
 
 
 def test_first_to_trip_orders_by_step_then_jump_then_labels():
@@ -119,18 +119,18 @@ def test_first_to_trip_orders_by_step_then_jump_then_labels():
         eng.observe([R("u", step, 1.0, layer=l) for l in range(3)], step)
     # step 3: layer 2 jumps 50x, layer 0 jumps 20x; layer 2 is first
     step3 = eng.observe([R("u", 3, 20.0, layer=0), R("u", 3, 1.0, layer=1), R("u", 3, 50.0, layer=2)], 3)
-    assert [(a.layer, a.jump) for a in step3] == [(2, 50.0), (0, 20.0)]
+    assert [(a.labels.layer, a.jump) for a in step3] == [(2, 50.0), (0, 20.0)]
     assert all(a.first == {"step": 3, "rule": "u-spike", "metric": "u", "layer": 2} for a in step3)
     # step 5: NaN everywhere, an infinite jump, but the cluster's first stays layer 2 at step 3;
     # within the step the alert naming a layer comes before the global one
     step5 = eng.observe([R("g", 5, math.nan), R("g", 5, math.nan, layer=1)], 5)
-    assert [a.layer for a in step5] == [1, None]
+    assert [a.labels.layer for a in step5] == [1, None]
     assert step5[0].first["layer"] == 2 and step5[0].first["step"] == 3
     # more than cluster_steps later: a new cluster led by its own first alert
     step20 = eng.observe([R("g", 20, 1.0), R("g", 20, 1.0, layer=1), R("g", 20, math.inf, layer=0)], 20)
     opened = [a for a in step20 if a.state == "open"]
     assert opened[0].first == {"step": 20, "rule": "gx-nonfinite", "metric": "g", "layer": 0}
-    assert {a.layer for a in step20 if a.state == "closed"} == {None, 1}
+    assert {a.labels.layer for a in step20 if a.state == "closed"} == {None, 1}
 
 
 def test_default_set_and_gradient_nonfinite_on_by_default():
@@ -182,4 +182,4 @@ def test_stuck_share_tells_a_sudden_death_from_a_slow_starvation():
     # drops to 0 at once; expert 2 drops to 0 at step 1, inside the warm-up
     rows = [(10.0, 100.0, 0.0, 290.0), (0.0, 0.0, 0.0, 400.0), (0.0, 0.0, 0.0, 400.0)]
     got = {s: eng.observe([R("t", s, row, layer=0)], s) for s, row in enumerate(rows, start=1)}
-    assert [(a.step, a.expert, a.baseline) for alerts in got.values() for a in alerts] == [(2, 1, 100.0)]
+    assert [(a.step, a.labels.expert, a.baseline) for alerts in got.values() for a in alerts] == [(2, 1, 100.0)]

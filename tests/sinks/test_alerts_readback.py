@@ -51,7 +51,7 @@ def _drive(sink, run_info: RunInfo) -> list[Alert]:
 
 
 def test_the_stream_raises_what_the_sinks_are_checked_for() -> None:
-    by_step = {s: [(a.state, a.rule, a.layer) for a in alerts] for s, _, alerts in _steps()}
+    by_step = {s: [(a.state, a.rule, a.labels.layer) for a in alerts] for s, _, alerts in _steps()}
     # output-entropy is NaN at step 2, but it is not a gradient metric: only the threshold trips
     assert by_step == {1: [],
                        2: [("open", "layer-grad-l2-threshold", 2), ("open", "layer-grad-l2-threshold", 1)],

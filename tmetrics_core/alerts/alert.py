@@ -51,26 +51,6 @@ class Alert:
     labels: Labels = Labels()
     first: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def layer(self) -> int | None:
-        """``labels.layer``."""
-        return self.labels.layer
-
-    @property
-    def expert(self) -> int | None:
-        """``labels.expert``."""
-        return self.labels.expert
-
-    @property
-    def tensor(self) -> str | None:
-        """``labels.tensor``."""
-        return self.labels.tensor
-
-    @property
-    def stat(self) -> str | None:
-        """``labels.stat``."""
-        return self.labels.stat
-
     def where(self) -> str:
         """The labels as words: ``layer 5 expert 7`` (``global`` when none is set)."""
         return self.labels.where()
