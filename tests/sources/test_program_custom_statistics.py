@@ -17,8 +17,8 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 
 def test_snapshot_mapping():
     ts = [torch.randn(3, 4), torch.randn(5).bfloat16(), torch.randn(0)]
-    buf, offs = moments.copied(ts)
-    snap = Snapshot(flat=(buf, {n: (o, t.shape, t.dtype) for n, t, o in zip("abc", ts, offs)}))
+    buf, held = moments.copied(ts)
+    snap = Snapshot(flat=(buf, list("abc"), held, [t.shape for t in ts]))
     assert snap.held(["a", "b", "c"]) is not None
     assert set(snap) == {"a", "b", "c"} and len(snap) == 3
     seen = {k: v for k, v in snap.items()}
@@ -29,7 +29,7 @@ def test_snapshot_mapping():
     assert snap.pop("b") is seen["b"] and "b" not in snap and len(snap) == 2
     del snap["c"]
     assert list(snap) == ["a"]
-    fresh = Snapshot(flat=(buf, {"a": (offs[0], ts[0].shape, ts[0].dtype)}))
+    fresh = Snapshot(flat=(buf, ["a"], held.pick([0]), [ts[0].shape]))
     del fresh["a"]
     assert len(fresh) == 0 and fresh.held(["a"]) is None
     with pytest.raises(KeyError):

@@ -139,10 +139,12 @@ def rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> t
     layout (metadata: nothing is tried and abandoned). Columns no statistic reads may be NaN.
     """
     wanted = frozenset(columns)
-    kernel = moments.available()
-    taken = [i for i, t in enumerate(tensors) if kernel and moments.takes(t)] if tensors else []
-    if len(taken) == len(tensors):
-        return moments.moments(tensors, sumsq_only=wanted <= {"sumsq"})
+    if not tensors or not moments.available():
+        return foreach_rows(tensors, wanted)
+    every = moments.rows_if_taken(tensors, sumsq_only=wanted <= {"sumsq"})
+    if every is not None:
+        return every
+    taken = [i for i, t in enumerate(tensors) if moments.takes(t)]
     if not taken:
         return foreach_rows(tensors, wanted)
     rest = [i for i in range(len(tensors)) if i not in set(taken)]

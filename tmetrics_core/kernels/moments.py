@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, Sequence, cast
+from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, NamedTuple, Sequence, cast
 
 import torch
 
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from tmetrics_core.metrics.statistics import Statistic
 
 __all__ = ["FIELDS", "SMALL_TABLE", "Held", "available", "copied", "derivable", "disabled", "moments", "moments_rows",
-           "parts", "rows_of", "row_softmax_sums", "spaced", "statistic_vectors", "sumsq_suffices", "takes"]
+           "parts", "rows_of", "row_softmax_sums", "spaced", "statistic_vectors", "sumsq_suffices", "rows_if_taken", "takes", "takes_all"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
@@ -57,7 +57,12 @@ _KEY = operator.attrgetter("key")
 _MISSING = object()
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2}
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_STRIDED = frozenset({torch.strided})
+_IS_CPU = operator.attrgetter("is_cpu")
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
 _ARCH = (("-march=native",), ())
 _PARALLEL = 1 << 17
@@ -179,10 +184,40 @@ def takes(t: torch.Tensor) -> bool:
     """Whether the kernel reads ``t``: a plain (not a subclass: wrapper tensors such as float8
     or NF4 weights have no data pointer of their own), contiguous, strided CPU float32 or
     bfloat16 tensor without a lazy negation, whose memory the pointer addresses."""
-    # Cheapest refusals first: this runs for every tensor of every due step (``is_cpu`` and
-    # ``layout is`` build no device or layout object).
-    return (type(t) in _PLAIN and t.is_cpu and t.dtype in _DTYPES and t.layout is torch.strided
-            and t.is_contiguous() and not t.is_neg() and (t.data_ptr() != 0 or t.numel() == 0))
+    return takes_all((t,))
+
+
+def takes_all(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the kernel reads every tensor of ``tensors`` (:func:`takes`)."""
+    return _pack(tensors) is not None
+
+
+def _pack(tensors: Sequence[torch.Tensor]) -> tuple[array.array, array.array, list[torch.dtype]] | None:
+    """Data pointers, element counts and dtypes of ``tensors`` when the kernel takes every one
+    (:func:`takes`), else None. Checked one property at a time over the whole list (C-level
+    ``map`` loops: this runs for every tensor of every due step, where a Python loop per tensor
+    would cost more than the kernel's pass)."""
+    if not (set(map(type, tensors)) <= _PLAIN and all(map(_IS_CPU, tensors))
+            and set(map(_LAYOUT, tensors)) <= _STRIDED and all(map(torch.Tensor.is_contiguous, tensors))
+            and not any(map(torch.Tensor.is_neg, tensors))):
+        return None
+    dtypes = list(map(_DTYPE, tensors))
+    if not set(dtypes) <= _DTYPES.keys():
+        return None
+    xs = array.array("Q", map(torch.Tensor.data_ptr, tensors))
+    ns = array.array("q", map(torch.Tensor.numel, tensors))
+    if 0 in xs and any(x == 0 and n for x, n in zip(xs, ns)):
+        return None  # a non-empty tensor whose memory is not addressed (freed storage)
+    return xs, ns, dtypes
+
+
+def rows_if_taken(tensors: Sequence[torch.Tensor], *, sumsq_only: bool = False) -> torch.Tensor | None:
+    """:func:`moments` of ``tensors`` when the kernel is available and takes every one, else
+    None (decided from metadata: nothing is read then)."""
+    if not available():
+        return None
+    packed = _pack(tensors)
+    return None if packed is None else _run(_kernel(), _with_minus(packed, None), squares=sumsq_only)
 
 
 def derivable(statistics: Sequence[Statistic]) -> bool:
@@ -220,14 +255,13 @@ def moments(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
         RuntimeError: the kernel is unavailable (see :func:`available`), ran out of memory,
             or was given a non-empty tensor without a data pointer.
     """
-    minus = list(minus) if minus is not None else [None] * len(tensors)
     return _run(_kernel(), _packed(tensors, minus), squares=sumsq_only, out=out)
 
 
-def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held], *,
+def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor] | Held, *,
           sumsq_only: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[len(tensors), 3, 5]`` float64: for each pair ``(x, y)`` of ``tensors`` and ``minus``
-    (same dtype and element count; ``y`` a tensor or :data:`Held` memory, such as an update
+    (same dtype and element count; ``minus`` tensors or :class:`Held` memory, such as an update
     snapshot's flat buffer), the :data:`FIELDS` rows of ``x - y``, of ``x`` and of ``y``,
     from one read of each (an optimizer step's update, the parameter after and before it). The
     pass takes what reading ``x - y`` and then ``x`` again takes; ``y``'s row comes free. Each
@@ -237,21 +271,32 @@ def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held],
     Raises:
         ValueError, RuntimeError: as :func:`moments` (a ``minus`` entry may not be None).
     """
-    if any(m is None for m in minus):
+    if not isinstance(minus, Held) and any(m is None for m in minus):
         raise ValueError("parts() needs a tensor to subtract for every tensor; use moments() for single tensors")
     return _run(_kernel(), _packed(tensors, minus), rows=3, squares=sumsq_only, out=out).view(
         len(tensors), 3, len(FIELDS))
 
 
-Held = tuple[int, int, torch.dtype]
-"""Elements a caller keeps outside any tensor object, given to :func:`parts` as a ``minus``
-entry: ``(address, elements, dtype)`` of contiguous values, alive during the call (a plain
-tuple: an update snapshot describes one per parameter on every due step)."""
+class Held(NamedTuple):
+    """Values a caller keeps outside any tensor object, given to :func:`parts` as ``minus``:
+    those of tensor ``i`` start at ``addresses[i]`` (contiguous, alive during the call), with
+    ``numels[i]`` elements of ``dtypes[i]``. One block describes them all (an update
+    snapshot's flat buffer: no Python object per parameter on a due step)."""
+
+    addresses: array.array
+    numels: array.array
+    dtypes: list[torch.dtype]
+
+    def pick(self, rows: Sequence[int]) -> Held:
+        """The entries at ``rows``, in that order."""
+        return Held(array.array("Q", map(self.addresses.__getitem__, rows)),
+                    array.array("q", map(self.numels.__getitem__, rows)), list(map(self.dtypes.__getitem__, rows)))
 
 
-def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Held] | None:
     """One flat byte buffer holding exact copies of ``tensors`` (every bit: -0.0, NaN payloads),
-    each at its byte offset (aligned to 64 bytes), made by one kernel call over
+    each at a byte offset aligned to 64 bytes, and where each copy lies in it (a :class:`Held`
+    block, in the order of ``tensors``), made by one kernel call over
     ``torch.get_num_threads()`` threads: the update snapshot of the parameters, about 0.6x the
     time of ``torch._foreach_mul(tensors, 1.0)`` on CPU, which launches a kernel and makes a
     tensor object per copy. None (nothing copied) when the kernel is off or does not take a
@@ -260,25 +305,19 @@ def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | 
     Raises:
         RuntimeError: the kernel ran out of memory.
     """
-    if not available():
+    packed = _pack(tensors) if available() else None
+    if packed is None:
         return None
-    srcs, sizes, offsets = array.array("Q"), array.array("q"), []
-    total = 0
-    for t in tensors:
-        if not takes(t):
-            return None
-        size = t.numel() * t.element_size()
-        srcs.append(t.data_ptr())
-        sizes.append(size)
-        offsets.append(total)
-        total += -(-size // 64) * 64
-    buffer = torch.empty(total, dtype=torch.uint8)
+    srcs, numels, dtypes = packed
+    sizes = array.array("q", map(operator.mul, numels, map(_ITEMSIZE.__getitem__, dtypes)))
+    ends = list(itertools.accumulate(-(-size // 64) * 64 for size in sizes))
+    buffer = torch.empty(ends[-1] if ends else 0, dtype=torch.uint8)
     base = buffer.data_ptr()
-    dsts = array.array("Q", [base + offset for offset in offsets])
-    threads = torch.get_num_threads() if total >= 4 * _PARALLEL else 1
-    if _kernel().tm_copy(len(offsets), _address(srcs), _address(dsts), _address(sizes), threads):
+    dsts = array.array("Q", [base, *map(base.__add__, ends[:-1])] if ends else [])
+    threads = torch.get_num_threads() if buffer.numel() >= 4 * _PARALLEL else 1
+    if _kernel().tm_copy(len(dsts), _address(srcs), _address(dsts), _address(sizes), threads):
         raise RuntimeError("the kernel's copy ran out of memory")
-    return buffer, offsets
+    return buffer, Held(dsts, numels, dtypes)
 
 
 def sumsq_suffices(statistics: Iterable[Statistic]) -> bool:
@@ -305,38 +344,47 @@ _Packed = tuple[array.array, array.array, array.array, array.array]
 counts and dtype codes."""
 
 
-def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | Held | None], *, taken: bool = False
-            ) -> _Packed:
-    """The kernel's arguments for ``tensors`` minus ``minus``, each checked while packed (one
-    pass over the tensors: this runs for every tensor of every due step); ``taken``: the
-    tensors are known to pass :func:`takes` (only ``minus`` is checked).
+def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | Held | None) -> _Packed:
+    """The kernel's arguments for ``tensors`` minus ``minus``, each checked while packed.
 
     Raises:
         ValueError: a tensor the kernel does not take (:func:`takes`), or a ``minus`` entry
             whose dtype or element count differs from its tensor's.
     """
-    # Python arrays, not torch tensors: no torch op per call (this runs once per observation),
-    # and about half the cost of ctypes arrays built from the same lists.
-    xs, ys, ns, codes = array.array("Q"), array.array("Q"), array.array("q"), array.array("i")
-    for t, m in zip(tensors, minus):
-        if not taken and not takes(t):
-            raise ValueError(f"moments takes contiguous CPU float32/bfloat16 tensors; got {t.dtype} on "
-                             f"{t.device}, contiguous={t.is_contiguous()}")
-        n = t.numel()
-        if m is None:
-            ys.append(0)
-        elif isinstance(m, tuple):
-            if m[2] is not t.dtype or m[1] != n:
-                raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {n} elements)")
-            ys.append(m[0])
-        elif m.dtype is not t.dtype or m.numel() != n or not takes(m):
-            raise ValueError(f"minus must match the tensor (dtype {t.dtype}, {n} elements, contiguous CPU)")
-        else:
-            ys.append(m.data_ptr())
-        xs.append(t.data_ptr())
-        ns.append(n)
-        codes.append(_DTYPES[t.dtype])
-    return xs, ys, ns, codes
+    packed = _pack(tensors)
+    if packed is None:
+        bad = next(t for t in tensors if _pack((t,)) is None)
+        raise ValueError(f"moments takes contiguous CPU float32/bfloat16 tensors; got {bad.dtype} on "
+                         f"{bad.device}, contiguous={bad.is_contiguous()}")
+    return _with_minus(packed, minus)
+
+
+def _with_minus(packed: tuple[array.array, array.array, list[torch.dtype]],
+                minus: Sequence[torch.Tensor | None] | Held | None) -> _Packed:
+    """:func:`_pack`'s arrays with the addresses of what each tensor subtracts (0: nothing; None:
+    nothing for every tensor) and
+    the dtype codes, as the kernel takes them (Python arrays, not torch tensors: no torch op).
+
+    Raises:
+        ValueError: a ``minus`` entry whose dtype or element count differs from its tensor's,
+            or a tensor entry the kernel does not take.
+    """
+    xs, ns, dtypes = packed
+    codes = array.array("i", map(_DTYPES.__getitem__, dtypes))
+    if minus is None:
+        return xs, array.array("Q", bytes(8 * len(xs))), ns, codes
+    if isinstance(minus, Held):
+        if minus.numels != ns or minus.dtypes != dtypes:
+            raise ValueError("held values must match their tensors (same dtype and element count)")
+        return xs, minus.addresses, ns, codes
+    subtracted = [m for m in minus if m is not None]
+    taken = _pack(subtracted)
+    same = [(d, n) if m is None else (m.dtype, m.numel()) for m, d, n in zip(minus, dtypes, ns)]
+    if taken is None or len(minus) != len(dtypes) or same != list(zip(dtypes, ns)):
+        raise ValueError("each minus must match its tensor (same dtype and element count, contiguous CPU "
+                         "float32/bfloat16)")
+    given = iter(taken[0])
+    return xs, array.array("Q", [0 if m is None else next(given) for m in minus]), ns, codes
 
 
 def _address(values: array.array) -> int:
@@ -449,7 +497,7 @@ def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[
         lib = _library() if taken else None
         table.update((keys[i], None) for i in missing)
         if lib is not None:
-            block = _run(lib, _packed([tensors[i] for i in taken], [None] * len(taken), taken=True))
+            block = _run(lib, _packed([tensors[i] for i in taken], None))
             table.update((keys[i], (block, j)) for j, i in enumerate(taken))
         entries = list(map(table.__getitem__, keys))
     return cast("list[tuple[torch.Tensor, int] | None]", entries)  # every key is in the table now

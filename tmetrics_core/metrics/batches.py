@@ -237,13 +237,15 @@ class BatchPlan:
         """The state's vectors stacked into batches (a :class:`BlockState`'s matrices sliced),
         local stages run."""
         block = state if isinstance(state, BlockState) else None
-        chosen = list(map(sites.__getitem__, state))
+        held = block.sites if block is not None else None
+        chosen = held if held is not None else list(map(sites.__getitem__, state))
         vectors = list(state.values()) if block is None else []
-        # Identity of the site objects and topology (held below, so ids stay valid) and every
-        # vector length (one per statistic in a block): when all are unchanged, so is the cut.
+        # Identity of the site objects (or of the block's tuple of them) and topology (held
+        # below, so ids stay valid) and every vector length (one per statistic in a block):
+        # when all are unchanged, so is the cut.
         lengths = (tuple(v.numel() for vs in vectors for v in vs) if block is None
                    else ("block", *(m.shape[1] for m in block.matrices)))
-        signature = (id(topology), tuple(map(id, chosen)), lengths)
+        signature = (id(topology), (id(held),) if held is not None else tuple(map(id, chosen)), lengths)
         cached = self._cached  # one read: a metric shared by threads never sees half an update
         if cached is None or cached[0] != signature:
             cuts = self._cut(chosen, vectors or list(state.values()), topology)

@@ -13,7 +13,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from tmetrics_core.site import SiteKey
+from tmetrics_core.site import Site, SiteKey
 
 __all__ = ["BlockState"]
 
@@ -27,11 +27,17 @@ class BlockState(Mapping[SiteKey, list[torch.Tensor]]):
     reads the matrices directly.
     """
 
-    __slots__ = ("site_keys", "matrices", "_index")
+    __slots__ = ("site_keys", "matrices", "sites", "_index")
 
-    def __init__(self, site_keys: Sequence[SiteKey], matrices: Sequence[torch.Tensor]) -> None:
+    def __init__(self, site_keys: Sequence[SiteKey], matrices: Sequence[torch.Tensor],
+                 sites: tuple[Site, ...] | None = None) -> None:
         self.site_keys = tuple(site_keys)
         self.matrices = list(matrices)
+        self.sites = sites
+        """The site of each key, where the producer holds them in one tuple that lives as long
+        as its plan (the parameter program's, fixed per due set): the batch plan then knows its
+        cut is unchanged from that tuple's identity, without a lookup per site. None: the
+        batch plan looks each key up in the step's sites."""
         self._index: dict[SiteKey, int] | None = None
 
     def __getitem__(self, key: SiteKey) -> list[torch.Tensor]:

@@ -266,7 +266,8 @@ class ParamObserver:
                 # A gradient placed otherwise than its parameter here (a DTensor Partial gradient)
                 # is no replica; it is left out locally, so the claims are the same on every rank.
                 absent = {g.key for g, s in zip(self._grad_sites(), self._kind_sites[kind]) if g != s}
-        self.verify(due, sites, f"at step {self.step}", absent)
+        if due:
+            self.verify(due, sites, f"at step {self.step}", absent)
 
     def verify(self, kinds: Sequence[str], sites: list[Site], when: str, absent: Any = ()) -> None:
         """Compare the local tensors of ``sites`` (of the source ``kinds``) claimed Replica across
@@ -371,7 +372,7 @@ class ParamObserver:
             if not isinstance(self._before, Snapshot):
                 return False
             held = self._before.held(program.names)
-            then: Sequence[moments.Held] | Sequence[torch.Tensor] = (
+            then: moments.Held | Sequence[torch.Tensor] = (
                 held if held is not None else [self._before[name] for name in program.names])
             try:
                 states = program.read_post(params, then, self.facts.views)

@@ -53,6 +53,8 @@ class _Recipe:
     index: torch.Tensor | slice
     """The rows as a slice where they are evenly spaced (a view: no gather), else a tensor."""
     keys: tuple[SiteKey, ...]
+    sites: tuple[Site, ...]
+    """The site of each key (handed on with the state: see ``BlockState.sites``)."""
 
 
 class _Inputs(Sequence[torch.Tensor]):
@@ -98,7 +100,8 @@ class PhasePlan:
             picked = rows[index] if type(index) is slice else rows.index_select(0, index)
             tensors = _Inputs(recipe.rows, inputs)
             out.append((recipe.metric, BlockState(recipe.keys, [stat.moments_matrix(picked, tensors)
-                                                                for stat in recipe.metric.statistics])))
+                                                                for stat in recipe.metric.statistics],
+                                                      recipe.sites)))
         return out
 
 
@@ -134,6 +137,10 @@ class ParamProgram:
                  stepped: Sequence[tuple[int, str]]) -> None:
         self.pre = pre
         self.reads = tuple(reads)
+        self._indices = tuple(i for _, i in self.reads)
+        self._grads = sum(kind == "grad" for kind, _ in self.reads)
+        if any(kind != "grad" for kind, _ in self.reads[:self._grads]):
+            raise ValueError("a ParamProgram reads its gradient rows before its parameter rows")
         self.post = post
         self.stepped = tuple(i for i, _ in stepped)
         self.names = tuple(name for _, name in stepped)
@@ -213,17 +220,19 @@ class ParamProgram:
         parameter has no gradient (the general path leaves it out of gradient statistics with
         a placeholder). ``views[i]``, where given and not None, reads entry ``i`` (an expert
         slice of a stacked tensor) as a view of its parameter and gradient (``Manifest.views``)."""
-        tensors = []
-        for kind, i in self.reads:
-            view = views[i] if views else None
-            read = grad_of(params[i]) if kind == "grad" else params[i]
-            if read is None:
-                return None
-            tensors.append(read if view is None else view(read))
+        # Gradient rows come first (kinds are read in sorted order: see __init__): one C-level
+        # map per step over the parameters, none of Python per tensor.
+        tensors = list(map(params.__getitem__, self._indices))
+        grads = self._grads
+        tensors[:grads] = map(grad_of, tensors[:grads])
+        if type(None) in set(map(type, tensors[:grads])):
+            return None
+        if views and any(views):
+            tensors = [t if (view := views[i]) is None else view(t) for t, i in zip(tensors, self._indices)]
         rows = moments_rows(tensors, self._columns[0])
         return self.pre.states(rows, tensors.__getitem__)
 
-    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[moments.Held] | Sequence[torch.Tensor],
+    def read_post(self, params: Sequence[torch.Tensor], then: moments.Held | Sequence[torch.Tensor],
                   views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = ()
                   ) -> list[tuple[StatMetric, BlockState]] | None:
         """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
@@ -239,9 +248,8 @@ class ParamProgram:
         """
         now = [params[i] if not views or views[i] is None else views[i](params[i])  # type: ignore[misc]
                for i in self.stepped]
-        if then and not isinstance(then[0], torch.Tensor):
-            held = cast("Sequence[moments.Held]", then)
-            block = moments.parts(now, held, sumsq_only=self._columns[1] <= {"sumsq"}).flatten(0, 1)
+        if isinstance(then, moments.Held):
+            block = moments.parts(now, then, sumsq_only=self._columns[1] <= {"sumsq"}).flatten(0, 1)
         else:
             copies = cast("list[torch.Tensor]", list(then))
             if any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(now, copies)):
@@ -277,6 +285,7 @@ def _phase(metrics: Sequence[StatMetric], chosen: Sequence[Sequence[int]], sites
     for metric, picked, at in zip(metrics, chosen, rows):
         if not picked:
             return None
-        recipes.append(_Recipe(metric, tuple(at), _index(at), tuple(sites[i].key for i in picked)))
+        chosen_sites = tuple(sites[i] for i in picked)
+        recipes.append(_Recipe(metric, tuple(at), _index(at), tuple(s.key for s in chosen_sites), chosen_sites))
         named.update((sites[i].key, sites[i]) for i in picked)
     return PhasePlan(tuple(recipes), named)

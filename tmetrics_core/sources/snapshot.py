@@ -11,6 +11,7 @@ float64 or non-contiguous parameters, the kernel off) torch copies them, one bat
 
 from __future__ import annotations
 
+import operator
 from typing import Iterator, MutableMapping, Sequence, cast
 
 import torch
@@ -21,76 +22,98 @@ from tmetrics_core.sources.params import local_view
 
 __all__ = ["Snapshot", "snapshot"]
 
+_SHAPE = operator.attrgetter("shape")
+
 
 class Snapshot(MutableMapping[str, torch.Tensor]):
     """``parameter name -> copy`` of the local tensor before the optimizer step.
 
     Args:
         copies: the copies made by torch (no flat buffer), or None.
-        flat: ``(buffer, {name: (byte offset, shape, dtype)})`` of a kernel copy, or None.
+        flat: ``(buffer, names, held, shapes)`` of a kernel copy (``moments.copied``): the copy
+            of ``names[i]`` lies in ``buffer`` where ``held`` says, with shape ``shapes[i]``;
+            or None.
 
     Entries are the caller's to pop or change in place (the general path turns each copy
-    into the update). :meth:`held` gives the buffer's addresses only while no copy has been
-    handed out, so what it describes is still the parameters before the step.
+    into the update). :meth:`held` describes the buffer only while no entry has been handed
+    out, changed or removed, so what it describes is still the parameters before the step;
+    the per-name layout is built only when an entry is looked up.
     """
 
-    __slots__ = ("_buffer", "_layout", "_copies", "_handed_out")
+    __slots__ = ("_buffer", "_flat", "_layout", "_copies", "_pristine")
 
     def __init__(self, copies: dict[str, torch.Tensor] | None = None,
-                 flat: tuple[torch.Tensor, dict[str, tuple[int, torch.Size, torch.dtype]]] | None = None) -> None:
+                 flat: tuple[torch.Tensor, Sequence[str], moments.Held, Sequence[torch.Size]] | None = None
+                 ) -> None:
         self._copies: dict[str, torch.Tensor] = dict(copies or {})
         self._buffer: torch.Tensor | None = None
-        self._layout: dict[str, tuple[int, torch.Size, torch.dtype]] = {}
+        self._flat: tuple[tuple[str, ...], moments.Held, Sequence[torch.Size]] | None = None
+        self._layout: dict[str, tuple[int, torch.Size, torch.dtype]] | None = None
         if flat is not None:
-            self._buffer, self._layout = flat
-        self._handed_out = False
+            self._buffer, names, held, shapes = flat
+            self._flat = (tuple(names), held, shapes)
+        self._pristine = flat is not None
 
-    def held(self, names: Sequence[str]) -> list[moments.Held] | None:
-        """Where the copies of ``names`` lie in the flat buffer, or None: no flat buffer, a name
-        without a copy, or a copy already handed out (it may have been changed in place)."""
-        if self._buffer is None or self._handed_out:
+    def held(self, names: Sequence[str]) -> moments.Held | None:
+        """Where the copies of ``names`` lie in the flat buffer (in that order), or None: no flat
+        buffer, a name without a copy, or an entry already handed out, changed or removed (it
+        may have been changed in place)."""
+        if not self._pristine or self._flat is None:
             return None
-        base = self._buffer.data_ptr()
-        out = []
-        for name in names:
-            place = self._layout.get(name)
-            if place is None:
-                return None
-            offset, shape, dtype = place
-            out.append((base + offset, shape.numel(), dtype))
-        return out
+        flat_names, held, _ = self._flat
+        if tuple(names) == flat_names:  # the usual case: the due set's names, in the same order
+            return held
+        at = {name: i for i, name in enumerate(flat_names)}
+        if any(name not in at for name in names):
+            return None
+        return held.pick([at[name] for name in names])
+
+    def _places(self) -> dict[str, tuple[int, torch.Size, torch.dtype]]:
+        """The flat copies not yet looked up, by name: (byte offset, shape, dtype), built on
+        first use."""
+        if self._layout is None:
+            self._layout = {}
+            if self._flat is not None and self._buffer is not None:
+                names, held, shapes = self._flat
+                base = self._buffer.data_ptr()
+                self._layout = {n: (address - base, shape, dtype)
+                                for n, address, shape, dtype in zip(names, held.addresses, shapes, held.dtypes)}
+        return self._layout
 
     def __getitem__(self, name: str) -> torch.Tensor:
         copy = self._copies.get(name)
         if copy is None:
-            offset, shape, dtype = self._layout[name]  # KeyError for a name without a copy
+            places = self._places()
+            offset, shape, dtype = places[name]  # KeyError for a name without a copy
             assert self._buffer is not None  # layout entries lie in the flat buffer
             size = shape.numel() * dtype.itemsize
             copy = self._copies[name] = self._buffer[offset:offset + size].view(dtype).view(shape)
-            del self._layout[name]
-        self._handed_out = True
+            del places[name]
+        self._pristine = False
         return copy
 
     def __setitem__(self, name: str, copy: torch.Tensor) -> None:
-        self._layout.pop(name, None)
+        self._places().pop(name, None)
         self._copies[name] = copy
-        self._handed_out = True
+        self._pristine = False
 
     def __delitem__(self, name: str) -> None:
-        if name in self._layout:
-            del self._layout[name]
+        places = self._places()
+        self._pristine = False
+        if name in places:
+            del places[name]
         else:
             del self._copies[name]
 
     def __iter__(self) -> Iterator[str]:
         yield from list(self._copies)
-        yield from list(self._layout)
+        yield from list(self._places())
 
     def __len__(self) -> int:
-        return len(self._copies) + len(self._layout)
+        return len(self._copies) + len(self._places())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._copies or name in self._layout
+        return name in self._copies or name in self._places()
 
 
 @torch.no_grad()
@@ -102,14 +125,15 @@ def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None)
     Raises:
         RuntimeError: the kernel ran out of memory.
     """
-    # local_view of a parameter (never None) is a tensor
-    chosen = cast("list[tuple[str, torch.Tensor]]",
-                  [(n, manifest.viewed(n, local_view(p))) for n, p in manifest.local.items()
-                   if names is None or n in names])
-    tensors = [t for _, t in chosen]
+    views = manifest.views
+    chosen = [n for n in manifest.local if names is None or n in names]
+    # local_view of a parameter (never None) is a tensor; a plain parameter is itself.
+    tensors = [cast("torch.Tensor", local_view(manifest.local[n])) for n in chosen]
+    if views:
+        tensors = [manifest.viewed(n, t) for n, t in zip(chosen, tensors)]
     flat = moments.copied(tensors) if tensors else None
     if flat is None:
         copies = torch._foreach_mul(tensors, 1.0) if tensors else []
-        return Snapshot(copies={n: c for (n, _), c in zip(chosen, copies)})
-    buffer, offsets = flat
-    return Snapshot(flat=(buffer, {n: (offset, t.shape, t.dtype) for (n, t), offset in zip(chosen, offsets)}))
+        return Snapshot(copies=dict(zip(chosen, copies)))
+    buffer, held = flat
+    return Snapshot(flat=(buffer, chosen, held, list(map(_SHAPE, tensors))))
