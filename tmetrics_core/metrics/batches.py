@@ -260,7 +260,7 @@ class BatchPlan:
             out.extend(advance(batch, topology))
         return out
 
-    def _cut(self, sites: list[Site], vectors: list[Sequence[torch.Tensor]], topology: Topology) -> list[_Cut]:
+    def _cut(self, sites: Sequence[Site], vectors: list[Sequence[torch.Tensor]], topology: Topology) -> list[_Cut]:
         cuts = []
         for j, stat in enumerate(self.statistics):
             groups: dict[tuple, tuple[tuple[Stage, ...], list[int]]] = {}

@@ -222,11 +222,12 @@ class ParamProgram:
         slice of a stacked tensor) as a view of its parameter and gradient (``Manifest.views``)."""
         # Gradient rows come first (kinds are read in sorted order: see __init__): one C-level
         # map per step over the parameters, none of Python per tensor.
-        tensors = list(map(params.__getitem__, self._indices))
         grads = self._grads
-        tensors[:grads] = map(grad_of, tensors[:grads])
-        if type(None) in set(map(type, tensors[:grads])):
+        read = list(map(params.__getitem__, self._indices))
+        found = list(map(grad_of, read[:grads]))
+        if type(None) in set(map(type, found)):
             return None
+        tensors = cast("list[torch.Tensor]", found) + read[grads:]
         if views and any(views):
             tensors = [t if (view := views[i]) is None else view(t) for t, i in zip(tensors, self._indices)]
         rows = moments_rows(tensors, self._columns[0])

@@ -128,7 +128,7 @@ def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None)
     views = manifest.views
     chosen = [n for n in manifest.local if names is None or n in names]
     # local_view of a parameter (never None) is a tensor; a plain parameter is itself.
-    tensors = [cast("torch.Tensor", local_view(manifest.local[n])) for n in chosen]
+    tensors: list[torch.Tensor] = [local_view(manifest.local[n]) for n in chosen]
     if views:
         tensors = [manifest.viewed(n, t) for n, t in zip(chosen, tensors)]
     flat = moments.copied(tensors) if tensors else None
