@@ -32,7 +32,9 @@ serial sums). Nothing is read back to the host.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Iterable, Sequence
 
 import torch
@@ -40,6 +42,9 @@ import torch
 from tmetrics_core.kernels import moments
 
 __all__ = ["COLUMNS", "foreach_rows", "nonfinite_counts", "rows"]
+
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
 
 COLUMNS = frozenset({"sumsq", "sum", "max", "min", "zeros", "absmax"})
 """What a statistic may read of a moments row: a field of ``FIELDS``, or ``absmax``: ``max`` and
@@ -64,17 +69,27 @@ def foreach_rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUM
     n = len(tensors)
     if not n:
         return torch.empty((0, len(moments.FIELDS)), dtype=torch.float64)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    device = tensors[0].device
-    if len(groups) == 1:
+    groups = _groups(tensors)
+    if groups is None:
         return _group_rows(list(tensors), wanted)
+    device = tensors[0].device
     out = torch.empty((n, len(moments.FIELDS)), dtype=torch.float64, device=device)
-    for members in groups.values():
+    for members in groups:
         block = _group_rows([tensors[i] for i in members], wanted).to(device)
         out.index_copy_(0, torch.tensor(members, device=device), block)
     return out
+
+
+def _groups(tensors: Sequence[torch.Tensor]) -> list[list[int]] | None:
+    """The indices of ``tensors`` per ``(device, dtype)`` group, or None when they share one
+    (the usual case, found by C-level loops: this runs for every tensor of every due step)."""
+    keys = list(zip(map(_DEVICE, tensors), map(_DTYPE, tensors)))
+    if keys.count(keys[0]) == len(keys):
+        return None
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
 
 
 def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
@@ -84,33 +99,37 @@ def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
     nan = torch.full((n,), math.nan, dtype=torch.float64, device=device)
     sumsq = torch.stack(torch._foreach_powsum(ts, 2, dtype=acc)).to(torch.float64)
     cols = [sumsq, nan, nan, nan, nan]
+    numels = tuple(map(torch.Tensor.numel, ts))
     if wanted & {"max", "min", "absmax"}:
-        full = [i for i, t in enumerate(ts) if t.numel()]
+        full = list(range(n)) if 0 not in numels else [i for i, k in enumerate(numels) if k]
+        some = ts if len(full) == n else [ts[i] for i in full]
         if "max" in wanted or "min" in wanted:
-            cols[2] = _extreme([ts[i] for i in full], full, n, device, -math.inf)
-            cols[3] = -_extreme(torch._foreach_neg([ts[i] for i in full]) if full else [], full, n, device, -math.inf)
+            cols[2] = _extreme(some, full, n, device, -math.inf)
+            cols[3] = -_extreme(torch._foreach_neg(some) if full else [], full, n, device, -math.inf)
         else:
-            peak = _filled(torch.stack(torch._foreach_norm([ts[i] for i in full], math.inf, dtype=acc))
+            peak = _filled(torch.stack(torch._foreach_norm(some, math.inf, dtype=acc))
                            if full else None, full, n, device, 0.0)
             cols[2], cols[3] = peak, -peak
     if "sum" in wanted:
         flat = torch.cat([t.reshape(-1) for t in ts])
-        lengths = torch.tensor([t.numel() for t in ts], device=device)
-        cols[1] = torch.segment_reduce(flat.to(acc), "sum", lengths=lengths, unsafe=True,
-                                       initial=0.0).to(torch.float64)
+        cols[1] = torch.segment_reduce(flat.to(acc), "sum", lengths=_counts(numels, device, torch.int64),
+                                       unsafe=True, initial=0.0).to(torch.float64)
     if "zeros" in wanted:
-        cols[4] = _numels(ts, device) - _nonzero(ts)
+        cols[4] = _counts(numels, device, torch.float64) - _nonzero(ts)
     return torch.stack(cols, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(numels: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The element counts as a tensor on ``device``, made once per list of counts (a due set's
+    tensors keep their sizes): no host-to-device copy on later due steps. Read only."""
+    return torch.tensor(numels, dtype=dtype, device=device)
 
 
 def _nonzero(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[len(ts)]`` float64 counts of the non-zero elements (NaN included) of each tensor: the
     ``p=0`` norm, counted in float64 so that it is exact for any tensor size."""
     return torch.stack(torch._foreach_norm(list(ts), 0, dtype=torch.float64))
-
-
-def _numels(ts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.tensor([t.numel() for t in ts], dtype=torch.float64, device=device)
 
 
 def _extreme(ts: Sequence[torch.Tensor], full: list[int], n: int, device: torch.device, empty: float
@@ -169,14 +188,12 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not n:
         return torch.zeros((0, 3), dtype=torch.float64)
     device = tensors[0].device
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
     out = torch.zeros((n, 3), dtype=torch.float64, device=device)
-    for (_, dtype), members in groups.items():
+    for members in _groups(tensors) or [list(range(n))]:
+        dtype = tensors[members[0]].dtype
         if not dtype.is_floating_point:
             continue
-        ts = [tensors[i] for i in members]
+        ts = [tensors[i] for i in members] if len(members) < n else list(tensors)
         largest = torch.finfo(dtype).max
         every = _nonzero(torch._foreach_sub(ts, ts))
         up = torch._foreach_clamp_min(ts, largest)

@@ -373,7 +373,7 @@ class ParamObserver:
                 return False
             held = self._before.held(program.names)
             then: moments.Held | Sequence[torch.Tensor] = (
-                held if held is not None else [self._before[name] for name in program.names])
+                held if held is not None else self._before.copies(program.names))
             try:
                 states = program.read_post(params, then, self.facts.views)
             except Exception:  # noqa: BLE001 - as above

@@ -22,6 +22,7 @@ has no gradient, the parameter side takes the general path.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Callable, Sequence, cast, overload
 
@@ -35,6 +36,9 @@ from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.params import grad_of
 
 __all__ = ["ParamProgram", "PhasePlan"]
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
 _PRE_KINDS = frozenset({"param", "grad"})
 _POST_KINDS = frozenset({"param", "update"})
@@ -253,7 +257,8 @@ class ParamProgram:
             block = moments.parts(now, then, sumsq_only=self._columns[1] <= {"sumsq"}).flatten(0, 1)
         else:
             copies = cast("list[torch.Tensor]", list(then))
-            if any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(now, copies)):
+            if (list(map(_SHAPE, now)) != list(map(_SHAPE, copies))
+                    or list(map(_DTYPE, now)) != list(map(_DTYPE, copies))):
                 raise ValueError("a parameter's shape or dtype changed in the optimizer step")
             updates = torch._foreach_sub(now, copies) if now else []
             n = len(now)

@@ -12,7 +12,7 @@ float64 or non-contiguous parameters, the kernel off) torch copies them, one bat
 from __future__ import annotations
 
 import operator
-from typing import Iterator, MutableMapping, Sequence, cast
+from typing import Iterator, MutableMapping, Sequence
 
 import torch
 
@@ -67,6 +67,16 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
         if any(name not in at for name in names):
             return None
         return held.pick([at[name] for name in names])
+
+    def copies(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The copies of ``names``, in that order, as :meth:`__getitem__` gives each.
+
+        Raises:
+            KeyError: a name without a copy.
+        """
+        if self._flat is None:  # torch made every copy: one C-level lookup per name
+            return list(map(self._copies.__getitem__, names))
+        return [self[name] for name in names]
 
     def _places(self) -> dict[str, tuple[int, torch.Size, torch.dtype]]:
         """The flat copies not yet looked up, by name: (byte offset, shape, dtype), built on
