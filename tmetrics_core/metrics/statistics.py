@@ -30,6 +30,7 @@ __all__ = [
     "COUNT",
     "MAX",
     "MIN",
+    "NEUTRAL",
     "NONFINITE",
     "SUM",
     "SUMSQ",
@@ -41,12 +42,13 @@ __all__ = [
     "neutral",
 ]
 
-_NEUTRAL = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+NEUTRAL = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+"""The neutral element of each reduction."""
 
 
 def neutral(op: ReduceOpName, size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A float64 vector of ``size`` neutral elements of ``op`` (0, -inf or +inf)."""
-    return torch.full((size,), _NEUTRAL[op], dtype=torch.float64, device=device)
+    return torch.full((size,), NEUTRAL[op], dtype=torch.float64, device=device)
 
 
 @dataclass(frozen=True, slots=True)

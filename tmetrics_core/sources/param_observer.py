@@ -348,9 +348,9 @@ class ParamObserver:
         """Prepare the phase's metrics with the due set's :class:`ParamProgram` (the states the
         general path prepares, without its per-tensor work), on every device and dtype; False,
         with nothing prepared or consumed, where the general path must run: no program for the
-        due set, no optimizer step in the scope, a parameter without a gradient (left out of
-        gradient statistics with a placeholder), or an error (which the general path then
-        reports)."""
+        due set, no optimizer step in the scope, or an error (which the general path then
+        reports). A parameter without a gradient is left out of gradient statistics with a
+        placeholder, as the general path does."""
         program = self.plan().program
         if program is None:
             return False
@@ -363,9 +363,12 @@ class ParamObserver:
         params = cast("list[torch.Tensor]", list(self.facts.local))
         if phase == "pre":
             try:
-                states = program.read_pre(params, self.facts.views)
+                states, absent = program.read_pre(params, self.facts.views, self.topology)
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
-                states = None
+                states, absent = None, []
+            if states is not None and absent:
+                self.no_grad.update(self.manifest.entries[i].name for i in program.entries(absent))
+                self.unfed.update(program.pre.unfed(frozenset(absent)))
         else:
             # The kernel's flat snapshot is read by address; torch's copies as they are. Neither
             # is changed, so the general path finds the snapshot intact if the program raises.

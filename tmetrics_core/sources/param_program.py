@@ -16,8 +16,9 @@ is the C kernel for the tensors it takes and batched torch ops
 number of ops per statistic and ``(device, dtype)`` group, whatever the tensor count. The
 states are those the general path prepares, bit for bit: the same backends, the same rows, the
 same statistic code. :meth:`ParamProgram.plan` says when it applies (plain parameters held
-here, metrics that declare ``StatMetric.planned``); otherwise, and on a step where a parameter
-has no gradient, the parameter side takes the general path.
+here, metrics that declare ``StatMetric.planned``); otherwise the parameter side takes the
+general path. A parameter without a gradient on a step (frozen, or an expert no token reached)
+gets the general path's placeholder in its rows: the program still runs.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from tmetrics_core.kernels import moments
 from tmetrics_core.kernels.foreach_moments import rows as moments_rows
 from tmetrics_core.metrics.base import StatMetric, TensorMetric
 from tmetrics_core.metrics.block_state import BlockState
+from tmetrics_core.metrics.statistics import NEUTRAL, Statistic
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.params import grad_of
+from tmetrics_core.topology import Topology
 
 __all__ = ["ParamProgram", "PhasePlan"]
 
@@ -93,20 +96,44 @@ class PhasePlan:
     recipes: tuple[_Recipe, ...]
     sites: dict[SiteKey, Site]
 
-    def states(self, rows: torch.Tensor, inputs: Callable[[int], torch.Tensor]
+    def states(self, rows: torch.Tensor, inputs: Callable[[int], torch.Tensor],
+               absent: frozenset[int] = frozenset(), topology: Topology | None = None
                ) -> list[tuple[StatMetric, BlockState]]:
         """Each metric's state from ``rows`` (the phase's kernel output, float64 ``[n, 5]``);
         ``inputs(i)`` is the tensor row ``i`` was read from (or one of its shape: the general path's
-        stand-in), for statistics that read shapes."""
+        stand-in), for statistics that read shapes. The rows in ``absent`` (a gradient this rank
+        does not have) hold, as the general path's placeholders, the neutral element of each
+        statistic's first reduction on ``topology`` (0, -inf or +inf): left out of the
+        statistic, with the same collectives on every rank."""
         out = []
         for recipe in self.recipes:
             index = recipe.index
             picked = rows[index] if type(index) is slice else rows.index_select(0, index)
             tensors = _Inputs(recipe.rows, inputs)
-            out.append((recipe.metric, BlockState(recipe.keys, [stat.moments_matrix(picked, tensors)
-                                                                for stat in recipe.metric.statistics],
-                                                      recipe.sites)))
+            matrices = [stat.moments_matrix(picked, tensors) for stat in recipe.metric.statistics]
+            gone = [p for p, r in enumerate(recipe.rows) if r in absent] if absent else []
+            if gone:
+                assert topology is not None  # absent rows come with the topology of their stages
+                matrices = [_neutral_rows(stat, m, gone, recipe.sites, topology)
+                            for stat, m in zip(recipe.metric.statistics, matrices)]
+            out.append((recipe.metric, BlockState(recipe.keys, matrices, recipe.sites)))
         return out
+
+    def unfed(self, absent: frozenset[int]) -> list[str]:
+        """The metrics all of whose rows are ``absent``."""
+        return [r.metric.name for r in self.recipes if absent and all(row in absent for row in r.rows)]
+
+
+def _neutral_rows(stat: Statistic, matrix: torch.Tensor, gone: list[int], sites: Sequence[Site],
+                  topology: Topology) -> torch.Tensor:
+    """``matrix`` (not changed: it may be a view of rows other states read) with rows ``gone``
+    set to the neutral element of ``stat``'s first reduction at their sites."""
+    by_op: dict[str, list[int]] = {}
+    for p in gone:
+        by_op.setdefault(stat.stages(sites[p], topology)[0].op, []).append(p)
+    for op, at in by_op.items():
+        matrix = matrix.index_fill(0, torch.tensor(at, device=matrix.device), NEUTRAL[op])
+    return matrix
 
 
 def _eligible(metric: TensorMetric, kinds: frozenset[str], *, elements: bool = False) -> bool:
@@ -216,26 +243,43 @@ class ParamProgram:
                    PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped])
 
     def read_pre(self, params: Sequence[torch.Tensor], views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None]
-                 = ()) -> list[tuple[StatMetric, BlockState]] | None:
+                 = (), topology: Topology | None = None) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
         """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
         entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grad_of`),
         from one moments pass (:func:`~tmetrics_core.kernels.foreach_moments.rows`: the C kernel
-        where it takes a tensor, batched torch ops elsewhere); None (nothing read) when a
-        parameter has no gradient (the general path leaves it out of gradient statistics with
-        a placeholder). ``views[i]``, where given and not None, reads entry ``i`` (an expert
-        slice of a stacked tensor) as a view of its parameter and gradient (``Manifest.views``)."""
+        where it takes a tensor, batched torch ops elsewhere), and the rows of the gradients this
+        rank does not have this step (:meth:`entries` names their manifest entries): their gradients are left out of the statistics
+        with placeholders (see :meth:`PhasePlan.states`, on ``topology``), as the general path
+        does. ``views[i]``, where given and not None, reads entry ``i`` (an expert slice of a
+        stacked tensor) as a view of its parameter and gradient (``Manifest.views``)."""
         # Gradient rows come first (kinds are read in sorted order: see __init__): one C-level
         # map per step over the parameters, none of Python per tensor.
         grads = self._grads
         read = list(map(params.__getitem__, self._indices))
         found = list(map(grad_of, read[:grads]))
+        absent: list[int] = []
         if type(None) in set(map(type, found)):
-            return None
+            # A stand-in of no elements per dtype and device (one tensor each, not one per
+            # gradient): its row is replaced by the placeholder.
+            empty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+            absent = [k for k, g in enumerate(found) if g is None]
+            for k in absent:
+                p = read[k]
+                key = (p.device, p.dtype)
+                if key not in empty:
+                    empty[key] = p.new_empty(0)
+                found[k] = empty[key]
         tensors = cast("list[torch.Tensor]", found) + read[grads:]
         if views and any(views):
-            tensors = [t if (view := views[i]) is None else view(t) for t, i in zip(tensors, self._indices)]
+            skip = frozenset(absent)
+            tensors = [t if (view := views[i]) is None or k in skip else view(t)
+                       for k, (t, i) in enumerate(zip(tensors, self._indices))]
         rows = moments_rows(tensors, self._columns[0])
-        return self.pre.states(rows, tensors.__getitem__)
+        return self.pre.states(rows, tensors.__getitem__, frozenset(absent), topology), absent
+
+    def entries(self, rows: Sequence[int]) -> list[int]:
+        """The manifest entries that ``read_pre``'s rows ``rows`` read."""
+        return [self._indices[k] for k in rows]
 
     def read_post(self, params: Sequence[torch.Tensor], then: moments.Held | Sequence[torch.Tensor],
                   views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = ()
