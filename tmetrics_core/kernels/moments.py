@@ -310,7 +310,9 @@ def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Held] | None:
         return None
     srcs, numels, dtypes = packed
     sizes = array.array("q", map(operator.mul, numels, map(_ITEMSIZE.__getitem__, dtypes)))
-    ends = list(itertools.accumulate(-(-size // 64) * 64 for size in sizes))
+    # Each copy starts at a multiple of 64 bytes (C-level maps: no Python per tensor).
+    ends = list(itertools.accumulate(map(operator.and_, map(operator.add, sizes, itertools.repeat(63)),
+                                         itertools.repeat(-64))))
     buffer = torch.empty(ends[-1] if ends else 0, dtype=torch.uint8)
     base = buffer.data_ptr()
     dsts = array.array("Q", [base, *map(base.__add__, ends[:-1])] if ends else [])

@@ -295,8 +295,9 @@ class ParamProgram:
             ValueError: a parameter whose dtype or size no longer matches its snapshot (the
                 optimizer replaced or resized it).
         """
-        now = [params[i] if not views or views[i] is None else views[i](params[i])  # type: ignore[misc]
-               for i in self.stepped]
+        now = list(map(params.__getitem__, self.stepped))
+        if views and any(views):
+            now = [t if (view := views[i]) is None else view(t) for t, i in zip(now, self.stepped)]
         if isinstance(then, moments.Held):
             block = moments.parts(now, then, sumsq_only=self._columns[1] <= {"sumsq"}).flatten(0, 1)
         else:

@@ -23,6 +23,7 @@ from tmetrics_core.sources.params import local_view
 __all__ = ["Snapshot", "snapshot"]
 
 _SHAPE = operator.attrgetter("shape")
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class Snapshot(MutableMapping[str, torch.Tensor]):
@@ -138,7 +139,9 @@ def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None)
     views = manifest.views
     chosen = [n for n in manifest.local if names is None or n in names]
     # local_view of a parameter (never None) is a tensor; a plain parameter is itself.
-    tensors: list[torch.Tensor] = [local_view(manifest.local[n]) for n in chosen]
+    tensors: list[torch.Tensor] = list(map(manifest.local.__getitem__, chosen))
+    if not set(map(type, tensors)) <= _PLAIN:
+        tensors = list(map(local_view, tensors))
     if views:
         tensors = [manifest.viewed(n, t) for n, t in zip(chosen, tensors)]
     flat = moments.copied(tensors) if tensors else None
