@@ -8,7 +8,7 @@ call returns after one context-variable read and one set lookup, so sites can st
 production code.
 
 Under ``torch.compile`` each call is one ``tmetrics::observe`` (``tmetrics::observe_residual``,
-``tmetrics::fail``) custom operator in the user's graph: opaque to dynamo (no graph break, no
+``tmetrics::fail``, ``tmetrics::fail_unless``) custom operator in the user's graph: opaque to dynamo (no graph break, no
 guard on whether a metric is due, so no recompile when the cadence changes), kept by AOT
 autograd and inductor as an ordered side effect, and run eagerly at its place in the compiled
 forward, where it does exactly what the uncompiled call does. The module travels as its
@@ -29,7 +29,7 @@ from typing import Iterable, Iterator, Protocol
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["Observer", "fail", "new_owner", "observe", "observing", "record", "record_residual", "register_modules",
+__all__ = ["Observer", "fail", "fail_unless", "new_owner", "observe", "observing", "record", "record_residual", "register_modules",
            "watched"]
 
 
@@ -56,6 +56,11 @@ class Observer(Protocol):
     def fail(self, reason: str, kinds: frozenset[str] | None = None) -> None:
         """Fail the step's metrics that read any of ``kinds`` (router outputs when None) with
         ``reason``."""
+        ...
+
+    def fail_unless(self, ok: torch.Tensor, reason: str, kinds: frozenset[str] | None = None) -> None:
+        """As :meth:`fail` unless the 0-d bool tensor ``ok`` is true, decided at the step's end:
+        a check of device values that costs no host synchronisation where it is made."""
         ...
 
 
@@ -144,6 +149,17 @@ def fail(reason: str, kinds: frozenset[str] | None = None, owner: int | None = N
         _fail(reason, kinds, owner)
 
 
+def fail_unless(ok: torch.Tensor, reason: str, kinds: frozenset[str] | None = None, owner: int | None = None
+                ) -> None:
+    """:func:`fail` unless ``ok`` (a 0-d bool tensor on any device) is true, read at the step's
+    end with the step's other results: a hook checks device values without a host
+    synchronisation (and inside a compiled graph); nothing on a step with no observer."""
+    if torch.compiler.is_compiling():
+        torch.ops.tmetrics.fail_unless(ok, reason, None if kinds is None else ",".join(sorted(kinds)), owner)
+    else:
+        _fail_unless(ok, reason, kinds, owner)
+
+
 def watched(kind: str) -> bool:
     """Whether a due metric of the current step watches site ``kind``: lets an integration's
     hook skip preparing a tensor for :func:`observe` (one context-variable read). True while
@@ -202,6 +218,12 @@ def _fail(reason: str, kinds: frozenset[str] | None, owner: int | None) -> None:
         observer.fail(reason, kinds)
 
 
+def _fail_unless(ok: torch.Tensor, reason: str, kinds: frozenset[str] | None, owner: int | None) -> None:
+    observer = _current(owner)
+    if observer is not None:
+        observer.fail_unless(ok, reason, kinds)
+
+
 @torch.library.custom_op("tmetrics::observe", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _observe_op(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, kind: str,
                 shard_dim: int | None, owner: int | None) -> None:
@@ -220,6 +242,11 @@ def _fail_op(reason: str, kinds: str | None, owner: int | None) -> None:
     _fail(reason, None if kinds is None else frozenset(kinds.split(",")), owner)
 
 
+@torch.library.custom_op("tmetrics::fail_unless", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _fail_unless_op(ok: torch.Tensor, reason: str, kinds: str | None, owner: int | None) -> None:
+    _fail_unless(ok.clone(), reason, None if kinds is None else frozenset(kinds.split(",")), owner)
+
+
 @_observe_op.register_fake
 def _(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, kind: str,
       shard_dim: int | None, owner: int | None) -> None:
@@ -236,7 +263,12 @@ def _(reason: str, kinds: str | None, owner: int | None) -> None:
     return None
 
 
-for _op in ("tmetrics::observe", "tmetrics::observe_residual", "tmetrics::fail"):
+@_fail_unless_op.register_fake
+def _(ok: torch.Tensor, reason: str, kinds: str | None, owner: int | None) -> None:
+    return None
+
+
+for _op in ("tmetrics::observe", "tmetrics::observe_residual", "tmetrics::fail", "tmetrics::fail_unless"):
     # An operator with no output and no mutated input would be dropped as dead code: an ordered
     # effect keeps it, in program order, in the forward graph.
     torch.library._register_effectful_op(_op, EffectType.ORDERED)

@@ -48,7 +48,7 @@ from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.observe import _ACTIVE, fail, new_owner, record, record_residual
+from tmetrics_core.observe import _ACTIVE, fail, fail_unless, new_owner, record, record_residual
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.site import Site, SiteKey
@@ -265,7 +265,8 @@ class TensorMetrics:
                                      patterns=patterns)
         if self.routers and kinds & ROUTER_OUTPUT_KINDS:
             handles += install_routers(self.routers, functools.partial(record, owner=mine),
-                                       functools.partial(fail, owner=mine), kinds)
+                                       functools.partial(fail, owner=mine), functools.partial(fail_unless, owner=mine),
+                                       kinds)
         return handles
 
     def observe_gradients(self) -> None:

@@ -90,3 +90,37 @@ def test_tokens_dropped_over_capacity_fail_the_router_metrics_with_the_reason() 
     assert set(reasons) == {"layer-expert-tokens", "layer-router-decision-entropy"}
     assert all("dropped tokens over an expert's capacity" in r for r in reasons.values())
     assert ("expert-grad-l2", 0, 0) in records  # parameter metrics go on
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value by the host (``item()``, ``bool()``: one
+    ``_local_scalar_dense`` each, a synchronisation on an accelerator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_dispatch_mask_check_reads_nothing_back_in_the_forward() -> None:
+    """The dropped-token check is a device flag decided at the step's end: after the first step
+    (which verifies each router's score function once), the forward with the router metrics due
+    makes as many host reads as the model's own forward."""
+    model = _model(capacity=64)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    bare = _HostReads()
+    with bare, torch.no_grad():
+        model(input_ids=ids)
+    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in NAMES[:2]])
+    counted = _HostReads()
+    for step in (1, 2):
+        with metrics.step(step):
+            with counted if step == 2 else torch.no_grad(), torch.no_grad():
+                model(input_ids=ids)
+    assert not metrics.failures and counted.reads == bare.reads
+    records = {(r.metric, r.layer): r.value for r in metrics.last_records}
+    assert sum(records[("layer-expert-tokens", 0)]) == 2 * 12
+    metrics.close()

@@ -169,24 +169,31 @@ def _recognize(rule: Recognizer, path: str, module: torch.nn.Module, parent: tor
     return Router(path, module, parent, experts, k, rule)
 
 
-def install(routers: Sequence[Router], record: Callable[..., None], fail: Callable[[str, frozenset[str]], None],
+Fail = Callable[[str, frozenset[str]], None]
+FailUnless = Callable[[torch.Tensor, str, frozenset[str]], None]
+
+
+def install(routers: Sequence[Router], record: Callable[..., None], fail: Fail, fail_unless: FailUnless,
             kinds: frozenset[str]) -> list[Any]:
     """Forward hooks on ``routers`` observing the ``kinds`` wanted (of :data:`ROUTER_OUTPUT_KINDS`)
     through ``record`` (``TokenObserver.record``); ``fail(reason, kinds)`` fails the step's
     metrics reading any of ``kinds``: every router metric when an output is not what the router
     was recognised as, those reading ``router_scores`` when no score function fits (the others
-    still get the logits and the choices). Returns the handles."""
+    still get the logits and the choices); ``fail_unless(ok, reason, kinds)`` does so at the
+    step's end unless the device flag ``ok`` holds (a dispatch mask that dropped tokens), so the
+    hook reads nothing back to the host. Returns the handles."""
     wanted = kinds & ROUTER_OUTPUT_KINDS
     if not wanted:
         return []
-    return [router.module.register_forward_hook(_hook(router, record, fail, wanted)) for router in routers]
+    return [router.module.register_forward_hook(_hook(router, record, fail, fail_unless, wanted))
+            for router in routers]
 
 
-def _hook(router: Router, record: Callable[..., None], fail: Callable[[str, frozenset[str]], None],
-          wanted: frozenset[str]):
+def _hook(router: Router, record: Callable[..., None], fail: Fail, fail_unless: FailUnless, wanted: frozenset[str]):
     def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
         parts = _read(router.recognizer, out)
-        problem = _dispatched(router, parts) if "router_topk" in wanted or "router_scores" in wanted else None
+        problem = (_dispatched(router, parts, fail_unless) if "router_topk" in wanted or "router_scores" in wanted
+                   else None)
         problem = problem or _check(router, parts)
         if problem is not None:
             fail(problem, ROUTER_OUTPUT_KINDS)
@@ -209,21 +216,20 @@ def _read(rule: Recognizer, out: Any) -> dict[str, Any]:
     return {kind: value for kind, value in zip(rule.outputs, elements) if kind is not None}
 
 
-def _dispatched(router: Router, parts: dict[str, Any]) -> str | None:
-    """Reads a ``dispatch_mask`` as ``router_topk`` ids ``[.., k]``; the reason it cannot where some
-    token is not sent to exactly ``k`` experts (dropped over an expert's capacity), else None."""
+def _dispatched(router: Router, parts: dict[str, Any], fail_unless: FailUnless) -> str | None:
+    """Reads a ``dispatch_mask`` as ``router_topk`` ids ``[.., k]``; the reason it cannot when the
+    mask is not ``[tokens, experts]``, else None. Whether every token went to exactly ``k``
+    experts (none dropped over an expert's capacity) is a device flag handed to
+    ``fail_unless``: decided at the step's end, without a host synchronisation here."""
     mask = parts.pop("dispatch_mask", None)
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor) or mask.shape[-1] != router.num_experts:
         return f"router {router.path}: its dispatch mask is not [tokens, {router.num_experts}]"
-    if torch.compiler.is_compiling():
-        return (f"router {router.path}: its dispatch mask is checked for dropped tokens on the host, which a "
-                "compiled graph cannot do; observe router_topk with tm.observe(...) inside the compiled model")
-    if not bool((mask.sum(dim=-1) == router.top_k).all()):
-        return (f"router {router.path} dropped tokens over an expert's capacity (some token went to other than "
+    fail_unless((mask.sum(dim=-1) == router.top_k).all(),
+                f"router {router.path} dropped tokens over an expert's capacity (some token went to other than "
                 f"{router.top_k} experts): tokens per expert would not count what it chose; raise the model's "
-                "expert_capacity, or observe router_topk with tm.observe(...)")
+                "expert_capacity, or observe router_topk with tm.observe(...)", ROUTER_OUTPUT_KINDS)
     parts["router_topk"] = mask.topk(router.top_k, dim=-1).indices
     return None
 

@@ -103,6 +103,7 @@ class TokenObserver:
         self.sites: dict[SiteKey, Site] = {}
         self.states: dict[str, dict[SiteKey, Any]] = {}
         self.errors: dict[str, str] = {}
+        self._checks: list[tuple[torch.Tensor, str, frozenset[str] | None]] = []
         self._mask: torch.Tensor | None = None
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
         self._kept: dict[SiteKey, int] = {}
@@ -118,6 +119,27 @@ class TokenObserver:
         for metric in self.metrics:
             if set(metric.source_kinds) & (ROUTER_KINDS if kinds is None else kinds):
                 self.errors.setdefault(metric.name, reason)
+
+    def fail_unless(self, ok: torch.Tensor, reason: str, kinds: frozenset[str] | None = None) -> None:
+        """:meth:`fail` unless the 0-d bool tensor ``ok`` is true, read in :meth:`finish` with
+        every other such check of the step in one host copy (no synchronisation per call)."""
+        self._checks.append((ok.reshape(()), reason, kinds))
+
+    def _decide_checks(self) -> None:
+        """The :meth:`fail_unless` checks of the step, read together (one host copy)."""
+        if not self._checks:
+            return
+        flags = torch.stack([ok.to(self._checks[0][0].device) for ok, _, _ in self._checks]).cpu().tolist()
+        failed = [(reason, kinds) for passed, (_, reason, kinds) in zip(flags, self._checks) if not passed]
+        self._checks = []
+        decided: set[str] = set()
+        for reason, kinds in failed:
+            # The metric's inputs are wrong: the first failed check's reason replaces any other
+            # the step's hooks gave.
+            for metric in self.metrics:
+                if set(metric.source_kinds) & (ROUTER_KINDS if kinds is None else kinds) and metric.name not in decided:
+                    self.errors[metric.name] = reason
+                    decided.add(metric.name)
 
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
@@ -339,6 +361,7 @@ class TokenObserver:
         families): the k-th observation of every site forms micro-batch k, prepared in one
         call per metric; metrics share statistics (expert counts, moments rows) within a
         micro-batch. Metrics that read a kept observation changed in place since are failed."""
+        self._decide_checks()
         memos = self._memos
         # A family's layer summary depends on which of the layer's sites it reads (scores or
         # logits, the bias or not): families share it only when they read the same sites.
