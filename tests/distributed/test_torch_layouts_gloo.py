@@ -128,7 +128,7 @@ def _full(t):
     return t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
 
 
-def _run_layout(layout: str) -> tuple[dict, dict, list]:
+def _run_layout(layout: str, only: tuple[str, ...] | None = None) -> tuple[dict, dict, list]:
     from tmetrics_core.metrics.catalogue import build_metric
     from tmetrics_core.metrics.sketches import LogBins
     from tmetrics_core.tensor_metrics import TensorMetrics
@@ -137,7 +137,7 @@ def _run_layout(layout: str) -> tuple[dict, dict, list]:
     model, mesh = _build(layout)
     # A step on Partial(max) parameters has no sharding rule: they are held still (update 0).
     optimizer = (_Hold if layout == "partial" else torch.optim.AdamW)(model.parameters(), lr=1e-2)
-    names = [n for n in NAMES if layout != "partial" or n != "layer-optimizer-state-rms"]
+    names = [n for n in (only or NAMES) if layout != "partial" or n != "layer-optimizer-state-rms"]
     metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in names], optimizer=optimizer,
                             topology=Topology.from_mesh(mesh), timeout_s=60)
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(7))
@@ -239,3 +239,46 @@ def test_strided_shard_round_trips(text):
     placement = parse_placement(text)
     assert isinstance(placement, StridedShard) and parse_placement(repr(placement)) == placement
     assert parse_placement(str(placement)) == placement
+
+
+PLANNED = ("global-grad-l2", "layer-param-l2", "layer-grad-l2", "layer-grad-absmax", "layer-update-ratio",
+           "layer-param-rms", "tensor-grad-l2")
+"""Metrics the parameter program prepares (no histogram): DTensor layouts take it."""
+
+
+def _planned_rank(rank, world):
+    from tmetrics_core.sources.param_program import ParamProgram
+
+    ran = {"pre": 0, "post": 0}
+    pre, post = ParamProgram.read_pre, ParamProgram.read_post
+
+    def counted_pre(self, *args, **kwargs):
+        out = pre(self, *args, **kwargs)  # counted when it returned (an exception: the general path)
+        ran["pre"] += 1
+        return out
+
+    def counted_post(self, *args, **kwargs):
+        out = post(self, *args, **kwargs)
+        ran["post"] += 1
+        return out
+    ParamProgram.read_pre, ParamProgram.read_post = counted_pre, counted_post
+    try:
+        return {layout: (_run_layout(layout, PLANNED), dict(ran)) for layout in ("fsdp-tp", "hsdp")}
+    finally:
+        ParamProgram.read_pre, ParamProgram.read_post = pre, post
+
+
+def test_dtensor_parameters_take_the_program_and_equal_full_tensor_reference():
+    """FSDP2 x TP and HSDP parameters (DTensors, _StridedShard included) are read by the parameter
+    program as their local shards: each layout's due step runs its pre and post phases, and every
+    record equals the full-tensor reference."""
+    for by_layout in run_distributed(_planned_rank, 4, timeout=240):
+        before = {"pre": 0, "post": 0}
+        for layout, ((got, want, placements), ran) in by_layout.items():
+            assert ran["pre"] == before["pre"] + 1 and ran["post"] == before["post"] + 1, (layout, ran)
+            before = ran
+            assert set(got) == set(PLANNED)
+            try:
+                assert_results(got, want, rtol=1e-6)
+            except AssertionError as exc:
+                raise AssertionError(f"layout {layout} {placements}: {exc}") from None

@@ -59,7 +59,6 @@ metric is due.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 import sys
 from dataclasses import dataclass, field
@@ -71,13 +70,12 @@ from torch.utils.hooks import RemovableHandle
 
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.integrations.megatron_shards import OwnedRanges, is_distributed_optimizer, owned_ranges
-from tmetrics_core.observe import observe, watched
+from tmetrics_core.observe import fail_unless, observe, watched
 from tmetrics_core.placements import Owned, Placement, Shard
 from tmetrics_core.topology import Topology
 
 __all__ = ["MegatronSetup", "MegatronSteps", "active", "placements", "setup", "topology"]
 
-log = logging.getLogger("tmetrics")
 
 AXES = ("pp", "dp", "ep", "cp", "tp")
 """Axis names in reduction order (outer to inner)."""
@@ -411,23 +409,21 @@ class _GatingWrapper:
         self.router.__dict__.pop("gating", None)
 
 
-_WARNED: set[str] = set()
-
-
 def _report_topk(router: Any, args: Any, out: Any) -> None:
+    """Observes a router's top-k choice from its routing map ``[tokens, experts]``: the ids of
+    the experts each token was sent to, read on the device (``topk`` of the map, no host
+    read). Whether every token went to exactly ``k`` experts (none dropped over a capacity) is
+    decided at the step's end (``fail_unless``): the metrics reading the choice fail then."""
     if not watched("router_topk"):
         return
     routing_map = out[1]
     k = int(router.topk)
     chosen = routing_map.reshape(-1, routing_map.shape[-1])
-    per_token = chosen.sum(dim=1)
-    if not bool((per_token == k).all()):
-        if "topk" not in _WARNED:
-            _WARNED.add("topk")
-            log.warning("tmetrics: a Megatron router dispatched other than top-%d experts to some tokens (token "
-                        "dropping?); its top-k choice is not observed", k)
-        return
-    ids = chosen.nonzero()[:, 1].reshape(-1, k)
+    fail_unless((chosen.sum(dim=1) == k).all(),
+                f"a Megatron router dispatched other than top-{k} experts to some tokens (token dropping over an "
+                "expert's capacity): its top-k choice would not be what it chose; observe router_topk with "
+                "tm.observe(...) before the capacity is applied", frozenset({"router_topk"}))
+    ids = chosen.to(torch.int8).topk(k, dim=1).indices
     observe(router, "router_topk", ids, kind="router_topk")
 
 

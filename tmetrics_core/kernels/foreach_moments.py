@@ -18,8 +18,9 @@ Ops per ``(device, dtype)`` group (each a single dispatcher call over the group'
                   ``max(max, -min)``)
 ``max``           ``_foreach_max``, ``stack``: 2 (non-empty tensors only)
 ``min``           ``_foreach_neg``, ``_foreach_max``, ``stack``, a negation: 4
-``sum``           one ``cat`` of flat views, a cast, ``segment_reduce``: 3 (plus one view per
-                  tensor; the lengths tensor: 1); the only column that copies the tensors
+``sum``           ``_foreach_clamp_min`` and ``_foreach_clamp_max`` at 0, a ``p=1``
+                  ``_foreach_norm`` of each, two ``stack``, a subtraction: 7 (one temporary
+                  copy of the group at a time)
 ``zeros``         ``_foreach_norm(p=0)`` (the count of non-zero elements), ``stack``, a
                   subtraction from the element counts: 4
 ================  ===========================================================================
@@ -111,19 +112,29 @@ def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
                            if full else None, full, n, device, 0.0)
             cols[2], cols[3] = peak, -peak
     if "sum" in wanted:
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        cols[1] = torch.segment_reduce(flat.to(acc), "sum", lengths=_counts(numels, device, torch.int64),
-                                       unsafe=True, initial=0.0).to(torch.float64)
+        cols[1] = _sums(ts, acc)
     if "zeros" in wanted:
-        cols[4] = _counts(numels, device, torch.float64) - _nonzero(ts)
+        cols[4] = _counts(numels, device) - _nonzero(ts)
     return torch.stack(cols, 1)
 
 
 @functools.lru_cache(maxsize=64)
-def _counts(numels: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The element counts as a tensor on ``device``, made once per list of counts (a due set's
-    tensors keep their sizes): no host-to-device copy on later due steps. Read only."""
-    return torch.tensor(numels, dtype=dtype, device=device)
+def _counts(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The element counts as a float64 tensor on ``device``, made once per list of counts (a
+    due set's tensors keep their sizes): no host-to-device copy on later due steps. Read only."""
+    return torch.tensor(numels, dtype=torch.float64, device=device)
+
+
+def _sums(ts: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
+    """``[len(ts)]`` float64 sums of the elements: the ``p=1`` norm of the positive parts less
+    that of the negative parts, each of a clamped copy of the group (one temporary copy at a
+    time, no concatenation; NaN and infinities propagate as in a plain sum)."""
+    above = torch._foreach_clamp_min(ts, 0.0)
+    positive = torch.stack(torch._foreach_norm(above, 1, dtype=acc))
+    del above
+    below = torch._foreach_clamp_max(ts, 0.0)
+    negative = torch.stack(torch._foreach_norm(below, 1, dtype=acc))
+    return (positive - negative).to(torch.float64)
 
 
 def _nonzero(ts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -238,7 +238,8 @@ class _Count(Statistic):
 
 class _Sum(Statistic):
     """Sum of the elements, for means: float64 accumulation in the fused kernel and on CPU,
-    fp32 on accelerators (float64 for float64 tensors), one ``segment_reduce`` per group."""
+    fp32 on accelerators (float64 for float64 tensors); in batched ops the ``p=1`` norm of the
+    positive parts less that of the negative parts (``foreach_moments``)."""
 
     name, op, linear, moments = "sum", "sum", True, True
     reads = frozenset({"sum"})

@@ -37,7 +37,7 @@ from tmetrics_core.naming.manifest import Manifest, dtensor_placements
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer, read_buffers
 from tmetrics_core.sources.param_program import ParamProgram
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, read_kind, update_pairs
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, local_view, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS
 from tmetrics_core.topology import Topology
@@ -224,11 +224,13 @@ class ParamObserver:
 
     def _plan_program(self, pre: Sequence[TensorMetric], post: Sequence[TensorMetric],
                       before: Sequence[TensorMetric], names: frozenset[str]) -> ParamProgram | None:
-        """The due set's :class:`ParamProgram`: only over plain parameters held here (no flat
-        buffer, Partial placement or DTensor, whose sites and tensors the general path changes
-        per step), with every parameter-side metric one the program prepares."""
+        """The due set's :class:`ParamProgram`: only over parameters held here, plain or DTensor
+        (no flat buffer or Partial placement, whose sites and tensors the general path changes
+        per step), with every parameter-side metric one the program prepares. A DTensor
+        parameter is read as its local tensor; a step where some DTensor gradient is placed
+        otherwise than its parameter takes the general path (see :meth:`_programmed`)."""
         if (set(self.flat) & (PARAM_KINDS | OPTIMIZER_KINDS) or self.facts.partial_params
-                or self.facts.dtensor_params or any(s.partial for s in self._kind_sites["grad"])
+                or any(s.partial for s in self._kind_sites["grad"])
                 or any(p is None for p in self.facts.local)):
             return None
         return ParamProgram.plan(pre, post, before, self._kind_sites.__getitem__, self._choices.of, names,
@@ -361,9 +363,12 @@ class ParamObserver:
             return False
         # A program is planned only where every manifest entry is held here (no None).
         params = cast("list[torch.Tensor]", list(self.facts.local))
+        local = _local_tensors if self.facts.dtensor_params else None
         if phase == "pre":
+            if local is not None and not _grads_placed_as_params(params):
+                return False  # a Partial gradient (sequence parallel): resolved by the general path
             try:
-                states, absent = program.read_pre(params, self.facts.views, self.topology)
+                states, absent = program.read_pre(params, self.facts.views, self.topology, local)
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
                 states, absent = None, []
             if states is not None and absent:
@@ -378,7 +383,7 @@ class ParamObserver:
             then: moments.Held | Sequence[torch.Tensor] = (
                 held if held is not None else self._before.copies(program.names))
             try:
-                states = program.read_post(params, then, self.facts.views)
+                states = program.read_post(params, then, self.facts.views, local)
             except Exception:  # noqa: BLE001 - as above
                 states = None
         if states is None:
@@ -519,3 +524,25 @@ class ParamObserver:
                     site = dataclasses.replace(site, placements=placements)
             sites.append(site)
         return sites
+
+
+def _local_tensors(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The local tensor of each (:func:`~tmetrics_core.sources.params.local_view`)."""
+    return list(map(local_view, tensors))
+
+
+def _grads_placed_as_params(params: Sequence[torch.Tensor]) -> bool:
+    """Whether every gradient is placed as its parameter: a DTensor on the same mesh with the
+    same placements for a DTensor parameter, a plain tensor for a plain one (then the manifest's
+    gradient sites hold, as :meth:`ParamObserver._grad_sites` would find)."""
+    from torch.distributed.tensor import DTensor
+
+    for param, grad in zip(params, map(grad_of, params)):
+        if grad is None:
+            continue
+        if isinstance(param, DTensor) and isinstance(grad, DTensor):
+            if grad.device_mesh != param.device_mesh or grad.placements != param.placements:
+                return False
+        elif isinstance(param, DTensor) or isinstance(grad, DTensor):
+            return False
+    return True

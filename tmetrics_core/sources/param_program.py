@@ -40,6 +40,9 @@ from tmetrics_core.topology import Topology
 
 __all__ = ["ParamProgram", "PhasePlan"]
 
+Local = Callable[[Sequence[torch.Tensor | None]], list[torch.Tensor | None]]
+"""Maps parameters or gradients to the local tensors read (a DTensor's shard); None stays None."""
+
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -243,20 +246,24 @@ class ParamProgram:
                    PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped])
 
     def read_pre(self, params: Sequence[torch.Tensor], views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None]
-                 = (), topology: Topology | None = None) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
+                 = (), topology: Topology | None = None, local: Local | None = None
+                 ) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
         """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
         entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grad_of`),
         from one moments pass (:func:`~tmetrics_core.kernels.foreach_moments.rows`: the C kernel
         where it takes a tensor, batched torch ops elsewhere), and the rows of the gradients this
-        rank does not have this step (:meth:`entries` names their manifest entries): their gradients are left out of the statistics
-        with placeholders (see :meth:`PhasePlan.states`, on ``topology``), as the general path
-        does. ``views[i]``, where given and not None, reads entry ``i`` (an expert slice of a
-        stacked tensor) as a view of its parameter and gradient (``Manifest.views``)."""
+        rank does not have this step (:meth:`entries` names their manifest entries): their
+        gradients are left out of the statistics with placeholders (see :meth:`PhasePlan.states`,
+        on ``topology``), as the general path does. ``views[i]``, where given and not None, reads entry ``i`` (an expert slice of a
+        stacked tensor) as a view of its parameter and gradient (``Manifest.views``). ``local``,
+        where given, maps parameters and gradients to the local tensors read (DTensors' shards)."""
         # Gradient rows come first (kinds are read in sorted order: see __init__): one C-level
         # map per step over the parameters, none of Python per tensor.
         grads = self._grads
         read = list(map(params.__getitem__, self._indices))
         found = list(map(grad_of, read[:grads]))
+        if local is not None:
+            read, found = cast("list[torch.Tensor]", local(read)), local(found)
         absent: list[int] = []
         if type(None) in set(map(type, found)):
             # A stand-in of no elements per dtype and device (one tensor each, not one per
@@ -282,7 +289,7 @@ class ParamProgram:
         return [self._indices[k] for k in rows]
 
     def read_post(self, params: Sequence[torch.Tensor], then: moments.Held | Sequence[torch.Tensor],
-                  views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = ()
+                  views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = (), local: Local | None = None
                   ) -> list[tuple[StatMetric, BlockState]] | None:
         """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
         ``params`` and ``views``, as in :meth:`read_pre`) and their snapshots (``then``, in the
@@ -296,6 +303,8 @@ class ParamProgram:
                 optimizer replaced or resized it).
         """
         now = list(map(params.__getitem__, self.stepped))
+        if local is not None:
+            now = cast("list[torch.Tensor]", local(now))
         if views and any(views):
             now = [t if (view := views[i]) is None else view(t) for t, i in zip(now, self.stepped)]
         if isinstance(then, moments.Held):

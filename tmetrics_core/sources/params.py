@@ -45,9 +45,14 @@ def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None: ...
 def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """The local data of a DTensor (unpadded, possibly empty shard, detached) or the tensor
     itself. A plain parameter is not detached (one op per tensor and read): metrics read it
-    under ``torch.no_grad()``, so no graph is built."""
+    under ``torch.no_grad()``, so no graph is built. A DTensor's plain local tensor is taken as
+    it is held (the data ``to_local()`` views, without its autograd function: some 7 us per
+    tensor and read on CPU), not requiring grad; any other local tensor through ``to_local()``."""
     if tensor is None or type(tensor) in _PLAIN:
         return tensor  # the common case, without a failing attribute lookup
+    held = getattr(tensor, "_local_tensor", None)
+    if held is not None and type(held) in _PLAIN and not held.requires_grad:
+        return held
     to_local = getattr(tensor, "to_local", None)
     return to_local().detach() if to_local is not None else tensor
 
