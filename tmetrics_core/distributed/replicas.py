@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, cast
 
 import torch
 
@@ -110,7 +110,9 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
     if not present:
         return out.to(device)
     out[present, 0] = 1.0
-    fused = [i for i in present if moments.available() and moments.takes(tensors[i])]  # type: ignore[arg-type]
+    held = cast("list[torch.Tensor]", [tensors[i] for i in present])
+    fused = ([] if not moments.available() else list(present) if moments.takes_all(held)
+             else [i for i, t in zip(present, held) if moments.takes(t)])
     if fused:
         rows = moments.moments([tensors[i] for i in fused])  # type: ignore[misc]  # sumsq, sum, max, min, zeros
         out[fused, 1:5] = rows[:, [1, 0, 2, 3]]

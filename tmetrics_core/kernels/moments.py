@@ -433,7 +433,8 @@ def row_softmax_sums(tables: Sequence[torch.Tensor], classes: Sequence[int], pro
     Raises:
         RuntimeError: a non-empty table without a data pointer.
     """
-    if not _switch["on"] or not all(t.dim() == 2 and t.numel() <= SMALL_TABLE and takes(t) for t in tables):
+    if (not _switch["on"] or not all(t.dim() == 2 and t.numel() <= SMALL_TABLE for t in tables)
+            or not takes_all(tables)):
         return None
     lib = _library()
     if lib is None:
@@ -495,7 +496,8 @@ def _entries(tensors: Sequence[torch.Tensor], sites: Sequence[Site], memo: dict[
         missing = [i for i, entry in enumerate(entries) if entry is _MISSING]
         # A tensor the kernel does not take is remembered as None: checked once per step. The
         # library is only looked for when some tensor needs it (not on accelerator-only runs).
-        taken = [i for i in missing if takes(tensors[i])]
+        taken = (missing if takes_all([tensors[i] for i in missing])
+                 else [i for i in missing if takes(tensors[i])])
         lib = _library() if taken else None
         table.update((keys[i], None) for i in missing)
         if lib is not None:
