@@ -695,3 +695,13 @@ def test_a_moments_statistic_reading_shapes_gets_its_tensors(monkeypatch):
     general, _ = _train(Net, spec, _plain, program=False, steps=1, optimizer=_adamw, monkeypatch=monkeypatch)
     assert general[0][1] == [] and _records(general) == [6]
     _compare(Net, spec, _plain, monkeypatch, steps=2)
+
+
+def test_metrics_the_program_does_not_plan_take_the_general_path_beside_it(monkeypatch):
+    """Histograms and Adam-state metrics are prepared by the general path in the same step as the
+    program's metrics: every record equals an all-general run, and the program ran each phase."""
+    spec = ALL + [(_metric(n), 1) for n in ("layer-param-histogram", "layer-grad-histogram",
+                                            "layer-optimizer-state-rms")]
+    fast, ran = _compare(Net, spec, _plain, monkeypatch)
+    assert ran == (4, 4)
+    assert {key[0] for key in fast[-1][0]} >= {"layer-param-histogram", "layer-optimizer-state-rms", "layer-grad-l2"}

@@ -81,7 +81,8 @@ class DueSetPlan:
             update snapshot: prepared after the step on the snapshot (the parameters as they
             were before it), so no pass over the parameters runs before the step.
         snapshot_names: canonical names of the parameters the due update metrics read.
-        program: the due set's :class:`ParamProgram`, or None where the general path runs.
+        program: the due set's :class:`ParamProgram` (it prepares the metrics it plans, the
+            general path the others), or None where the general path prepares every metric.
     """
 
     pre: tuple[TensorMetric, ...]
@@ -304,9 +305,9 @@ class ParamObserver:
         state or updates (their parameters are the values after the step; updates are read as
         ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
         consume), and first the metrics of ``DueSetPlan.from_snapshot``. A failure to read the
-        tensors becomes every phase metric's error."""
-        if self._programmed(phase):
-            return
+        tensors becomes every phase metric's error. The due set's program prepares the metrics
+        it plans first; the general path the rest (all of them where the program did not run)."""
+        self._programmed(phase)
         plan = self.plan()
         metrics = [m for m in (plan.pre if phase == "pre" else plan.post) if m.name not in self.prepared]
         before = [m for m in (plan.from_snapshot if phase == "post" else ()) if m.name not in self.prepared]
@@ -346,27 +347,27 @@ class ParamObserver:
             tensors, memo = [None] * len(sites), {}
         self._prepare_from(metrics, sites, tensors, memo, failed)
 
-    def _programmed(self, phase: str) -> bool:
-        """Prepare the phase's metrics with the due set's :class:`ParamProgram` (the states the
-        general path prepares, without its per-tensor work), on every device and dtype; False,
-        with nothing prepared or consumed, where the general path must run: no program for the
-        due set, no optimizer step in the scope, or an error (which the general path then
-        reports). A parameter without a gradient is left out of gradient statistics with a
-        placeholder, as the general path does."""
+    def _programmed(self, phase: str) -> None:
+        """Prepare the phase's metrics the due set's :class:`ParamProgram` plans (the states the
+        general path prepares, without its per-tensor work), on every device and dtype; nothing
+        prepared or consumed where the general path must run them: no program for the due set,
+        no optimizer step in the scope, a DTensor gradient placed otherwise than its parameter,
+        or an error (which the general path then reports). A parameter without a gradient is
+        left out of gradient statistics with a placeholder, as the general path does."""
         program = self.plan().program
         if program is None:
-            return False
+            return
         plan = program.pre if phase == "pre" else program.post
         if not plan.recipes:
-            return True  # no metric of this phase is due (the program plans every one that is)
+            return  # the program plans no metric of this phase
         if phase == "post" and self._before is None:
-            return False
+            return
         # A program is planned only where every manifest entry is held here (no None).
         params = cast("list[torch.Tensor]", list(self.facts.local))
         local = _local_tensors if self.facts.dtensor_params else None
         if phase == "pre":
             if local is not None and not _grads_placed_as_params(params):
-                return False  # a Partial gradient (sequence parallel): resolved by the general path
+                return  # a Partial gradient (sequence parallel): resolved by the general path
             try:
                 states, absent = program.read_pre(params, self.facts.views, self.topology, local)
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
@@ -378,7 +379,7 @@ class ParamObserver:
             # The kernel's flat snapshot is read by address; torch's copies as they are. Neither
             # is changed, so the general path finds the snapshot intact if the program raises.
             if not isinstance(self._before, Snapshot):
-                return False
+                return
             held = self._before.held(program.names)
             then: moments.Held | Sequence[torch.Tensor] = (
                 held if held is not None else self._before.copies(program.names))
@@ -387,11 +388,10 @@ class ParamObserver:
             except Exception:  # noqa: BLE001 - as above
                 states = None
         if states is None:
-            return False
+            return
         for metric, state in states:
             self.prepared[metric.name] = (state, None)
         self.sites.update(plan.sites)
-        return True
 
     def _prepare_from(self, metrics: list[TensorMetric], sites: list[Site], tensors: list[torch.Tensor | None],
                       memo: dict, failed: str | None) -> None:

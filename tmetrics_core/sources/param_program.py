@@ -197,16 +197,17 @@ class ParamProgram:
             snapshot: names of the parameters the snapshot holds.
             num_entries: manifest entries (every one held here, as a local tensor).
 
-        Returns None unless every metric is prepared by ``StatMetric`` as a block of moments
-        rows, reads only parameters and gradients before the step and parameters and updates
-        after it, and accepts at least one site whose rows the program has.
+        The program prepares the metrics that ``StatMetric`` prepares as a block of moments rows
+        and that read only parameters and gradients before the step and parameters and updates
+        after it; the general path the others. Returns None when it prepares none, or a
+        metric it would prepare accepts no site whose rows it has.
         """
+        # The metrics the program prepares; the general path prepares the others (histograms,
+        # Adam state, custom metrics that do not declare StatMetric.planned) in the same step.
+        pre = [m for m in pre if _eligible(m, _PRE_KINDS, elements=True)]
+        post = [m for m in post if _eligible(m, _POST_KINDS)]
+        before = [m for m in before if _eligible(m, frozenset({"param"}))]
         if not pre and not post and not before:
-            return None
-        if not all(_eligible(m, _PRE_KINDS, elements=True) for m in pre):
-            return None
-        if not all(_eligible(m, _POST_KINDS) for m in post) or not all(_eligible(m, frozenset({"param"}))
-                                                                       for m in before):
             return None
         if any(len(sites_of(kind)) != num_entries for kind in ("param", "grad", "update")):
             return None  # rows are found by manifest entry: one site per entry and kind
