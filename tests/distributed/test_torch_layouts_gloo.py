@@ -242,7 +242,7 @@ def test_strided_shard_round_trips(text):
 
 
 PLANNED = ("global-grad-l2", "layer-param-l2", "layer-grad-l2", "layer-grad-absmax", "layer-update-ratio",
-           "layer-param-rms", "tensor-grad-l2")
+           "layer-param-rms", "tensor-grad-l2", "layer-optimizer-state-rms")
 """Metrics the parameter program prepares (no histogram): DTensor layouts take it."""
 
 

@@ -705,3 +705,24 @@ def test_metrics_the_program_does_not_plan_take_the_general_path_beside_it(monke
     fast, ran = _compare(Net, spec, _plain, monkeypatch)
     assert ran == (4, 4)
     assert {key[0] for key in fast[-1][0]} >= {"layer-param-histogram", "layer-optimizer-state-rms", "layer-grad-l2"}
+
+
+def test_adam_state_metrics_take_the_program(monkeypatch):
+    """Adam's exp_avg and exp_avg_sq are read after the step by one moments pass beside the
+    parts pass (the state does not exist before the first step: placeholders, as the general
+    path gives); only the histogram is left to the general path."""
+    general: dict[int, set[str]] = {}
+    original = ParamObserver._prepare_from
+
+    def recorded(self, metrics, *args, **kwargs):
+        general.setdefault(id(self), set()).update(m.name for m in metrics)
+        return original(self, metrics, *args, **kwargs)
+
+    monkeypatch.setattr(ParamObserver, "_prepare_from", recorded)
+    spec = [(_metric(n), 1) for n in ("layer-optimizer-state-rms", "layer-update-ratio", "layer-grad-l2",
+                                      "layer-param-histogram")]
+    fast, ran = _compare(Net, spec, _plain, monkeypatch)
+    assert ran == (4, 4)
+    # The program's run comes first in _compare: there only the histogram took the general path.
+    assert list(general.values())[0] == {"layer-param-histogram"}
+    assert fast[0][0][("layer-optimizer-state-rms", 0, None, None, "exp_avg")] > 0

@@ -360,8 +360,8 @@ class ParamObserver:
         plan = program.pre if phase == "pre" else program.post
         if not plan.recipes:
             return  # the program plans no metric of this phase
-        if phase == "post" and self._before is None:
-            return
+        if phase == "post" and program.stepped and not isinstance(self._before, Snapshot):
+            return  # no optimizer step in the scope: the general path reports it
         # A program is planned only where every manifest entry is held here (no None).
         params = cast("list[torch.Tensor]", list(self.facts.local))
         local = _local_tensors if self.facts.dtensor_params else None
@@ -378,20 +378,43 @@ class ParamObserver:
         else:
             # The kernel's flat snapshot is read by address; torch's copies as they are. Neither
             # is changed, so the general path finds the snapshot intact if the program raises.
-            if not isinstance(self._before, Snapshot):
-                return
-            held = self._before.held(program.names)
-            then: moments.Held | Sequence[torch.Tensor] = (
-                held if held is not None else self._before.copies(program.names))
+            then: moments.Held | Sequence[torch.Tensor] = ()
+            if isinstance(self._before, Snapshot):
+                held = self._before.held(program.names)
+                then = held if held is not None else self._before.copies(program.names)
             try:
-                states = program.read_post(params, then, self.facts.views, local)
+                states, absent = program.read_post(params, then, self.facts.views, local, self._state_tensors,
+                                                   self.topology)
             except Exception:  # noqa: BLE001 - as above
-                states = None
+                states, absent = None, []
+            if states is not None and absent:
+                self.unfed.update(program.post.unfed(frozenset(absent)))
         if states is None:
             return
         for metric, state in states:
             self.prepared[metric.name] = (state, None)
         self.sites.update(plan.sites)
+
+    def _state_tensors(self, reads: Sequence[tuple[str, int]]) -> list[torch.Tensor | None]:
+        """The local Adam state of each ``(kind, manifest entry)`` of ``reads`` (viewed as the
+        entry reads it), None where the optimizer has none yet, as ``read_kind`` reads it.
+
+        Raises:
+            ValueError: an expert slice whose state is not shaped as its stored parameter.
+        """
+        out: list[torch.Tensor | None] = []
+        states = self.optimizer.state if self.optimizer is not None else {}
+        for kind, entry in reads:
+            param = cast("torch.Tensor", self.facts.local[entry])  # a program's entries are held here
+            value = local_view(states.get(param, {}).get(kind))
+            view = self.facts.views[entry]
+            if value is not None and view is not None:
+                if value.shape != local_view(param).shape:
+                    raise ValueError(f"optimizer state {kind!r} of {self.manifest.entries[entry].name} has shape "
+                                     f"{list(value.shape)}, not its stored parameter's: no expert slice of it")
+                value = view(value)
+            out.append(value)
+        return out
 
     def _prepare_from(self, metrics: list[TensorMetric], sites: list[Site], tensors: list[torch.Tensor | None],
                       memo: dict, failed: str | None) -> None:

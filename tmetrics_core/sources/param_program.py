@@ -47,7 +47,8 @@ _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 _PRE_KINDS = frozenset({"param", "grad"})
-_POST_KINDS = frozenset({"param", "update"})
+_STATE_KINDS = frozenset({"exp_avg", "exp_avg_sq"})
+_POST_KINDS = frozenset({"param", "update"}) | _STATE_KINDS
 
 _UPDATE, _AFTER, _BEFORE = 0, 1, 2
 """Rows of one tensor in the ``parts`` pass: ``p - snapshot``, ``p`` after the step, the snapshot."""
@@ -164,11 +165,12 @@ class ParamProgram:
             one kernel call); ``reads``: ``(kind, manifest entry)`` of each row of that call.
         post: the metrics prepared after it, from the ``parts`` pass over the parameters of
             ``stepped`` (``(manifest entry, name)`` of those with a snapshot, in manifest order)
-            and their snapshots.
+            and their snapshots, then one moments pass over the Adam state of ``state_reads``
+            (``(kind, manifest entry)``, ``exp_avg`` or ``exp_avg_sq``; rows after the parts rows).
     """
 
     def __init__(self, pre: PhasePlan, reads: Sequence[tuple[str, int]], post: PhasePlan,
-                 stepped: Sequence[tuple[int, str]]) -> None:
+                 stepped: Sequence[tuple[int, str]], state_reads: Sequence[tuple[str, int]] = ()) -> None:
         self.pre = pre
         self.reads = tuple(reads)
         self._indices = tuple(i for _, i in self.reads)
@@ -178,6 +180,7 @@ class ParamProgram:
         self.post = post
         self.stepped = tuple(i for i, _ in stepped)
         self.names = tuple(name for _, name in stepped)
+        self.state_reads = tuple(state_reads)
         # Only the columns some statistic reads are computed (L2 norms, update ratios: the sum
         # of squares alone).
         self._columns = (_columns(pre), _columns(post))
@@ -209,42 +212,48 @@ class ParamProgram:
         before = [m for m in before if _eligible(m, frozenset({"param"}))]
         if not pre and not post and not before:
             return None
-        if any(len(sites_of(kind)) != num_entries for kind in ("param", "grad", "update")):
+        if any(len(sites_of(kind)) != num_entries for kind in sorted(_PRE_KINDS | _POST_KINDS)):
             return None  # rows are found by manifest entry: one site per entry and kind
         # Every metric passed _eligible: all are StatMetrics.
-        pre, post, before = (cast("Sequence[StatMetric]", ms) for ms in (pre, post, before))
-        kinds = sorted({k for m in pre for k in m.source_kinds})
+        first, post, before = (cast("Sequence[StatMetric]", ms) for ms in (pre, post, before))
+        kinds = sorted({k for m in first for k in m.source_kinds})
         sites = [s for kind in kinds for s in sites_of(kind)]
-        chosen = [_kept(m, p, sites) for m, p in zip(pre, picks(pre, sites))] if pre else []
+        picked_pre = [_kept(m, p, sites) for m, p in zip(first, picks(first, sites))] if first else []
+        # A metric that accepts no site here is left to the general path (it reports it).
+        planned = [m for m, c in zip(first, picked_pre) if c]
+        chosen = [c for c in picked_pre if c]
         union = sorted({i for p in chosen for i in p})
         position = {i: n for n, i in enumerate(union)}
         pre_rows = [[position[i] for i in p] for p in chosen]
-        pre_plan = _phase(pre, chosen, sites, pre_rows) if pre else PhasePlan((), {})
-        if pre_plan is None:
-            return None
+        pre_plan = _phase(planned, chosen, sites, pre_rows)
         names = [s.name for s in sites_of("param")] if post or before else []
         stepped = [i for i, name in enumerate(names) if name in snapshot]
         slot = {i: n for n, i in enumerate(stepped)}
-        recipes: list[_Recipe] = []
-        post_sites: dict[SiteKey, Site] = {}
+        read: list[tuple[StatMetric, bool, list[Site], list[int], list[tuple[str, int]]]] = []
         for metric, after in [*((m, True) for m in post), *((m, False) for m in before)]:
-            # The general path lists a phase's sites by kind in sorted order (param, update);
-            # the metrics of the snapshot read the parameters' "before" rows.
+            # The general path lists a phase's sites by kind in sorted order (exp_avg, exp_avg_sq,
+            # param, update); the metrics of the snapshot read the parameters' "before" rows.
             listed = [s for kind in (sorted(metric.source_kinds) if after else ["param"]) for s in sites_of(kind)]
             picked = _kept(metric, picks([metric], listed)[0], listed)
-            entries = [i % num_entries for i in picked]
-            if any(e not in slot for e in entries):
-                return None
-            kinds_read = [listed[i].kind for i in picked]
-            rows = [3 * slot[e] + (_UPDATE if kind == "update" else _AFTER if after else _BEFORE)
-                    for e, kind in zip(entries, kinds_read)]
+            at = [(listed[i].kind, i % num_entries) for i in picked]
+            if picked and all(kind in _STATE_KINDS or entry in slot for kind, entry in at):
+                read.append((metric, after, listed, picked, at))
+        # Adam state rows follow the parts rows: one moments pass over the state tensors read.
+        state_reads = sorted({(kind, entry) for *_, at in read for kind, entry in at if kind in _STATE_KINDS})
+        state_slot = {r: 3 * len(stepped) + n for n, r in enumerate(state_reads)}
+        recipes: list[_Recipe] = []
+        post_sites: dict[SiteKey, Site] = {}
+        for metric, after, listed, picked, at in read:
+            rows = [state_slot[(kind, entry)] if kind in _STATE_KINDS
+                    else 3 * slot[entry] + (_UPDATE if kind == "update" else _AFTER if after else _BEFORE)
+                    for kind, entry in at]
             plan = _phase([metric], [picked], listed, [rows])
-            if plan is None:
-                return None
             recipes.extend(plan.recipes)
             post_sites.update(plan.sites)
+        if not pre_plan.recipes and not recipes:
+            return None
         return cls(pre_plan, [(sites[i].kind, i % num_entries) for i in union],
-                   PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped])
+                   PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped], state_reads)
 
     def read_pre(self, params: Sequence[torch.Tensor], views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None]
                  = (), topology: Topology | None = None, local: Local | None = None
@@ -265,19 +274,8 @@ class ParamProgram:
         found = list(map(grad_of, read[:grads]))
         if local is not None:
             read, found = cast("list[torch.Tensor]", local(read)), local(found)
-        absent: list[int] = []
-        if type(None) in set(map(type, found)):
-            # A stand-in of no elements per dtype and device (one tensor each, not one per
-            # gradient): its row is replaced by the placeholder.
-            empty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-            absent = [k for k, g in enumerate(found) if g is None]
-            for k in absent:
-                p = read[k]
-                key = (p.device, p.dtype)
-                if key not in empty:
-                    empty[key] = p.new_empty(0)
-                found[k] = empty[key]
-        tensors = cast("list[torch.Tensor]", found) + read[grads:]
+        absent = [k for k, g in enumerate(found) if g is None] if type(None) in set(map(type, found)) else []
+        tensors = _stand_in(found, absent, read) + read[grads:]
         if views and any(views):
             skip = frozenset(absent)
             tensors = [t if (view := views[i]) is None or k in skip else view(t)
@@ -290,14 +288,17 @@ class ParamProgram:
         return [self._indices[k] for k in rows]
 
     def read_post(self, params: Sequence[torch.Tensor], then: moments.Held | Sequence[torch.Tensor],
-                  views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = (), local: Local | None = None
-                  ) -> list[tuple[StatMetric, BlockState]] | None:
+                  views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = (), local: Local | None = None,
+                  state: Callable[[Sequence[tuple[str, int]]], list[torch.Tensor | None]] | None = None,
+                  topology: Topology | None = None) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
         """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
         ``params`` and ``views``, as in :meth:`read_pre`) and their snapshots (``then``, in the
         same order): where each copy lies in the kernel's flat snapshot, read by one ``parts``
         pass of the C kernel; or the copies themselves (torch made them), whose updates are one
         ``_foreach_sub`` and whose rows come from one moments pass over updates, parameters and
-        snapshots.
+        snapshots. The Adam state of :attr:`state_reads` comes from ``state`` (the local tensor
+        of each, None where the optimizer has none yet: a placeholder, as for a missing
+        gradient in :meth:`read_pre`); also returned, the rows without one.
 
         Raises:
             ValueError: a parameter whose dtype or size no longer matches its snapshot (the
@@ -308,21 +309,52 @@ class ParamProgram:
             now = cast("list[torch.Tensor]", local(now))
         if views and any(views):
             now = [t if (view := views[i]) is None else view(t) for t, i in zip(now, self.stepped)]
-        if isinstance(then, moments.Held):
-            block = moments.parts(now, then, sumsq_only=self._columns[1] <= {"sumsq"}).flatten(0, 1)
+        blocks = []
+        if not now:
+            pass
+        elif isinstance(then, moments.Held):
+            blocks.append(moments.parts(now, then, sumsq_only=self._columns[1] <= {"sumsq"}).flatten(0, 1))
         else:
             copies = cast("list[torch.Tensor]", list(then))
             if (list(map(_SHAPE, now)) != list(map(_SHAPE, copies))
                     or list(map(_DTYPE, now)) != list(map(_DTYPE, copies))):
                 raise ValueError("a parameter's shape or dtype changed in the optimizer step")
-            updates = torch._foreach_sub(now, copies) if now else []
+            updates = torch._foreach_sub(now, copies)
             n = len(now)
             # Rows in the parts layout: update, after, before of each tensor in turn.
-            block = moments_rows([*updates, *now, *copies], self._columns[1]).view(3, n, len(moments.FIELDS)
-                                                                                  ).transpose(0, 1).reshape(3 * n, -1)
-        # A statistic that reads shapes gets the parameter for every row: the update and the
-        # snapshot have its shape (the parts pass checked their sizes).
-        return self.post.states(block, lambda r: now[r // 3])
+            blocks.append(moments_rows([*updates, *now, *copies], self._columns[1]).view(
+                3, n, len(moments.FIELDS)).transpose(0, 1).reshape(3 * n, -1))
+        held: list[torch.Tensor] = []
+        absent: list[int] = []
+        if self.state_reads:
+            assert state is not None  # a program with Adam state rows is read with the state
+            found = state(self.state_reads)
+            absent = [k for k, t in enumerate(found) if t is None]
+            held = _stand_in(found, absent, [params[e] if local is None else cast("torch.Tensor", local([params[e]])[0])
+                                             for _, e in self.state_reads])
+            rows = moments_rows(held, self._columns[1])
+            blocks.append(rows if not blocks else rows.to(blocks[0].device))
+        base = 3 * len(now)
+        # A statistic that reads shapes gets the parameter for every parts row (the update and
+        # the snapshot have its shape: the parts pass checked their sizes), the state tensor
+        # for a state row.
+        block = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        gone = [base + k for k in absent]
+        return (self.post.states(block, lambda r: now[r // 3] if r < base else held[r - base], frozenset(gone),
+                                 topology), gone)
+
+
+def _stand_in(found: list[torch.Tensor | None], absent: list[int], like: Sequence[torch.Tensor]
+              ) -> list[torch.Tensor]:
+    """``found`` with a tensor of no elements (one per dtype and device, like ``like[k]``) at
+    each index of ``absent``: its row is replaced by a placeholder."""
+    empty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    for k in absent:
+        key = (like[k].device, like[k].dtype)
+        if key not in empty:
+            empty[key] = like[k].new_empty(0)
+        found[k] = empty[key]
+    return cast("list[torch.Tensor]", found)
 
 
 def _kept(metric: StatMetric, picked: list[int], sites: Sequence[Site]) -> list[int]:
@@ -338,14 +370,12 @@ def _index(rows: Sequence[int]) -> torch.Tensor | slice:
 
 
 def _phase(metrics: Sequence[StatMetric], chosen: Sequence[Sequence[int]], sites: Sequence[Site],
-           rows: Sequence[Sequence[int]]) -> PhasePlan | None:
+           rows: Sequence[Sequence[int]]) -> PhasePlan:
     """Recipes of ``metrics``: ``chosen[k]`` the indices of the ``sites`` metric ``k`` accepts
-    and ``rows[k]`` their kernel rows; None when a metric accepts no site."""
+    (at least one) and ``rows[k]`` their kernel rows."""
     recipes = []
     named: dict[SiteKey, Site] = {}
     for metric, picked, at in zip(metrics, chosen, rows):
-        if not picked:
-            return None
         chosen_sites = tuple(sites[i] for i in picked)
         recipes.append(_Recipe(metric, tuple(at), _index(at), tuple(s.key for s in chosen_sites), chosen_sites))
         named.update((sites[i].key, sites[i]) for i in picked)
