@@ -80,3 +80,22 @@ def test_tensors_the_kernel_does_not_take_are_copied_by_torch(kind: str) -> None
     assert snap.held(["a", "c"]) is None  # no flat buffer: the program leaves it to the general path
     assert torch.equal(_bits(snap["c"]), _bits(model.c.detach()))
     assert snap["a"].stride() == model.a.stride() and torch.equal(snap["a"], model.a.detach())
+
+
+def test_a_pristine_snapshot_lends_its_buffer_to_the_next_one() -> None:
+    """The next due step writes into the buffer of the last one (no fresh memory, no page faults)
+    only when no copy of it was handed out; its copies are exact all the same."""
+    model = Mixed()
+    manifest = _manifest(model)
+    first = snapshot(manifest, {"a", "c"})
+    spare = first.spare()
+    assert spare is not None
+    with torch.no_grad():
+        model.a.add_(1.0)
+    second = snapshot(manifest, {"a", "c"}, spare)
+    held = second.held(["a", "c"])
+    assert held is not None and held.owner is spare and held.addresses[0] == spare.data_ptr()
+    assert torch.equal(_bits(second["a"]), _bits(model.a.detach()))
+    assert second.spare() is None  # a copy was handed out: it may be read or changed elsewhere
+    small = snapshot(manifest, {"c"}, torch.empty(8, dtype=torch.uint8))  # too small: fresh memory
+    assert torch.equal(_bits(small["c"]), _bits(model.c.detach()))

@@ -286,21 +286,27 @@ class Held(NamedTuple):
     addresses: array.array
     numels: array.array
     dtypes: list[torch.dtype]
+    owner: torch.Tensor | None = None
+    """The tensor whose memory the addresses point into, kept alive with the block."""
 
     def pick(self, rows: Sequence[int]) -> Held:
         """The entries at ``rows``, in that order."""
         return Held(array.array("Q", map(self.addresses.__getitem__, rows)),
-                    array.array("q", map(self.numels.__getitem__, rows)), list(map(self.dtypes.__getitem__, rows)))
+                    array.array("q", map(self.numels.__getitem__, rows)), list(map(self.dtypes.__getitem__, rows)),
+                    self.owner)
 
 
-def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Held] | None:
+def copied(tensors: Sequence[torch.Tensor], spare: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, Held] | None:
     """One flat byte buffer holding exact copies of ``tensors`` (every bit: -0.0, NaN payloads),
     each at a byte offset aligned to 64 bytes, and where each copy lies in it (a :class:`Held`
-    block, in the order of ``tensors``), made by one kernel call over
+    block, in the order of ``tensors``, keeping the buffer alive), made by one kernel call over
     ``torch.get_num_threads()`` threads: the update snapshot of the parameters, about 0.6x the
     time of ``torch._foreach_mul(tensors, 1.0)`` on CPU, which launches a kernel and makes a
-    tensor object per copy. None (nothing copied) when the kernel is off or does not take a
-    tensor (:func:`takes`).
+    tensor object per copy. ``spare``: a uint8 CPU buffer no one else reads, written into when
+    it is large enough (an earlier snapshot's: fresh memory costs a page fault per 4 KiB on
+    first write, some 3x the copy itself). None (nothing copied) when the kernel is off or
+    does not take a tensor (:func:`takes`).
 
     Raises:
         RuntimeError: the kernel ran out of memory.
@@ -313,13 +319,15 @@ def copied(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Held] | None:
     # Each copy starts at a multiple of 64 bytes (C-level maps: no Python per tensor).
     ends = list(itertools.accumulate(map(operator.and_, map(operator.add, sizes, itertools.repeat(63)),
                                          itertools.repeat(-64))))
-    buffer = torch.empty(ends[-1] if ends else 0, dtype=torch.uint8)
+    needed = ends[-1] if ends else 0
+    buffer = (spare if spare is not None and spare.numel() >= needed and spare.dtype is torch.uint8
+              and spare.is_cpu and spare.is_contiguous() else torch.empty(needed, dtype=torch.uint8))
     base = buffer.data_ptr()
     dsts = array.array("Q", [base, *map(base.__add__, ends[:-1])] if ends else [])
-    threads = torch.get_num_threads() if buffer.numel() >= 4 * _PARALLEL else 1
+    threads = torch.get_num_threads() if needed >= 4 * _PARALLEL else 1
     if _kernel().tm_copy(len(dsts), _address(srcs), _address(dsts), _address(sizes), threads):
         raise RuntimeError("the kernel's copy ran out of memory")
-    return buffer, Held(dsts, numels, dtypes)
+    return buffer, Held(dsts, numels, dtypes, buffer)
 
 
 def sumsq_suffices(statistics: Iterable[Statistic]) -> bool:

@@ -69,6 +69,11 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
             return None
         return held.pick([at[name] for name in names])
 
+    def spare(self) -> torch.Tensor | None:
+        """The flat buffer, for the next snapshot to write into, when no copy in it was ever
+        handed out (then nothing outside this snapshot reads it); else None."""
+        return self._buffer if self._pristine else None
+
     def copies(self, names: Sequence[str]) -> list[torch.Tensor]:
         """The copies of ``names``, in that order, as :meth:`__getitem__` gives each.
 
@@ -128,10 +133,12 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
 
 
 @torch.no_grad()
-def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None) -> Snapshot:
+def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None,
+             spare: torch.Tensor | None = None) -> Snapshot:
     """Copies of the local parameters (for updates), only of ``names`` when given: one kernel
-    call into one flat buffer where the kernel takes every tensor, else one batched torch
-    kernel (``x * 1.0`` is exact for every value: -0.0, NaN, inf).
+    call into one flat buffer (``spare``, an earlier snapshot's :meth:`Snapshot.spare`, where
+    large enough) where the kernel takes every tensor, else one batched torch kernel
+    (``x * 1.0`` is exact for every value: -0.0, NaN, inf).
 
     Raises:
         RuntimeError: the kernel ran out of memory.
@@ -144,7 +151,7 @@ def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None)
         tensors = list(map(local_view, tensors))
     if views:
         tensors = [manifest.viewed(n, t) for n, t in zip(chosen, tensors)]
-    flat = moments.copied(tensors) if tensors else None
+    flat = moments.copied(tensors, spare) if tensors else None
     if flat is None:
         copies = torch._foreach_mul(tensors, 1.0) if tensors else []
         return Snapshot(copies=dict(zip(chosen, copies)))
