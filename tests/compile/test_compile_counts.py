@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.compile_counts import largest_difference, run
-from tmetrics_core.observe import fail, observe, observing, record, record_residual, register_modules
+from tmetrics_core.observe import fail, fail_unless, observe, observing, record, record_residual, register_modules
 
 CADENCES = {"every step": (1, 3), "every 5": (5, 6), "never": (10**9, 3)}
 """Cadence -> (interval, steps): the every-5 run goes due, idle 3 steps, due again; "never" is
@@ -72,6 +72,9 @@ class _Observer:
     def fail(self, reason, kinds=None):
         self.seen.append(("fail", reason))
 
+    def fail_unless(self, ok, reason, kinds=None):
+        self.seen.append(("fail_unless", bool(ok), reason, kinds))
+
 
 def test_each_call_reaches_the_observer_from_a_compiled_graph_as_from_eager() -> None:
     """Through AOT autograd (``aot_eager``): the operators, which have no output, are kept in
@@ -87,6 +90,7 @@ def test_each_call_reaches_the_observer_from_a_compiled_graph_as_from_eager() ->
         record(inner, "r", h * 2, kind="router_logits", shard_dim=None)
         record_residual(inner, h, x, accumulator=True)
         fail("why")
+        fail_unless((h > 1e9).all(), "never", frozenset({"router_topk"}))  # a device flag: no host read here
         return h.relu()
 
     x = torch.randn(4, 3, requires_grad=True)
@@ -98,5 +102,6 @@ def test_each_call_reaches_the_observer_from_a_compiled_graph_as_from_eager() ->
         runs.append(observer)
     eager, compiled = runs
     assert compiled.seen == eager.seen == [(inner, "a", "activation", 1, None), (inner, "r", "router_logits", None, None),
-                                           (inner, "residual", True, None), ("fail", "why")]
+                                           (inner, "residual", True, None), ("fail", "why"),
+                                           ("fail_unless", False, "never", frozenset({"router_topk"}))]
     assert all(torch.equal(a, b) for a, b in zip(compiled.tensors, eager.tensors)) and len(compiled.tensors) == 3
