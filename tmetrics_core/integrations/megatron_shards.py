@@ -24,7 +24,6 @@ an overlapped all-gather (``overlap_param_gather``) would leave them stale then,
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,9 +32,8 @@ import torch.distributed as dist
 
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.naming.manifest import Manifest
-from tmetrics_core.placements import FlatShard
 from tmetrics_core.site import Site
-from tmetrics_core.sources.flat import FlatBuffer, _range_of
+from tmetrics_core.sources.flat import FlatBuffer, _range_of, owned_part
 from tmetrics_core.topology import Topology
 
 __all__ = ["OwnedRanges", "is_distributed_optimizer", "owned_ranges"]
@@ -75,7 +73,6 @@ class OwnedRanges(FlatBuffer):
             raise ConfigError(f"Megatron's distributed optimizer shards over {self.axis!r}, not an axis of the "
                               f"topology {list(topology_axes)}")
         listed = {id(p) for p in self.params}
-        order = {n: i for i, n in enumerate(topology_axes)}
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
         for entry in manifest.entries:
@@ -85,14 +82,10 @@ class OwnedRanges(FlatBuffer):
                 sites.append(site)
                 tensors.append(None)
                 continue
-            start, end = _range_of(entry.name, manifest, param, (0, param.numel()))
             lo, hi = self.ranges.get(id(param), (0, 0))
-            a, b = max(start, lo), min(end, hi)
-            a, b = (a, b) if a < b else (start, start)
-            shard = FlatShard(entry.shape, start=a - start, end=b - start)
-            placements = tuple(p for p in site.placements if p[0] != self.axis) + ((self.axis, shard),)
-            sites.append(dataclasses.replace(site, placements=tuple(sorted(placements,
-                                                                           key=lambda ap: order.get(ap[0], 0)))))
+            owned, a, b = owned_part(site, entry.shape, _range_of(entry.name, manifest, param, (0, param.numel())),
+                                     (lo, hi), self.axis, topology_axes)
+            sites.append(owned)
             piece = self.fetch(param) if lo < hi else None
             if piece is None:
                 tensors.append(None if lo < hi else param.detach().reshape(-1)[:0])

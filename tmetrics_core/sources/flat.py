@@ -20,7 +20,7 @@ from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.placements import FlatShard
 from tmetrics_core.site import Site
 
-__all__ = ["FlatBuffer", "read_buffers"]
+__all__ = ["FlatBuffer", "owned_part", "read_buffers"]
 
 
 @dataclass(frozen=True)
@@ -72,16 +72,29 @@ class FlatBuffer:
                 sites.append(site)
                 tensors.append(None)
                 continue
-            start, end = _range_of(entry.name, manifest, param, ranges[id(param)])
-            a, b = max(start, lo), min(end, hi)
-            a, b = (a, b) if a < b else (start, start)
-            shard = FlatShard(entry.shape, start=a - start, end=b - start)
-            placements = tuple(p for p in site.placements if p[0] != self.axis) + ((self.axis, shard),)
-            order = {n: i for i, n in enumerate(topology_axes)}
-            placements = tuple(sorted(placements, key=lambda ap: order.get(ap[0], 0)))
-            sites.append(dataclasses.replace(site, placements=placements))
+            owned, a, b = owned_part(site, entry.shape, _range_of(entry.name, manifest, param, ranges[id(param)]),
+                                     (lo, hi), self.axis, topology_axes)
+            sites.append(owned)
             tensors.append(self.buffer.detach()[a - lo:b - lo] if a < b else self.buffer.detach()[:0])
         return sites, tensors
+
+
+def owned_part(site: Site, shape: tuple[int, ...], entry: tuple[int, int], owned: tuple[int, int], axis: str,
+               topology_axes: Sequence[str]) -> tuple[Site, int, int]:
+    """The site of an entry of logical ``shape`` whose elements ``entry = (start, end)`` of a
+    flat concatenation meet this rank's ``owned = (lo, hi)`` range of it, sharded on ``axis``:
+    ``FlatShard`` of the overlap on ``axis`` (empty where they do not meet), the site's other
+    placements kept, in ``topology_axes`` order; and the overlap's bounds ``(a, b)`` in the
+    concatenation (``a == b`` when empty). Shared by every flat-buffer reader (ZeRO buffers,
+    Megatron's distributed optimizer)."""
+    (start, end), (lo, hi) = entry, owned
+    a, b = max(start, lo), min(end, hi)
+    a, b = (a, b) if a < b else (start, start)
+    shard = FlatShard(shape, start=a - start, end=b - start)
+    placements = tuple(p for p in site.placements if p[0] != axis) + ((axis, shard),)
+    order = {n: i for i, n in enumerate(topology_axes)}
+    placements = tuple(sorted(placements, key=lambda ap: order.get(ap[0], 0)))
+    return dataclasses.replace(site, placements=placements), a, b
 
 
 def read_buffers(buffers: Sequence[FlatBuffer], manifest: Manifest, topology_axes: Sequence[str]
