@@ -36,12 +36,16 @@ class Mixed(torch.nn.Module):
 def test_copies_are_exact_views_of_one_buffer_made_when_looked_up() -> None:
     model = Mixed()
     manifest = _manifest(model)
-    snap = snapshot(manifest, {"a", "b", "c", "empty"})
+    snap = snapshot(manifest, ["a", "b", "c", "empty"])
     assert isinstance(snap, Snapshot) and len(snap) == 4 and set(snap) == {"a", "b", "c", "empty"}
     held = snap.held(["a", "b", "c", "empty"])
     assert held is not None and list(held.numels) == [300 * 700, 17, 15, 0]
     assert all(address % 64 == 0 for address in held.addresses)
     assert held.dtypes == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    head, picked = snap.held(["a", "b"]), snap.held(["c", "a"])  # a prefix of the copy order; any order
+    assert head is not None and list(head.addresses) == list(held.addresses[:2]) and head.owner is held.owner
+    assert picked is not None and list(picked.addresses) == [held.addresses[2], held.addresses[0]]
+    assert picked.dtypes == [torch.float32, torch.float32] and list(picked.numels) == [15, 300 * 700]
     a_before = model.a.detach().clone()
     with torch.no_grad():
         model.a.add_(1.0)  # the optimizer step: the snapshot keeps the values before it
@@ -56,7 +60,7 @@ def test_copies_are_exact_views_of_one_buffer_made_when_looked_up() -> None:
 
 def test_the_general_path_pops_and_overwrites_entries() -> None:
     model = Mixed()
-    snap = snapshot(_manifest(model), {"a", "c"})
+    snap = snapshot(_manifest(model), ["a", "c"])
     c = snap.pop("c")
     assert "c" not in snap and len(snap) == 1 and torch.equal(_bits(c), _bits(model.c.detach()))
     snap["a"] = torch.zeros(1)
@@ -74,9 +78,9 @@ def test_tensors_the_kernel_does_not_take_are_copied_by_torch(kind: str) -> None
     manifest = _manifest(model)
     if kind == "kernel off":
         with moments.disabled():
-            snap = snapshot(manifest, {"a", "c"})
+            snap = snapshot(manifest, ["a", "c"])
     else:
-        snap = snapshot(manifest, {"a", "c"})
+        snap = snapshot(manifest, ["a", "c"])
     assert snap.held(["a", "c"]) is None  # no flat buffer: the program leaves it to the general path
     assert torch.equal(_bits(snap["c"]), _bits(model.c.detach()))
     assert snap["a"].stride() == model.a.stride() and torch.equal(snap["a"], model.a.detach())
@@ -87,15 +91,15 @@ def test_a_pristine_snapshot_lends_its_buffer_to_the_next_one() -> None:
     only when no copy of it was handed out; its copies are exact all the same."""
     model = Mixed()
     manifest = _manifest(model)
-    first = snapshot(manifest, {"a", "c"})
+    first = snapshot(manifest, ["a", "c"])
     spare = first.spare()
     assert spare is not None
     with torch.no_grad():
         model.a.add_(1.0)
-    second = snapshot(manifest, {"a", "c"}, spare)
+    second = snapshot(manifest, ["a", "c"], spare)
     held = second.held(["a", "c"])
     assert held is not None and held.owner is spare and held.addresses[0] == spare.data_ptr()
     assert torch.equal(_bits(second["a"]), _bits(model.a.detach()))
     assert second.spare() is None  # a copy was handed out: it may be read or changed elsewhere
-    small = snapshot(manifest, {"c"}, torch.empty(8, dtype=torch.uint8))  # too small: fresh memory
+    small = snapshot(manifest, ["c"], torch.empty(8, dtype=torch.uint8))  # too small: fresh memory
     assert torch.equal(_bits(small["c"]), _bits(model.c.detach()))

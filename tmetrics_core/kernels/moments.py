@@ -11,8 +11,9 @@ The C kernel ``moments.c`` reads it once and writes five float64 numbers per ten
 squares, so exact non-finite counts run only for the tensors that have one.
 
 The kernel is compiled with the system C compiler (``$CC``, else ``cc``) on first use and cached
-under ``$TMETRICS_CACHE`` (default ``$XDG_CACHE_HOME/tmetrics`` or ``~/.cache/tmetrics``), keyed by
-the source, the compiler and the CPU's instruction sets. Without a compiler, with
+(:mod:`tmetrics_core.kernels.build`), keyed by the source, the compiler and the CPU's
+instruction sets; its arguments for a list of tensors are read by a small C++ function
+(:mod:`tmetrics_core.kernels.tensor_lists`), built beside it. Without either compiler, with
 ``TMETRICS_FUSED_KERNEL=0``, and for tensors it does not take (accelerator, float64, float16,
 non-contiguous), the same rows come from batched torch ops
 (:mod:`tmetrics_core.kernels.foreach_moments`, a fixed number per statistic and group).
@@ -24,7 +25,6 @@ import array
 import contextlib
 import ctypes
 import functools
-import hashlib
 import itertools
 import logging
 import operator
@@ -33,12 +33,12 @@ import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, NamedTuple, Sequence, cast
 
 import torch
 
+from tmetrics_core.kernels import build, tensor_lists
 from tmetrics_core.site import Site, SiteKey
 
 if TYPE_CHECKING:
@@ -57,12 +57,9 @@ _KEY = operator.attrgetter("key")
 _MISSING = object()
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2}
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-_STRIDED = frozenset({torch.strided})
-_IS_CPU = operator.attrgetter("is_cpu")
-_DTYPE = operator.attrgetter("dtype")
-_LAYOUT = operator.attrgetter("layout")
+_DTYPE_OF = {code: dtype for dtype, code in _DTYPES.items()}
+_ITEMSIZE = {_DTYPES[torch.float32]: 4, _DTYPES[torch.bfloat16]: 2}
+"""Bytes per element, by kernel dtype code."""
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
 _ARCH = (("-march=native",), ())
 _PARALLEL = 1 << 17
@@ -76,12 +73,6 @@ tokens): there one kernel call replaces some twenty small torch ops per table.""
 _SOURCE = Path(__file__).with_name("moments.c")
 _log = logging.getLogger("tmetrics.kernel")
 _switch = {"on": os.environ.get("TMETRICS_FUSED_KERNEL", "1") != "0"}
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TMETRICS_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tmetrics")
-    return Path(root) / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -110,26 +101,13 @@ def _openmp() -> tuple[str, ...]:
 
 
 def _compile(cc: list[str], target: Path) -> None:
-    """Build the shared library at ``target`` (atomically: ranks of one node may race)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        # -march=native vectorizes the lanes for this CPU (2.7x faster than the baseline ISA);
-        # compilers or architectures without it get the portable build, and compilers without
-        # OpenMP (clang without libomp) the single-threaded one.
-        openmp = _openmp()
-        variants = [(*omp, *arch) for arch in _ARCH for omp in dict.fromkeys((openmp, ()))]
-        for flags in variants:
-            done = subprocess.run([*cc, *_FLAGS, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if done.returncode == 0 and os.path.getsize(tmp) > 0:
-                os.replace(tmp, target)
-                return
-        raise OSError(f"{' '.join(cc)} failed: {done.stderr.strip()[-500:] or 'no library written'}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """Build the shared library at ``target`` (see :func:`tmetrics_core.kernels.build.build`)."""
+    # -march=native vectorizes the lanes for this CPU (2.7x faster than the baseline ISA);
+    # compilers or architectures without it get the portable build, and compilers without
+    # OpenMP (clang without libomp) the single-threaded one.
+    openmp = _openmp()
+    build.build(target, [[*cc, *_FLAGS, *omp, *arch, str(_SOURCE), "-lm"]
+                         for arch in _ARCH for omp in dict.fromkeys((openmp, ()))], timeout=120)
 
 
 @functools.cache
@@ -143,9 +121,9 @@ def _library() -> ctypes.CDLL | None:
     cc = shlex.split(found)  # CC may carry flags ("gcc -O2"), as make allows
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join((_SOURCE.read_text(), " ".join(cc), version, repr((_FLAGS, _ARCH, _openmp())),
-                                        platform.machine(), _cpu_flags())).encode()).hexdigest()[:20]
-        path = _cache_dir() / f"moments-{key}.so"
+        key = build.key(_SOURCE.read_text(), " ".join(cc), version, repr((_FLAGS, _ARCH, _openmp())),
+                        platform.machine(), _cpu_flags())
+        path = build.cache_dir() / f"moments-{key}.so"
         if not path.exists():
             _compile(cc, path)
         lib = ctypes.CDLL(str(path))
@@ -153,7 +131,7 @@ def _library() -> ctypes.CDLL | None:
         _log.warning("fused moments kernel unavailable (%s; compiler %s, cache %s): tmetrics reads each CPU tensor "
                      "once per statistic instead of once for all; results are the same. Fix the compiler (CC) or "
                      "the cache directory (TMETRICS_CACHE); TMETRICS_FUSED_KERNEL=0 silences this",
-                     exc, " ".join(cc), _cache_dir())
+                     exc, " ".join(cc), build.cache_dir())
         return None
     lib.tm_moments.restype = ctypes.c_int
     lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 3 + [ctypes.c_void_p]
@@ -165,8 +143,9 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the fused kernel is switched on and compiled (compiles it on first call)."""
-    return _switch["on"] and _library() is not None
+    """Whether the fused kernel is switched on and compiled, with the C++ reader of its
+    arguments (:mod:`~tmetrics_core.kernels.tensor_lists`; compiles both on first call)."""
+    return _switch["on"] and _library() is not None and tensor_lists.available()
 
 
 @contextlib.contextmanager
@@ -192,23 +171,15 @@ def takes_all(tensors: Sequence[torch.Tensor]) -> bool:
     return _pack(tensors) is not None
 
 
-def _pack(tensors: Sequence[torch.Tensor]) -> tuple[array.array, array.array, list[torch.dtype]] | None:
-    """Data pointers, element counts and dtypes of ``tensors`` when the kernel takes every one
-    (:func:`takes`), else None. Checked one property at a time over the whole list (C-level
-    ``map`` loops: this runs for every tensor of every due step, where a Python loop per tensor
-    would cost more than the kernel's pass)."""
-    if not (set(map(type, tensors)) <= _PLAIN and all(map(_IS_CPU, tensors))
-            and set(map(_LAYOUT, tensors)) <= _STRIDED and all(map(torch.Tensor.is_contiguous, tensors))
-            and not any(map(torch.Tensor.is_neg, tensors))):
+def _pack(tensors: Sequence[torch.Tensor]) -> tuple[array.array, array.array, array.array] | None:
+    """Data pointers, element counts and dtype codes of ``tensors`` when the kernel takes every
+    one (:func:`takes`), else None: one C++ call over the list
+    (:func:`tmetrics_core.kernels.tensor_lists.pack`; this runs for every tensor of every due
+    step). A list that starts with an accelerator tensor, or any list without a compiled
+    kernel, is refused first: runs without CPU tensors build nothing."""
+    if tensors and not tensors[0].is_cpu or _library() is None:
         return None
-    dtypes = list(map(_DTYPE, tensors))
-    if not set(dtypes) <= _DTYPES.keys():
-        return None
-    xs = array.array("Q", map(torch.Tensor.data_ptr, tensors))
-    ns = array.array("q", map(torch.Tensor.numel, tensors))
-    if 0 in xs and any(x == 0 and n for x, n in zip(xs, ns)):
-        return None  # a non-empty tensor whose memory is not addressed (freed storage)
-    return xs, ns, dtypes
+    return tensor_lists.pack(tensors, _DTYPES)
 
 
 def rows_if_taken(tensors: Sequence[torch.Tensor], *, sumsq_only: bool = False) -> torch.Tensor | None:
@@ -280,20 +251,30 @@ def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor] | Held,
 class Held(NamedTuple):
     """Values a caller keeps outside any tensor object, given to :func:`parts` as ``minus``:
     those of tensor ``i`` start at ``addresses[i]`` (contiguous, alive during the call), with
-    ``numels[i]`` elements of ``dtypes[i]``. One block describes them all (an update
-    snapshot's flat buffer: no Python object per parameter on a due step)."""
+    ``numels[i]`` elements of the dtype of kernel code ``codes[i]`` (see :attr:`dtypes`). One
+    block describes them all (an update snapshot's flat buffer: no Python object per parameter
+    on a due step)."""
 
     addresses: array.array
     numels: array.array
-    dtypes: list[torch.dtype]
+    codes: array.array
     owner: torch.Tensor | None = None
     """The tensor whose memory the addresses point into, kept alive with the block."""
+
+    @property
+    def dtypes(self) -> list[torch.dtype]:
+        """The dtype of each entry."""
+        return list(map(_DTYPE_OF.__getitem__, self.codes))
+
+    def head(self, count: int) -> Held:
+        """The first ``count`` entries."""
+        return Held(self.addresses[:count], self.numels[:count], self.codes[:count], self.owner)
 
     def pick(self, rows: Sequence[int]) -> Held:
         """The entries at ``rows``, in that order."""
         return Held(array.array("Q", map(self.addresses.__getitem__, rows)),
-                    array.array("q", map(self.numels.__getitem__, rows)), list(map(self.dtypes.__getitem__, rows)),
-                    self.owner)
+                    array.array("q", map(self.numels.__getitem__, rows)),
+                    array.array("i", map(self.codes.__getitem__, rows)), self.owner)
 
 
 def copied(tensors: Sequence[torch.Tensor], spare: torch.Tensor | None = None
@@ -314,8 +295,8 @@ def copied(tensors: Sequence[torch.Tensor], spare: torch.Tensor | None = None
     packed = _pack(tensors) if available() else None
     if packed is None:
         return None
-    srcs, numels, dtypes = packed
-    sizes = array.array("q", map(operator.mul, numels, map(_ITEMSIZE.__getitem__, dtypes)))
+    srcs, numels, codes = packed
+    sizes = array.array("q", map(operator.mul, numels, map(_ITEMSIZE.__getitem__, codes)))
     # Each copy starts at a multiple of 64 bytes (C-level maps: no Python per tensor).
     ends = list(itertools.accumulate(map(operator.and_, map(operator.add, sizes, itertools.repeat(63)),
                                          itertools.repeat(-64))))
@@ -327,7 +308,7 @@ def copied(tensors: Sequence[torch.Tensor], spare: torch.Tensor | None = None
     threads = torch.get_num_threads() if needed >= 4 * _PARALLEL else 1
     if _kernel().tm_copy(len(dsts), _address(srcs), _address(dsts), _address(sizes), threads):
         raise RuntimeError("the kernel's copy ran out of memory")
-    return buffer, Held(dsts, numels, dtypes, buffer)
+    return buffer, Held(dsts, numels, codes, buffer)
 
 
 def sumsq_suffices(statistics: Iterable[Statistic]) -> bool:
@@ -369,32 +350,33 @@ def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
     return _with_minus(packed, minus)
 
 
-def _with_minus(packed: tuple[array.array, array.array, list[torch.dtype]],
+def _with_minus(packed: tuple[array.array, array.array, array.array],
                 minus: Sequence[torch.Tensor | None] | Held | None) -> _Packed:
     """:func:`_pack`'s arrays with the addresses of what each tensor subtracts (0: nothing; None:
-    nothing for every tensor) and
-    the dtype codes, as the kernel takes them (Python arrays, not torch tensors: no torch op).
+    nothing for every tensor), as the kernel takes them (Python arrays, not torch tensors: no
+    torch op).
 
     Raises:
         ValueError: a ``minus`` entry whose dtype or element count differs from its tensor's,
-            or a tensor entry the kernel does not take.
+            or one the kernel does not take.
     """
-    xs, ns, dtypes = packed
-    codes = array.array("i", map(_DTYPES.__getitem__, dtypes))
+    xs, ns, codes = packed
     if minus is None:
         return xs, array.array("Q", bytes(8 * len(xs))), ns, codes
     if isinstance(minus, Held):
-        if minus.numels != ns or minus.dtypes != dtypes:
+        if minus.numels != ns or minus.codes != codes:
             raise ValueError("held values must match their tensors (same dtype and element count)")
         return xs, minus.addresses, ns, codes
-    subtracted = [m for m in minus if m is not None]
-    taken = _pack(subtracted)
-    same = [(d, n) if m is None else (m.dtype, m.numel()) for m, d, n in zip(minus, dtypes, ns)]
-    if taken is None or len(minus) != len(dtypes) or same != list(zip(dtypes, ns)):
+    at = [i for i, m in enumerate(minus) if m is not None]
+    taken = _pack([m for m in minus if m is not None])
+    if (taken is None or len(minus) != len(xs) or list(map(ns.__getitem__, at)) != list(taken[1])
+            or list(map(codes.__getitem__, at)) != list(taken[2])):
         raise ValueError("each minus must match its tensor (same dtype and element count, contiguous CPU "
                          "float32/bfloat16)")
-    given = iter(taken[0])
-    return xs, array.array("Q", [0 if m is None else next(given) for m in minus]), ns, codes
+    ys = array.array("Q", bytes(8 * len(xs)))
+    for i, address in zip(at, taken[0]):
+        ys[i] = address
+    return xs, ys, ns, codes
 
 
 def _address(values: array.array) -> int:

@@ -80,7 +80,10 @@ class DueSetPlan:
         from_snapshot: the due metrics of parameters alone whose every tensor is in the
             update snapshot: prepared after the step on the snapshot (the parameters as they
             were before it), so no pass over the parameters runs before the step.
-        snapshot_names: canonical names of the parameters the due update metrics read.
+        snapshot_names: canonical names of the parameters the due update metrics read, in the
+            order the snapshot copies them: the program's parameters first, in the order it
+            reads them (so it reads the snapshot as one block), then the others in manifest
+            order.
         program: the due set's :class:`ParamProgram` (it prepares the metrics it plans, the
             general path the others), or None where the general path prepares every metric.
     """
@@ -88,7 +91,7 @@ class DueSetPlan:
     pre: tuple[TensorMetric, ...]
     post: tuple[TensorMetric, ...]
     from_snapshot: tuple[TensorMetric, ...]
-    snapshot_names: frozenset[str]
+    snapshot_names: tuple[str, ...]
     program: ParamProgram | None
 
 
@@ -228,7 +231,10 @@ class ParamObserver:
             program = self._plan_program(pre, post, before, names)
         except Exception:  # noqa: BLE001 - a metric's own code raised (e.g. kept): the
             program = None  # general path reports it per metric, on every rank
-        return DueSetPlan(pre, post, before, names, program)
+        first = program.names if program is not None else ()
+        rest = frozenset(first)
+        order = (*first, *(n for n in self.manifest.local if n in names and n not in rest))
+        return DueSetPlan(pre, post, before, order, program)
 
     def _plan_program(self, pre: Sequence[TensorMetric], post: Sequence[TensorMetric],
                       before: Sequence[TensorMetric], names: frozenset[str]) -> ParamProgram | None:

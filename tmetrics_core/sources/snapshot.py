@@ -62,8 +62,9 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
         if not self._pristine or self._flat is None:
             return None
         flat_names, held, _ = self._flat
-        if tuple(names) == flat_names:  # the usual case: the due set's names, in the same order
-            return held
+        names = tuple(names)
+        if names == flat_names[:len(names)]:  # the usual case: the program's names come first
+            return held if len(names) == len(flat_names) else held.head(len(names))
         at = {name: i for i, name in enumerate(flat_names)}
         if any(name not in at for name in names):
             return None
@@ -133,9 +134,10 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
 
 
 @torch.no_grad()
-def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None,
+def snapshot(manifest: Manifest, names: Sequence[str] | None = None,
              spare: torch.Tensor | None = None) -> Snapshot:
-    """Copies of the local parameters (for updates), only of ``names`` when given: one kernel
+    """Copies of the local parameters (for updates), only of ``names`` when given (in that
+    order; names without a local parameter are skipped), else of all in manifest order: one kernel
     call into one flat buffer (``spare``, an earlier snapshot's :meth:`Snapshot.spare`, where
     large enough) where the kernel takes every tensor, else one batched torch kernel
     (``x * 1.0`` is exact for every value: -0.0, NaN, inf).
@@ -144,9 +146,10 @@ def snapshot(manifest: Manifest, names: set[str] | frozenset[str] | None = None,
         RuntimeError: the kernel ran out of memory.
     """
     views = manifest.views
-    chosen = [n for n in manifest.local if names is None or n in names]
+    local = manifest.local
+    chosen = list(local) if names is None else [n for n in names if n in local]
     # local_view of a parameter (never None) is a tensor; a plain parameter is itself.
-    tensors: list[torch.Tensor] = list(map(manifest.local.__getitem__, chosen))
+    tensors: list[torch.Tensor] = list(map(local.__getitem__, chosen))
     if not set(map(type, tensors)) <= _PLAIN:
         tensors = list(map(local_view, tensors))
     if views:

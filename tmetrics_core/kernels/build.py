@@ -1,0 +1,55 @@
+"""Building the CPU kernels: one compiler call per source and toolchain, cached on disk.
+
+Libraries are written under ``$TMETRICS_CACHE`` (default ``$XDG_CACHE_HOME/tmetrics`` or
+``~/.cache/tmetrics``), in ``kernels/``, named by a key of everything that changes the build,
+so a later process loads the library without compiling, and ranks of one node that race to
+build it each write their own file and rename it into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["build", "cache_dir", "key"]
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept."""
+    root = os.environ.get("TMETRICS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tmetrics")
+    return Path(root) / "kernels"
+
+
+def key(*parts: str) -> str:
+    """A short hash of ``parts`` (sources, compiler versions, flags): a library's name."""
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def build(target: Path, commands: Sequence[Sequence[str]], timeout: float = 300) -> None:
+    """Write the library ``target`` with the first of ``commands`` (compiler, flags, sources and
+    libraries; the output option is added) that succeeds, atomically.
+
+    Raises:
+        OSError: every command failed (the last one's error output, shortened).
+        subprocess.SubprocessError: a command ran past ``timeout`` seconds.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    error = "no command given"
+    try:
+        for command in commands:
+            done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=timeout)
+            if done.returncode == 0 and os.path.getsize(tmp) > 0:
+                os.replace(tmp, target)
+                return
+            error = done.stderr.strip()[-500:] or "no library written"
+        raise OSError(f"{commands[-1][0]} failed: {error}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
