@@ -114,7 +114,7 @@ def test_update_snapshot_covers_selected_tensors_and_ends_with_the_step(monkeypa
             optimizer.step()
             optimizer.zero_grad()
         assert metrics.params._before is None  # released with the step, not kept until the next one
-    assert taken == [{n for n, _ in layer1}] * 2
+    assert [set(names) for names in taken] == [{n for n, _ in layer1}] * 2
     delta = torch.cat([(p.detach() - b).reshape(-1) for (_, p), b in zip(layer1, before)]).double()
     theta = torch.cat([p.detach().reshape(-1) for _, p in layer1]).double()
     (record,) = metrics.last_records
