@@ -18,7 +18,7 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 def test_snapshot_mapping():
     ts = [torch.randn(3, 4), torch.randn(5).bfloat16(), torch.randn(0)]
     buf, held = moments.copied(ts)
-    snap = Snapshot(flat=(buf, list("abc"), held, [t.shape for t in ts]))
+    snap = Snapshot(flat=(buf, list("abc"), held, ts))
     assert snap.held(["a", "b", "c"]) is not None
     assert set(snap) == {"a", "b", "c"} and len(snap) == 3
     seen = {k: v for k, v in snap.items()}
@@ -29,11 +29,13 @@ def test_snapshot_mapping():
     assert snap.pop("b") is seen["b"] and "b" not in snap and len(snap) == 2
     del snap["c"]
     assert list(snap) == ["a"]
-    fresh = Snapshot(flat=(buf, ["a"], held.pick([0]), [ts[0].shape]))
+    fresh = Snapshot(flat=(buf, ["a"], held.pick([0]), [ts[0]]))
     del fresh["a"]
     assert len(fresh) == 0 and fresh.held(["a"]) is None
     with pytest.raises(KeyError):
         fresh["a"]
+    resized = Snapshot(flat=(buf, ["a"], held.pick([0]), [torch.randn(2, 7)]))  # 14 elements now, 12 copied
+    assert resized["a"].shape == (12,) and torch.equal(resized["a"], ts[0].reshape(-1) + 1)
 
 
 class _Peak(Statistic):

@@ -324,11 +324,26 @@ int tm_row_softmax(int64_t count, const uint64_t *xs, const int64_t *rows, const
     return 0;
 }
 
-/* Copies count byte ranges: nbytes[i] bytes from srcs[i] to dsts[i] (an update snapshot of the
- * parameters), in pieces of PIECE floats' bytes over `threads` threads: one call instead of a
- * torch kernel launch per tensor. Returns 0, -1 when memory ran out, -2 (copying nothing) when
- * a range with bytes has a null pointer. */
-int tm_copy(int64_t count, const uint64_t *srcs, const uint64_t *dsts, const int64_t *nbytes, int32_t threads) {
+/* Lays out count copies in one buffer (an update snapshot of the parameters): copy i takes
+ * nbytes[i] = numels[i] elements of dtype codes[i] and starts offsets[i] bytes in, a multiple of
+ * 64 after the previous copy's end. Returns the bytes the buffer needs. */
+int64_t tm_layout(int64_t count, const int64_t *numels, const int32_t *codes, int64_t *nbytes, uint64_t *offsets) {
+    int64_t at = 0;
+    for (int64_t i = 0; i < count; i++) {
+        nbytes[i] = numels[i] * (codes[i] == TM_BFLOAT16 ? 2 : 4);
+        offsets[i] = (uint64_t)at;
+        at += (nbytes[i] + 63) & ~(int64_t)63;
+    }
+    return at;
+}
+
+/* Copies count byte ranges: nbytes[i] bytes from srcs[i] to base + dsts[i] (tm_layout's
+ * offsets, turned into the addresses in place), in pieces of PIECE floats' bytes over `threads`
+ * threads: one call instead of a torch kernel launch per tensor. Returns 0, -1 when memory ran
+ * out, -2 (copying nothing) when a range with bytes has a null pointer. */
+int tm_copy(int64_t count, const uint64_t *srcs, uint64_t *dsts, const int64_t *nbytes, uint64_t base,
+            int32_t threads) {
+    for (int64_t i = 0; i < count; i++) dsts[i] += base;
     const int64_t step = (int64_t)PIECE * (int64_t)sizeof(float);
     int64_t npieces = 0;
     for (int64_t i = 0; i < count; i++) {

@@ -58,8 +58,6 @@ _MISSING = object()
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _DTYPE_OF = {code: dtype for dtype, code in _DTYPES.items()}
-_ITEMSIZE = {_DTYPES[torch.float32]: 4, _DTYPES[torch.bfloat16]: 2}
-"""Bytes per element, by kernel dtype code."""
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
 _ARCH = (("-march=native",), ())
 _PARALLEL = 1 << 17
@@ -135,8 +133,10 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.tm_moments.restype = ctypes.c_int
     lib.tm_moments.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int32] * 3 + [ctypes.c_void_p]
+    lib.tm_layout.restype = ctypes.c_int64
+    lib.tm_layout.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4
     lib.tm_copy.restype = ctypes.c_int
-    lib.tm_copy.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int32]
+    lib.tm_copy.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_uint64, ctypes.c_int32]
     lib.tm_row_softmax.restype = ctypes.c_int
     lib.tm_row_softmax.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int32, ctypes.c_void_p]
     return lib
@@ -296,17 +296,16 @@ def copied(tensors: Sequence[torch.Tensor], spare: torch.Tensor | None = None
     if packed is None:
         return None
     srcs, numels, codes = packed
-    sizes = array.array("q", map(operator.mul, numels, map(_ITEMSIZE.__getitem__, codes)))
-    # Each copy starts at a multiple of 64 bytes (C-level maps: no Python per tensor).
-    ends = list(itertools.accumulate(map(operator.and_, map(operator.add, sizes, itertools.repeat(63)),
-                                         itertools.repeat(-64))))
-    needed = ends[-1] if ends else 0
+    lib = _kernel()
+    # Where each copy goes (64-byte aligned offsets, turned into addresses by the copy) and
+    # the bytes needed, laid out by the kernel: no Python per tensor.
+    n = len(srcs)
+    sizes, dsts = array.array("q", bytes(8 * n)), array.array("Q", bytes(8 * n))
+    needed = lib.tm_layout(n, _address(numels), _address(codes), _address(sizes), _address(dsts))
     buffer = (spare if spare is not None and spare.numel() >= needed and spare.dtype is torch.uint8
               and spare.is_cpu and spare.is_contiguous() else torch.empty(needed, dtype=torch.uint8))
-    base = buffer.data_ptr()
-    dsts = array.array("Q", [base, *map(base.__add__, ends[:-1])] if ends else [])
     threads = torch.get_num_threads() if needed >= 4 * _PARALLEL else 1
-    if _kernel().tm_copy(len(dsts), _address(srcs), _address(dsts), _address(sizes), threads):
+    if n and lib.tm_copy(n, _address(srcs), _address(dsts), _address(sizes), buffer.data_ptr(), threads):
         raise RuntimeError("the kernel's copy ran out of memory")
     return buffer, Held(dsts, numels, codes, buffer)
 

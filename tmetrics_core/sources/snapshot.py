@@ -11,7 +11,6 @@ float64 or non-contiguous parameters, the kernel off) torch copies them, one bat
 
 from __future__ import annotations
 
-import operator
 from typing import Iterator, MutableMapping, Sequence
 
 import torch
@@ -22,7 +21,6 @@ from tmetrics_core.sources.params import local_view
 
 __all__ = ["Snapshot", "snapshot"]
 
-_SHAPE = operator.attrgetter("shape")
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
@@ -31,9 +29,10 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
 
     Args:
         copies: the copies made by torch (no flat buffer), or None.
-        flat: ``(buffer, names, held, shapes)`` of a kernel copy (``moments.copied``): the copy
-            of ``names[i]`` lies in ``buffer`` where ``held`` says, with shape ``shapes[i]``;
-            or None.
+        flat: ``(buffer, names, held, tensors)`` of a kernel copy (``moments.copied``): the
+            copy of ``names[i]`` lies in ``buffer`` where ``held`` says, a copy of
+            ``tensors[i]``, whose shape it takes when looked up (no ``torch.Size`` is made per
+            parameter on a due step); or None.
 
     Entries are the caller's to pop or change in place (the general path turns each copy
     into the update). :meth:`held` describes the buffer only while no entry has been handed
@@ -44,15 +43,15 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
     __slots__ = ("_buffer", "_flat", "_layout", "_copies", "_pristine")
 
     def __init__(self, copies: dict[str, torch.Tensor] | None = None,
-                 flat: tuple[torch.Tensor, Sequence[str], moments.Held, Sequence[torch.Size]] | None = None
+                 flat: tuple[torch.Tensor, Sequence[str], moments.Held, Sequence[torch.Tensor]] | None = None
                  ) -> None:
         self._copies: dict[str, torch.Tensor] = dict(copies or {})
         self._buffer: torch.Tensor | None = None
-        self._flat: tuple[tuple[str, ...], moments.Held, Sequence[torch.Size]] | None = None
-        self._layout: dict[str, tuple[int, torch.Size, torch.dtype]] | None = None
+        self._flat: tuple[tuple[str, ...], moments.Held, Sequence[torch.Tensor]] | None = None
+        self._layout: dict[str, tuple[int, int, torch.dtype, torch.Tensor]] | None = None
         if flat is not None:
-            self._buffer, names, held, shapes = flat
-            self._flat = (tuple(names), held, shapes)
+            self._buffer, names, held, tensors = flat
+            self._flat = (tuple(names), held, tensors)
         self._pristine = flat is not None
 
     def held(self, names: Sequence[str]) -> moments.Held | None:
@@ -85,26 +84,33 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
             return list(map(self._copies.__getitem__, names))
         return [self[name] for name in names]
 
-    def _places(self) -> dict[str, tuple[int, torch.Size, torch.dtype]]:
-        """The flat copies not yet looked up, by name: (byte offset, shape, dtype), built on
-        first use."""
+    def _places(self) -> dict[str, tuple[int, int, torch.dtype, torch.Tensor]]:
+        """The flat copies not yet looked up, by name: (byte offset, element count, dtype, the
+        tensor copied), built on first use."""
         if self._layout is None:
             self._layout = {}
             if self._flat is not None and self._buffer is not None:
-                names, held, shapes = self._flat
+                names, held, tensors = self._flat
                 base = self._buffer.data_ptr()
-                self._layout = {n: (address - base, shape, dtype)
-                                for n, address, shape, dtype in zip(names, held.addresses, shapes, held.dtypes)}
+                self._layout = {n: (address - base, numel, dtype, tensor) for n, address, numel, dtype, tensor
+                                in zip(names, held.addresses, held.numels, held.dtypes, tensors)}
         return self._layout
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        """The copy of ``name``, shaped as its tensor; flat (one dimension, the elements copied)
+        when the tensor no longer has as many elements (resized since: a reader comparing
+        shapes then finds the mismatch).
+
+        Raises:
+            KeyError: a name without a copy.
+        """
         copy = self._copies.get(name)
         if copy is None:
             places = self._places()
-            offset, shape, dtype = places[name]  # KeyError for a name without a copy
+            offset, numel, dtype, tensor = places[name]
             assert self._buffer is not None  # layout entries lie in the flat buffer
-            size = shape.numel() * dtype.itemsize
-            copy = self._copies[name] = self._buffer[offset:offset + size].view(dtype).view(shape)
+            flat = self._buffer[offset:offset + numel * dtype.itemsize].view(dtype)
+            copy = self._copies[name] = flat.view(tensor.shape) if tensor.numel() == numel else flat
             del places[name]
         self._pristine = False
         return copy
@@ -159,4 +165,4 @@ def snapshot(manifest: Manifest, names: Sequence[str] | None = None,
         copies = torch._foreach_mul(tensors, 1.0) if tensors else []
         return Snapshot(copies=dict(zip(chosen, copies)))
     buffer, held = flat
-    return Snapshot(flat=(buffer, chosen, held, list(map(_SHAPE, tensors))))
+    return Snapshot(flat=(buffer, chosen, held, tensors))
