@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from fnmatch import fnmatchcase
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.alerts.rules import Tracker, tracker_for
@@ -27,6 +27,8 @@ from tmetrics_core.records import Labels, MetricRecord
 __all__ = ["AlertEngine"]
 
 _SeriesKey = tuple[str, Labels]  # metric, labels
+_NEW = object()
+"""A series not seen yet (its tracker is made on first sight; None: no rule watches it)."""
 
 
 class AlertEngine:
@@ -87,9 +89,11 @@ class AlertEngine:
             for index in rules:
                 for series, number in items:
                     key = (index, series)
-                    if key not in self._trackers:
-                        self._trackers[key] = self._new_tracker(index, series)
-                    tracker = self._trackers[key]
+                    found = self._trackers.get(key, _NEW)
+                    tracker = (self._new_tracker(index, series) if found is _NEW
+                               else cast("Tracker | None", found))
+                    if found is _NEW:
+                        self._trackers[key] = tracker
                     if tracker is None:
                         continue
                     event = tracker.observe(number, mean)
