@@ -355,7 +355,8 @@ class TensorMetrics:
             self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
         say = not self._no_grad_said and any("grad" in m.source_kinds for m, _ in self._due)
         results, failures = self.executor.run(due, sites, check=check, unfed=self._unfed | self.params.unfed,
-                                              flag=bool(self.params.no_grad) if say else None)
+                                              flag=bool(self.params.no_grad) if say else None,
+                                              checks=observer.device_checks() if observer is not None else ())
         if say:
             self._say_missing_gradients(step)
         self._checked.update(m.name for m, _, _ in due)

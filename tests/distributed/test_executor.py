@@ -8,7 +8,7 @@ import torch
 from tests.simulation import run_threaded, sim_topology
 from tmetrics_core.errors import PlanMismatchError
 from tmetrics_core.metrics.preparation import prepare_states
-from tmetrics_core.distributed.executor import Executor
+from tmetrics_core.distributed.executor import DeviceCheck, Executor
 from tmetrics_core.metrics.base import CollectiveRequest, MetricResult, Round
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, Mean, MeanLineL2, Min, Rms, ZeroFraction
 from tmetrics_core.placements import Owned, Shard
@@ -105,6 +105,32 @@ def test_metric_raising_on_one_rank_is_skipped_on_all():
         assert list(results) == ["good"]
         assert results["good"] == [pytest.approx((2 * 1 + 2 * 4) ** 0.5)]
         assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]
+
+
+def _checks_rank(rank, world, comm):
+    """Rank 1 has two device checks (one passes, one fails), rank 0 none: different check
+    lists, the same collectives."""
+    topology = sim_topology(rank, (world,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(2 * world,), placements=(("dp", Shard(0)),),
+                  layer=0)]
+    tensors = [torch.full((2,), float(rank + 1))]
+    metrics = [L2Norm(name=n, source_kinds=["grad"]) for n in ("good", "checked", "other")]
+    checks = [DeviceCheck(torch.tensor(True), "fine", frozenset({"other"})),
+              DeviceCheck(torch.tensor(False), "tokens dropped", frozenset({"checked"}))] if rank == world - 1 else []
+    executor = Executor(topology, collectives=comm)
+    prepared = prepare_states(metrics, sites, tensors, topology)
+    if world == 1:  # the check's reason replaces an error the metric already had
+        prepared = [(m, s, "RuntimeError: hook" if m.name == "checked" else e) for m, s, e in prepared]
+    results, failures = executor.run(prepared, {s.key: s for s in sites}, checks=checks)
+    return {k: [r.value for r in v] for k, v in results.items()}, failures
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_failed_device_check_fails_its_metrics_on_every_rank_with_its_reason(world):
+    for results, failures in run_threaded(_checks_rank, world, timeout=30):
+        assert sorted(results) == ["good", "other"]
+        assert results["good"] == [pytest.approx(sum(2 * (r + 1) ** 2 for r in range(world)) ** 0.5)]
+        assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (world - 1,), "tokens dropped")]
 
 
 class _TwoRounds:

@@ -47,6 +47,16 @@ def _resume_failing(rank, world):
     return _with_real(cases._resume_failing_rank)(rank, world)
 
 
+def _checks(rank, world):
+    return _with_real(cases._checks_rank)(rank, world)
+
+
+def test_a_device_check_failing_on_one_rank_fails_its_metric_everywhere():
+    for results, failures in run_distributed(_checks, 2, timeout=60):
+        assert sorted(results) == ["good", "other"] and results["good"] == [pytest.approx(10 ** 0.5)]
+        assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1,), "tokens dropped")]
+
+
 def test_asymmetric_plan_raises_clear_error_fast():
     start = time.monotonic()
     for metric, axis, ranks, message in run_distributed(_asymmetric, 2, timeout=60):

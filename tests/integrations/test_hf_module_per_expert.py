@@ -124,3 +124,39 @@ def test_the_dispatch_mask_check_reads_nothing_back_in_the_forward() -> None:
     records = {(r.metric, r.layer): r.value for r in metrics.last_records}
     assert sum(records[("layer-expert-tokens", 0)]) == 2 * 12
     metrics.close()
+
+
+@pytest.mark.parametrize("capacity", [2, 64])
+def test_the_dropped_token_checks_ride_in_the_step_ends_one_host_copy(monkeypatch, capacity: int) -> None:
+    """The step's end reads the device checks with the results in one host copy (on one
+    process no collective needs them first), whether tokens were dropped (the router metrics
+    fail with the reason, the others are logged) or not."""
+    model = _model(capacity=capacity)
+    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in NAMES])
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with metrics.step(1):  # the first step also verifies each router's score function once
+        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+    copies: list[int] = []
+    finish, tolist = TensorMetrics._finish_step, torch.Tensor.tolist
+
+    def counted(self, *args):
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t.numel()) or tolist(t))
+        try:
+            return finish(self, *args)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+    monkeypatch.setattr(TensorMetrics, "_finish_step", counted)
+    metrics.failures.clear()
+    with metrics.step(2):
+        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+    assert len(copies) == 1
+    failed = {f.metric: f.error for f in metrics.failures}
+    logged = {r.metric for r in metrics.last_records}
+    if capacity == 2:
+        assert set(failed) == {"layer-expert-tokens", "layer-router-decision-entropy"}
+        assert all("dropped tokens over an expert's capacity" in reason for reason in failed.values())
+        assert logged == {"expert-grad-l2", "expert-param-l2"}
+    else:
+        assert not failed and logged == set(NAMES)
+    metrics.close()

@@ -31,7 +31,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Collection, Hashable, Mapping, Sequence
+from typing import Any, Collection, Hashable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -90,6 +90,17 @@ class MetricFailure:
     error: str
 
 
+class DeviceCheck(NamedTuple):
+    """A condition on the step's inputs known only on the device (e.g. no token dropped over an
+    expert's capacity): unless ``ok`` (a 0-d bool tensor) holds, the due metrics ``metrics``
+    fail with ``reason``. Read with the step's other host reads, never alone (no
+    synchronisation of its own on an accelerator)."""
+
+    ok: torch.Tensor
+    reason: str
+    metrics: frozenset[str]
+
+
 @dataclass(slots=True)
 class _Due:
     metric: TensorMetric
@@ -126,7 +137,8 @@ class Executor:
     # -- public -------------------------------------------------------------------------------
     def run(self, due: Sequence[tuple[TensorMetric, Mapping[SiteKey, Any], str | None]],
             sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = (),
-            flag: bool | None = None) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
+            flag: bool | None = None, checks: Sequence[DeviceCheck] = ()
+            ) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
         """Run every due metric to its results.
 
         Args:
@@ -141,6 +153,11 @@ class Executor:
                 extra call) gives no results, and its name is put in :attr:`unfed`.
             flag: a caller's yes/no (None: none), told to every rank in that same collective
                 (one more element): :attr:`flagged` is True on every rank when it was on any.
+            checks: device conditions of this rank's inputs (:class:`DeviceCheck`; ranks may
+                have different ones). A metric whose check failed on any rank fails on every
+                rank with the first failed check's reason, which replaces any other error it
+                had. Read with the failure agreement's host copy across ranks; on one process,
+                where no collective follows, with the results' copy: no host read of their own.
 
         Returns:
             ``(results by metric name, failures)``; failures name the metric, the ranks where
@@ -157,7 +174,7 @@ class Executor:
                     item.round = item.metric.start(item.state, sites, self.topology)
                 except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
                     item.error = f"{type(exc).__name__}: {exc}"
-        failures = self._agree_failures(items, unfed, flag)
+        failures = self._agree_failures(items, unfed, flag, checks if self._distributed else ())
         failed = {f.metric for f in failures} | set(self.unfed)
         live = [i for i in items if i.metric.name not in failed]
         first = True
@@ -187,7 +204,16 @@ class Executor:
             failures.extend(dropped)
             gone = {f.metric for f in dropped}
             live = [i for i in live if i.metric.name not in gone]
-        host = self._to_host(live)
+        host, reasons = self._to_host(live, () if self._distributed else checks)
+        if reasons:
+            # One process: the checks were read with the results. A metric whose check failed
+            # gives no results; its reason replaces an error it already failed with.
+            failures = [MetricFailure(f.metric, f.ranks, reasons[f.metric]) if f.metric in reasons else f
+                        for f in failures]
+            said = {f.metric for f in failures}
+            failures.extend(MetricFailure(i.metric.name, (self.topology.global_rank,), reasons[i.metric.name])
+                            for i in live if i.metric.name in reasons and i.metric.name not in said)
+            live = [i for i in live if i.metric.name not in reasons]
         out: dict[str, list[MetricResult]] = {}
         for item in live:
             try:
@@ -358,35 +384,63 @@ class Executor:
         self.comm.all_reduce(tensor, "max", None)
         return tensor
 
-    def _to_host(self, live: Sequence[_Due]) -> dict[Hashable, list[float]]:
+    def _to_host(self, live: Sequence[_Due], checks: Sequence[DeviceCheck] = ()
+                 ) -> tuple[dict[Hashable, list[float]], dict[str, str]]:
+        """The live metrics' outputs on the host and the metrics whose ``checks`` failed (name ->
+        reason, :func:`_failed_checks`), from one copy of all of them."""
         outputs: dict[Hashable, torch.Tensor] = {}
         for item in live:
             outputs.update(item.round.outputs)
-        if not outputs:
-            return {}
+        if not outputs and not checks:
+            return {}, {}
         vectors = [v if v.dtype == torch.float64 and v.dim() == 1 else v.reshape(-1).to(torch.float64)
                    for v in outputs.values()]
+        device = vectors[0].device if vectors else checks[0].ok.device
+        vectors += [torch.stack([c.ok.to(device) for c in checks]).to(torch.float64)] if checks else []
         flat = (torch.cat(vectors) if len(vectors) > 1 else vectors[0]).cpu().tolist()
         out: dict[Hashable, list[float]] = {}
         start = 0
         for key, vec in zip(outputs, vectors):
             out[key] = flat[start:start + vec.numel()]
             start += vec.numel()
-        return out
+        return out, _failed_checks(checks, [bool(v) for v in flat[start:]])
 
     # -- agreement and checks -------------------------------------------------------------------
     def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (),
-                        flag: bool | None = None) -> list[MetricFailure]:
+                        flag: bool | None = None, checks: Sequence[DeviceCheck] = ()) -> list[MetricFailure]:
         """Metrics that raised on any rank, in one ``all_reduce(MAX)`` over the world of
         ``[raised per metric, fed per metric, flag]``; with ``unfed``, also sets :attr:`unfed`
         to the metrics fed on no rank; with ``flag`` (not None, the first agreement of a run),
-        sets :attr:`flagged`. Only when some metric raised does a second collective gather the
-        error texts, to name the failing ranks and the lowest one's error."""
+        sets :attr:`flagged`; with ``checks`` (distributed only), a metric whose check failed on
+        some rank counts as raised there, with the check's reason (one element per metric rides
+        in the collective, this rank's check flags in the same host copy). Only when some
+        metric raised does a second collective gather the error texts, to name the failing ranks
+        and the lowest one's error."""
         n = len(items)
         mine = [1 if i.error else 0 for i in items] + [0 if i.metric.name in unfed else 1 for i in items]
         mine.append(1 if flag else 0)
         if self._distributed:
-            agreed = self._world_max(torch.tensor(mine, dtype=torch.int64, device=self.device)).tolist()
+            # Last, per metric (every rank sends them, whatever checks it has: the same length
+            # everywhere): 1 where a device check of this rank failed, decided on the device.
+            vector = torch.tensor(mine + ([] if checks else [0] * n), dtype=torch.int64, device=self.device)
+            if checks:
+                oks = torch.stack([c.ok.to(self.device) for c in checks])
+                bad = [torch.stack([~oks[k] for k, c in enumerate(checks) if i.metric.name in c.metrics]).any()
+                       if any(i.metric.name in c.metrics for c in checks) else torch.zeros((), dtype=torch.bool,
+                                                                                         device=self.device)
+                       for i in items]
+                vector = torch.cat([vector, torch.stack(bad).to(torch.int64)]) if bad else vector
+            reduced = self._world_max(vector)
+            read = (torch.cat([reduced, oks.to(torch.int64)]) if checks else reduced).tolist()
+            agreed = read[:len(mine)]
+            # A check failed on some rank: the metric counts as raised. This rank's failed
+            # checks name the reason (replacing a metric's other error); the texts gathered
+            # below name the ranks and the lowest one's reason.
+            reasons = _failed_checks(checks, [bool(v) for v in read[len(mine) + n:]])
+            for index, item in enumerate(items):
+                agreed[index] |= read[len(mine) + index]
+                if item.metric.name in reasons:
+                    item.error = reasons[item.metric.name]
         else:
             agreed = mine
         if flag is not None:
@@ -480,3 +534,14 @@ def _first_diff(a: list, b: list, which: int) -> str:
             row = (x, y)[which]
             return "nothing" if row is None else f"{row[0]} ({row[1]}, {row[2]}, {row[3]} elements)"
     return "nothing"
+
+
+def _failed_checks(checks: Sequence[DeviceCheck], passed: Sequence[bool]) -> dict[str, str]:
+    """Metric name -> the reason of the first of ``checks`` that failed for it (``passed``: each
+    check's flag, read on the host)."""
+    reasons: dict[str, str] = {}
+    for check, ok in zip(checks, passed):
+        if not ok:
+            for name in check.metrics:
+                reasons.setdefault(name, check.reason)
+    return reasons

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.executor import DeviceCheck
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.placements import Placement, Shard
@@ -121,25 +122,21 @@ class TokenObserver:
                 self.errors.setdefault(metric.name, reason)
 
     def fail_unless(self, ok: torch.Tensor, reason: str, kinds: frozenset[str] | None = None) -> None:
-        """:meth:`fail` unless the 0-d bool tensor ``ok`` is true, read in :meth:`finish` with
-        every other such check of the step in one host copy (no synchronisation per call)."""
+        """:meth:`fail` unless the 0-d bool tensor ``ok`` is true: kept on the device and handed
+        to the executor (:meth:`device_checks`), which reads it with the step's other host
+        reads (no synchronisation per call, none of its own)."""
         self._checks.append((ok.reshape(()), reason, kinds))
 
-    def _decide_checks(self) -> None:
-        """The :meth:`fail_unless` checks of the step, read together (one host copy)."""
-        if not self._checks:
-            return
-        flags = torch.stack([ok.to(self._checks[0][0].device) for ok, _, _ in self._checks]).cpu().tolist()
-        failed = [(reason, kinds) for passed, (_, reason, kinds) in zip(flags, self._checks) if not passed]
-        self._checks = []
-        decided: set[str] = set()
-        for reason, kinds in failed:
-            # The metric's inputs are wrong: the first failed check's reason replaces any other
-            # the step's hooks gave.
-            for metric in self.metrics:
-                if set(metric.source_kinds) & (ROUTER_KINDS if kinds is None else kinds) and metric.name not in decided:
-                    self.errors[metric.name] = reason
-                    decided.add(metric.name)
+    def device_checks(self) -> list[DeviceCheck]:
+        """The step's :meth:`fail_unless` checks, each with the due metrics it fails (those
+        that read any of its kinds); the executor decides them (see ``Executor.run``)."""
+        out = []
+        for ok, reason, kinds in self._checks:
+            names = frozenset(m.name for m in self.metrics
+                              if set(m.source_kinds) & (ROUTER_KINDS if kinds is None else kinds))
+            if names:
+                out.append(DeviceCheck(ok, reason, names))
+        return out
 
     def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
@@ -360,8 +357,9 @@ class TokenObserver:
         a layer's top-k choices together with its logits or scores, the router diagnostic
         families): the k-th observation of every site forms micro-batch k, prepared in one
         call per metric; metrics share statistics (expert counts, moments rows) within a
-        micro-batch. Metrics that read a kept observation changed in place since are failed."""
-        self._decide_checks()
+        micro-batch. Metrics that read a kept observation changed in place since are failed.
+        Device checks (:meth:`fail_unless`) are not read here: metrics they may fail are
+        prepared, and the executor drops them if a check failed."""
         memos = self._memos
         # A family's layer summary depends on which of the layer's sites it reads (scores or
         # logits, the bias or not): families share it only when they read the same sites.
