@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["build", "cache_dir", "key"]
+__all__ = ["build", "cache_dir", "compiler", "key", "version"]
 
 
 def cache_dir() -> Path:
@@ -23,6 +25,23 @@ def cache_dir() -> Path:
     root = os.environ.get("TMETRICS_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tmetrics")
     return Path(root) / "kernels"
+
+
+def compiler(variable: str, names: Sequence[str]) -> list[str] | None:
+    """The compiler command: ``$variable`` (which may carry flags, ``"gcc -O2"``, as make
+    allows), else the first of ``names`` on the path; None where there is none."""
+    found = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
+    return shlex.split(found) if found else None
+
+
+def version(command: Sequence[str]) -> str:
+    """What ``command --version`` prints (part of a library's key).
+
+    Raises:
+        OSError: the compiler cannot be run.
+        subprocess.SubprocessError: it ran past 30 seconds.
+    """
+    return subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
 def key(*parts: str) -> str:

@@ -30,8 +30,6 @@ import logging
 import operator
 import os
 import platform
-import shlex
-import shutil
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Hashable, Iterable, Iterator, NamedTuple, Sequence, cast
@@ -110,16 +108,14 @@ def _compile(cc: list[str], target: Path) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not found:
+    cc = build.compiler("CC", ("cc", "gcc"))
+    if cc is None:
         _log.warning("no C compiler found: tmetrics reads each CPU tensor once per statistic instead of once for "
                      "all (same numbers, slower). Install one (e.g. gcc) or set CC; TMETRICS_FUSED_KERNEL=0 "
                      "silences this")
         return None
-    cc = shlex.split(found)  # CC may carry flags ("gcc -O2"), as make allows
     try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = build.key(_SOURCE.read_text(), " ".join(cc), version, repr((_FLAGS, _ARCH, _openmp())),
+        key = build.key(_SOURCE.read_text(), " ".join(cc), build.version(cc), repr((_FLAGS, _ARCH, _openmp())),
                         platform.machine(), _cpu_flags())
         path = build.cache_dir() / f"moments-{key}.so"
         if not path.exists():

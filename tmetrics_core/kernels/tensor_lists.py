@@ -21,10 +21,7 @@ import functools
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import platform
-import shlex
-import shutil
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -63,17 +60,17 @@ def _libraries() -> list[str]:
 @functools.cache
 def _module() -> ModuleType | None:
     """The built extension module, or None (with a warning) where it cannot be built or loaded."""
-    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not found:
+    cxx = build.compiler("CXX", ("c++", "g++"))
+    if cxx is None:
         _log.warning("no C++ compiler found: tmetrics reads each CPU tensor once per statistic instead of once for "
                      "all (same numbers, slower). Install one (e.g. g++) or set CXX; TMETRICS_FUSED_KERNEL=0 "
                      "silences this")
         return None
-    cxx = shlex.split(found)
     try:
-        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
         flags, libraries = _flags(), _libraries()
-        path = build.cache_dir() / f"tensor-lists-{build.key(_SOURCE.read_text(), ' '.join(cxx), version, torch.__version__, torch.__file__, platform.python_version(), *flags, *libraries)}.so"
+        key = build.key(_SOURCE.read_text(), " ".join(cxx), build.version(cxx), torch.__version__, torch.__file__,
+                        platform.python_version(), *flags, *libraries)
+        path = build.cache_dir() / f"tensor-lists-{key}.so"
         if not path.exists():
             build.build(path, [[*cxx, *flags, str(_SOURCE), *libraries]])
         spec = importlib.util.spec_from_file_location(
