@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from tmetrics_core.kernels import moments, tensor_lists
@@ -62,3 +63,14 @@ def test_without_a_cxx_compiler_the_kernel_is_off_and_says_so(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "available False takes False sumsq 285.0" in done.stdout
     assert "C++ tensor-list reader is unavailable" in done.stderr and "results are the same" in done.stderr
+
+
+def test_lists_of_accelerator_tensors_build_no_reader(monkeypatch) -> None:
+    """Runs without CPU tensors never build the reader (a C++ build of some seconds): the meta
+    device stands in for an accelerator."""
+    from tmetrics_core.kernels import foreach_moments
+
+    monkeypatch.setattr(tensor_lists, "_module", lambda: pytest.fail("the reader was built for accelerator tensors"))
+    elsewhere = [torch.empty(3, 4, device="meta"), torch.empty(5, device="meta")]
+    assert foreach_moments.rows(elsewhere).device.type == "meta"
+    assert moments.copied(elsewhere) is None and moments._pack(elsewhere) is None

@@ -111,7 +111,7 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
         return out.to(device)
     out[present, 0] = 1.0
     held = cast("list[torch.Tensor]", [tensors[i] for i in present])
-    fused = ([] if not moments.available() else list(present) if moments.takes_all(held)
+    fused = ([] if not held[0].is_cpu or not moments.available() else list(present) if moments.takes_all(held)
              else [i for i, t in zip(present, held) if moments.takes(t)])
     if fused:
         rows = moments.moments([tensors[i] for i in fused])  # type: ignore[misc]  # sumsq, sum, max, min, zeros

@@ -169,8 +169,8 @@ def rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> t
     layout (metadata: nothing is tried and abandoned). Columns no statistic reads may be NaN.
     """
     wanted = frozenset(columns)
-    if not tensors or not moments.available():
-        return foreach_rows(tensors, wanted)
+    if not tensors or not tensors[0].is_cpu or not moments.available():
+        return foreach_rows(tensors, wanted)  # an accelerator list builds no CPU kernel
     every = moments.rows_if_taken(tensors, sumsq_only=wanted <= {"sumsq"})
     if every is not None:
         return every

@@ -140,7 +140,9 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     """Whether the fused kernel is switched on and compiled, with the C++ reader of its
-    arguments (:mod:`~tmetrics_core.kernels.tensor_lists`; compiles both on first call)."""
+    arguments (:mod:`~tmetrics_core.kernels.tensor_lists`; compiles both on first call, so
+    callers holding accelerator tensors ask only when they hold a CPU one: runs without CPU
+    tensors build nothing)."""
     return _switch["on"] and _library() is not None and tensor_lists.available()
 
 
@@ -288,7 +290,7 @@ def copied(tensors: Sequence[torch.Tensor], spare: torch.Tensor | None = None
     Raises:
         RuntimeError: the kernel ran out of memory.
     """
-    packed = _pack(tensors) if available() else None
+    packed = _pack(tensors) if tensors and tensors[0].is_cpu and available() else None
     if packed is None:
         return None
     srcs, numels, codes = packed

@@ -176,7 +176,7 @@ class TokenObserver:
         a route not known yet or not reading rows, padding to strip, a tensor the kernel does
         not take, the kernel off."""
         if (type(h) is not torch.Tensor or type(x) is not torch.Tensor or h.dim() < 2 or self._mask is not None
-                or torch._C._current_graph_task_id() != -1 or not moments.available()):
+                or torch._C._current_graph_task_id() != -1 or not h.is_cpu or not moments.available()):
             return False
         known = self.known.routes
         width = h.shape[-1]
@@ -314,7 +314,7 @@ class TokenObserver:
         squares alone with ``squares``), keep the row for the step's end and give the metrics
         prepared at once a NaN stand-in of ``shape``; False (nothing done) when the kernel is
         off or does not take the tensors."""
-        if not moments.available():
+        if not x.is_cpu or not moments.available():
             # Checked on every call, not remembered: the kernel may be switched off for a
             # while (moments.disabled()), and then statistics read the tensors themselves.
             return False
