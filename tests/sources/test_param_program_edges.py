@@ -726,3 +726,45 @@ def test_adam_state_metrics_take_the_program(monkeypatch):
     # The program's run comes first in _compare: there only the histogram took the general path.
     assert list(general.values())[0] == {"layer-param-histogram"}
     assert fast[0][0][("layer-optimizer-state-rms", 0, None, None, "exp_avg")] > 0
+
+
+class _Devices(torch.utils._python_dispatch.TorchDispatchMode):
+    """The devices of the index each ``index_select`` and ``index_fill`` reads, by op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.index_select.default, torch.ops.aten.index_fill.int_Scalar):
+            self.seen.append((func.__name__, args[0].device.type, args[2].device.type))
+        return func(*args, **(kwargs or {}))
+
+
+def test_row_indices_follow_the_rows_device_and_placeholders_are_made_once_per_pattern():
+    """On an accelerator the moments rows live on the device: a recipe's row index is copied
+    there once (not read from the host on every due step, nor refused), and a frozen weight's
+    placeholder rows reuse the index made on the first due step. The meta device stands in."""
+    model = Net()
+    model.layers[1].fc.weight.requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in ("layer-grad-l2", "layer-update-ratio")],
+                            optimizer=optimizer)
+    for step in (1, 2):
+        with metrics.step(step):
+            _plain(model, optimizer, metrics, step)
+    program = next(plan.program for plan in metrics.params._plans.values() if plan.program is not None)
+    assert program.pre._fills
+    fills = {key: [id(at) for _, at in value] for key, value in program.pre._fills.items()}
+    with metrics.step(3):
+        _plain(model, optimizer, metrics, 3)
+    assert {key: [id(at) for _, at in value] for key, value in program.pre._fills.items()} == fills
+    plan = program.post
+    assert any(type(r.index) is not slice for r in plan.recipes)  # the update ratio's rows: an index
+    rows = torch.zeros(3 * len(program.names) + len(program.state_reads), 5, device="meta")
+    for _ in range(2):
+        with _Devices() as seen:
+            plan.states(rows, lambda r: torch.zeros(WIDTH, device="meta"))
+        assert seen.seen and all(on == "meta" for _, _, on in seen.seen)
+    assert {device.type for _, device in plan._on_device} == {"meta"}
+    metrics.close()

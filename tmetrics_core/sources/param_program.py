@@ -24,7 +24,7 @@ gets the general path's placeholder in its rows: the program still runs.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence, cast, overload
 
 import torch
@@ -99,6 +99,11 @@ class PhasePlan:
 
     recipes: tuple[_Recipe, ...]
     sites: dict[SiteKey, Site]
+    _on_device: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    """Recipe row indices copied to the device of the rows (an accelerator's), once per device."""
+    _fills: dict[tuple, list[tuple[float, torch.Tensor]]] = field(default_factory=dict, compare=False, repr=False)
+    """Placeholder rows per (recipe, statistic, absent rows, device): the indices to fill, made
+    once per pattern of missing gradients (a frozen weight's recurs every step)."""
 
     def states(self, rows: torch.Tensor, inputs: Callable[[int], torch.Tensor],
                absent: frozenset[int] = frozenset(), topology: Topology | None = None
@@ -110,33 +115,52 @@ class PhasePlan:
         statistic's first reduction on ``topology`` (0, -inf or +inf): left out of the
         statistic, with the same collectives on every rank."""
         out = []
-        for recipe in self.recipes:
+        device = rows.device
+        for k, recipe in enumerate(self.recipes):
             index = recipe.index
+            if type(index) is not slice and index.device != device:
+                moved = self._on_device.get((k, device))
+                if moved is None:
+                    moved = self._on_device[(k, device)] = index.to(device)
+                index = moved
             picked = rows[index] if type(index) is slice else rows.index_select(0, index)
             tensors = _Inputs(recipe.rows, inputs)
             matrices = [stat.moments_matrix(picked, tensors) for stat in recipe.metric.statistics]
-            gone = [p for p, r in enumerate(recipe.rows) if r in absent] if absent else []
+            gone = tuple(p for p, r in enumerate(recipe.rows) if r in absent) if absent else ()
             if gone:
                 assert topology is not None  # absent rows come with the topology of their stages
-                matrices = [_neutral_rows(stat, m, gone, recipe.sites, topology)
-                            for stat, m in zip(recipe.metric.statistics, matrices)]
+                matrices = [_neutral_rows(m, self._fill(k, j, stat, gone, recipe.sites, topology, m.device))
+                            for j, (stat, m) in enumerate(zip(recipe.metric.statistics, matrices))]
             out.append((recipe.metric, BlockState(recipe.keys, matrices, recipe.sites)))
         return out
+
+    def _fill(self, recipe: int, position: int, stat: Statistic, gone: tuple[int, ...], sites: Sequence[Site],
+              topology: Topology, device: torch.device) -> list[tuple[float, torch.Tensor]]:
+        """``(neutral element, row indices on device)`` per first-reduction op of ``stat`` over
+        the rows ``gone`` (see :func:`_neutral_rows`), remembered per pattern (at most 64)."""
+        key = (recipe, position, gone, device)
+        fills = self._fills.get(key)
+        if fills is None:
+            by_op: dict[str, list[int]] = {}
+            for p in gone:
+                by_op.setdefault(stat.stages(sites[p], topology)[0].op, []).append(p)
+            fills = [(NEUTRAL[op], torch.tensor(at, device=device)) for op, at in by_op.items()]
+            if len(self._fills) >= 64:  # patterns that change every step (experts no token reached)
+                self._fills.clear()
+            self._fills[key] = fills
+        return fills
 
     def unfed(self, absent: frozenset[int]) -> list[str]:
         """The metrics all of whose rows are ``absent``."""
         return [r.metric.name for r in self.recipes if absent and all(row in absent for row in r.rows)]
 
 
-def _neutral_rows(stat: Statistic, matrix: torch.Tensor, gone: list[int], sites: Sequence[Site],
-                  topology: Topology) -> torch.Tensor:
-    """``matrix`` (not changed: it may be a view of rows other states read) with rows ``gone``
-    set to the neutral element of ``stat``'s first reduction at their sites."""
-    by_op: dict[str, list[int]] = {}
-    for p in gone:
-        by_op.setdefault(stat.stages(sites[p], topology)[0].op, []).append(p)
-    for op, at in by_op.items():
-        matrix = matrix.index_fill(0, torch.tensor(at, device=matrix.device), NEUTRAL[op])
+def _neutral_rows(matrix: torch.Tensor, fills: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """``matrix`` (not changed: it may be a view of rows other states read) with the rows of
+    each index of ``fills`` set to its value: the neutral element of a statistic's first
+    reduction at those rows' sites (``PhasePlan._fill``)."""
+    for value, at in fills:
+        matrix = matrix.index_fill(0, at, value)
     return matrix
 
 
