@@ -173,6 +173,13 @@ def test_tensors_the_kernel_does_not_take_are_refused_clearly() -> None:
         moments.moments([torch.zeros(4, 4).t()])
     with pytest.raises(ValueError, match="minus must match"):
         moments.moments([torch.zeros(4)], [torch.zeros(5)])
+    with pytest.raises(ValueError, match="minus must match"):  # same count, another dtype
+        moments.moments([torch.zeros(4)], [torch.zeros(4, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="minus must match"):  # some tensors subtract nothing
+        moments.moments([torch.zeros(4), torch.zeros(3)], [None, torch.zeros(4)])
+    x, y = torch.arange(4.0), torch.ones(4)
+    rows = moments.moments([x, x], [None, y])  # x alone, then x - y
+    assert rows[:, 0].tolist() == [14.0, 6.0] and rows[:, 1].tolist() == [6.0, 2.0]
 
 
 def _sites(tensors: list[torch.Tensor]) -> list[Site]:

@@ -108,11 +108,8 @@ def _compile(cc: list[str], target: Path) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    cc = build.compiler("CC", ("cc", "gcc"))
+    cc = build.compiler("CC", ("cc", "gcc"), "C")
     if cc is None:
-        _log.warning("no C compiler found: tmetrics reads each CPU tensor once per statistic instead of once for "
-                     "all (same numbers, slower). Install one (e.g. gcc) or set CC; TMETRICS_FUSED_KERNEL=0 "
-                     "silences this")
         return None
     try:
         key = build.key(_SOURCE.read_text(), " ".join(cc), build.version(cc), repr((_FLAGS, _ARCH, _openmp())),
@@ -364,6 +361,12 @@ def _with_minus(packed: tuple[array.array, array.array, array.array],
         if minus.numels != ns or minus.codes != codes:
             raise ValueError("held values must match their tensors (same dtype and element count)")
         return xs, minus.addresses, ns, codes
+    if type(None) not in set(map(type, minus)):  # each tensor subtracts one (parts()): arrays compared in C
+        taken = _pack(cast("Sequence[torch.Tensor]", minus))
+        if taken is None or taken[1] != ns or taken[2] != codes:
+            raise ValueError("each minus must match its tensor (same dtype and element count, contiguous CPU "
+                             "float32/bfloat16)")
+        return xs, taken[0], ns, codes
     at = [i for i, m in enumerate(minus) if m is not None]
     taken = _pack([m for m in minus if m is not None])
     if (taken is None or len(minus) != len(xs) or list(map(ns.__getitem__, at)) != list(taken[1])
