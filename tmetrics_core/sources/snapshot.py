@@ -153,7 +153,7 @@ def snapshot(manifest: Manifest, names: Sequence[str] | None = None,
     """
     views = manifest.views
     local = manifest.local
-    chosen = list(local) if names is None else [n for n in names if n in local]
+    chosen = list(local) if names is None else list(filter(local.__contains__, names))  # C-level, per due step
     # local_view of a parameter (never None) is a tensor; a plain parameter is itself.
     tensors: list[torch.Tensor] = list(map(local.__getitem__, chosen))
     if not set(map(type, tensors)) <= _PLAIN:
