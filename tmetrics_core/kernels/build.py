@@ -9,6 +9,7 @@ build it each write their own file and rename it into place.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shlex
 import shutil
@@ -19,6 +20,8 @@ from typing import Sequence
 
 __all__ = ["build", "cache_dir", "compiler", "key", "version"]
 
+_log = logging.getLogger("tmetrics.kernel")
+
 
 def cache_dir() -> Path:
     """Where built kernels are kept."""
@@ -27,11 +30,17 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def compiler(variable: str, names: Sequence[str]) -> list[str] | None:
+def compiler(variable: str, names: Sequence[str], language: str) -> list[str] | None:
     """The compiler command: ``$variable`` (which may carry flags, ``"gcc -O2"``, as make
-    allows), else the first of ``names`` on the path; None where there is none."""
+    allows), else the first of ``names`` on the path; None, with one warning naming the
+    ``language``'s compiler to install and the fallback, where there is none."""
     found = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
-    return shlex.split(found) if found else None
+    if not found:
+        _log.warning("no %s compiler found: tmetrics reads each CPU tensor once per statistic instead of once for all "
+                     "(same numbers, slower). Install one (e.g. %s) or set %s; TMETRICS_FUSED_KERNEL=0 silences this",
+                     language, names[-1], variable)
+        return None
+    return shlex.split(found)
 
 
 def version(command: Sequence[str]) -> str:

@@ -166,7 +166,9 @@ def rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> t
     """``[len(tensors), 5]`` float64 moments rows, each tensor read by its backend: the C kernel
     for those it takes (:func:`~tmetrics_core.kernels.moments.takes`, kernel on), batched torch
     ops (:func:`foreach_rows`) for the others. Chosen per tensor from its device, dtype and
-    layout (metadata: nothing is tried and abandoned). Columns no statistic reads may be NaN.
+    layout (metadata: nothing is tried and abandoned); a list whose first tensor is on an
+    accelerator goes to the torch ops whole, without looking for the CPU kernel (so runs
+    without CPU tensors build none). Columns no statistic reads may be NaN.
     """
     wanted = frozenset(columns)
     if not tensors or not tensors[0].is_cpu or not moments.available():

@@ -60,11 +60,8 @@ def _libraries() -> list[str]:
 @functools.cache
 def _module() -> ModuleType | None:
     """The built extension module, or None (with a warning) where it cannot be built or loaded."""
-    cxx = build.compiler("CXX", ("c++", "g++"))
+    cxx = build.compiler("CXX", ("c++", "g++"), "C++")
     if cxx is None:
-        _log.warning("no C++ compiler found: tmetrics reads each CPU tensor once per statistic instead of once for "
-                     "all (same numbers, slower). Install one (e.g. g++) or set CXX; TMETRICS_FUSED_KERNEL=0 "
-                     "silences this")
         return None
     try:
         flags, libraries = _flags(), _libraries()
