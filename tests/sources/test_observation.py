@@ -136,6 +136,51 @@ def test_token_mask_removes_padding():
     assert got["probe-l2"] == __import__("pytest").approx(want, rel=1e-6)
 
 
+class _ValueDependent(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops whose output depends on tensor values on the host: a host sync each on
+    an accelerator (``nonzero``, a boolean index, ``item()``/``bool()``)."""
+
+    SYNCING = {torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
+               torch.ops.aten.masked_select.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCING or (func is torch.ops.aten.index.Tensor
+                                    and any(i is not None and i.dtype == torch.bool for i in args[1])):
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["all-tokens", "padded"])
+def test_the_token_mask_syncs_once_per_micro_batch_not_per_observation(padded: bool) -> None:
+    """The kept rows are found once per mask (one ``nonzero``: a host sync where the mask is on
+    an accelerator) and taken from every observation with ``index_select``; the values are
+    those of the boolean-indexed tensors."""
+    model = Tiny()
+    metrics = TensorMetrics(model, metrics=[
+        (L2Norm(name="probe-l2", source_kinds=["activation"]), 1),
+        (Rms(name="layer-residual-accumulator-rms", source_kinds=["residual_accumulator"], scope="layer"), 1)])
+    torch.manual_seed(3)
+    xs = [torch.randn(2, 3, 4), torch.randn(3, 3, 4)]
+    masks = [torch.rand(2, 3) > 0.4, torch.rand(3, 3) > 0.4] if padded else [torch.ones(2, 3, dtype=torch.bool), torch.ones(3, 3, dtype=torch.bool)]
+    with torch.no_grad():
+        for step in (1, 2):  # the second due step follows the routes of the first
+            counter = _ValueDependent()
+            with metrics.step(step), counter:
+                for x, mask in zip(xs, masks):
+                    observe(model, "token_mask", mask, kind="token_mask")
+                    model(x)
+            assert counter.calls == ["aten.nonzero.default"] * 2
+    with torch.no_grad():
+        probes = torch.cat([model.layers[1](model.layers[0](x))[m] for x, m in zip(xs, masks)])
+    got = {r.metric: r.value for r in metrics.last_records if r.metric == "probe-l2"}
+    assert got["probe-l2"] == pytest.approx(probes.norm().item(), rel=1e-6)
+    metrics.close()
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("padded", [False, True], ids=["all-tokens", "padded"])
 def test_residual_metrics_equal_the_full_tensors_over_micro_batches(fused: bool, padded: bool) -> None:

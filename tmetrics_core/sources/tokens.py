@@ -80,6 +80,32 @@ class Route:
     kernel computes that column alone (``moments.sumsq_suffices``)."""
 
 
+@dataclass(slots=True)
+class Padding:
+    """The non-padding rows of the step's last ``token_mask``, found once per micro-batch.
+
+    Attributes:
+        rows: int64 ``[kept]``, the kept rows' indices in the flattened ``[tokens]`` order, on
+            the mask's device (finding them is one host sync where the mask is on an
+            accelerator, none where it is on the host).
+        length: the mask's length; only token observations of this many rows are stripped.
+    """
+
+    rows: torch.Tensor
+    length: int
+    _moved: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`rows` on ``device``, copied there once per micro-batch (without waiting: a
+        host mask then costs no host sync at all)."""
+        if self.rows.device == device:
+            return self.rows
+        moved = self._moved.get(device)
+        if moved is None:
+            moved = self._moved[device] = self.rows.to(device, non_blocking=self.rows.is_cpu)
+        return moved
+
+
 class TokenObserver:
     """Receives ``observe()`` calls and hook outputs for one step (see ``tmetrics_core.observe``).
 
@@ -105,7 +131,7 @@ class TokenObserver:
         self.states: dict[str, dict[SiteKey, Any]] = {}
         self.errors: dict[str, str] = {}
         self._checks: list[tuple[torch.Tensor, str, frozenset[str] | None]] = []
-        self._mask: torch.Tensor | None = None
+        self._padding: Padding | None = None
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
         self._kept: dict[SiteKey, int] = {}
         self._memos: list[dict] = []
@@ -151,7 +177,7 @@ class TokenObserver:
             return  # recomputation inside backward (activation checkpointing)
         # Plain tensors of a call seen before, no padding to strip: the route found then.
         if (type(tensor) is torch.Tensor and (minus is None or type(minus) is torch.Tensor) and tensor.dim() > 1
-                and (self._mask is None or kind not in TOKEN_KINDS)):
+                and (self._padding is None or kind not in TOKEN_KINDS)):
             key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
             route = self.known.routes.get(key)
             if route is not None and self._follow(route, tensor, minus):
@@ -175,7 +201,7 @@ class TokenObserver:
         along the routes of earlier steps; False (nothing done) where :meth:`record` must run:
         a route not known yet or not reading rows, padding to strip, a tensor the kernel does
         not take, the kernel off."""
-        if (type(h) is not torch.Tensor or type(x) is not torch.Tensor or h.dim() < 2 or self._mask is not None
+        if (type(h) is not torch.Tensor or type(x) is not torch.Tensor or h.dim() < 2 or self._padding is not None
                 or torch._C._current_graph_task_id() != -1 or not h.is_cpu or not moments.available()):
             return False
         known = self.known.routes
@@ -241,16 +267,17 @@ class TokenObserver:
                 shard_dim: int | None, minus: torch.Tensor | None) -> None:
         """The general path of :meth:`record`: every tensor, padding, DTensors; finds the route."""
         if kind == "token_mask":
+            # The kept rows' indices, found once per micro-batch (not a boolean index per
+            # observation: on an accelerator each one is a host sync); no padding: no index.
             mask = tensor.detach().reshape(-1).bool()
-            # No padding: nothing to strip, and no boolean-index copy (or, on an accelerator, a
-            # host sync) per observation; one check per micro-batch instead.
-            self._mask = None if bool(mask.all()) else mask
+            rows = mask.nonzero().squeeze(1)
+            self._padding = None if rows.numel() == mask.numel() else Padding(rows, mask.numel())
             return
         x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
         x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
         y = _local_tokens(minus.detach(), None)[0].reshape(x.shape) if minus is not None else None
         # Only token rows are padded: an expert_bias [E] as long as the micro-batch is not.
-        masked = kind in TOKEN_KINDS and self._mask is not None and self._mask.numel() == x.shape[0]
+        masked = kind in TOKEN_KINDS and self._padding is not None and self._padding.length == x.shape[0]
         path = self.index.path(module)
         full = ".".join(p for p in (self.index.name_of(path), name) if p)  # canonical where it has one
         site = self._site(full, kind, x, shard_dim, path, split_axes)
@@ -270,8 +297,8 @@ class TokenObserver:
         if y is not None:
             x = x - y
         if masked:
-            assert self._mask is not None, "masked is only set with a mask"
-            x = x[self._mask.to(x.device)]
+            assert self._padding is not None, "masked is only set with a mask"
+            x = x.index_select(0, self._padding.on(x.device))
         if not masked and readers and site.kind in ROUTER_KINDS and not x.is_inference():
             # Kept, not copied, until finish(): its version tells there whether the model
             # changed it in place meanwhile (inference tensors have no version counter). An
@@ -474,8 +501,9 @@ _STANDINS = 256
 ROUTER_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
 """Token kinds kept until the step's end (``[tokens, experts]``: small next to activations)."""
 
-KEPT_KINDS = ROUTER_KINDS | {"token_mask"}
-"""Kinds whose observed tensor (or a view of it) outlives the call: router outputs and the mask."""
+KEPT_KINDS = ROUTER_KINDS
+"""Kinds whose observed tensor (or a view of it) outlives the call: router outputs (the token
+mask's kept-row indices are a new tensor, made in the call)."""
 
 
 def _joint(metric: TensorMetric) -> bool:
