@@ -270,8 +270,8 @@ class TokenObserver:
             # The kept rows' indices, found once per micro-batch (not a boolean index per
             # observation: on an accelerator each one is a host sync); no padding: no index.
             mask = tensor.detach().reshape(-1).bool()
-            rows = mask.nonzero().squeeze(1)
-            self._padding = None if rows.numel() == mask.numel() else Padding(rows, mask.numel())
+            kept = mask.nonzero().squeeze(1)
+            self._padding = None if kept.numel() == mask.numel() else Padding(kept, mask.numel())
             return
         x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
         x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
