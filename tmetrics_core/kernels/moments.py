@@ -461,9 +461,18 @@ def _rows(entries: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
     blocks, rows = zip(*entries)
     block = blocks[0]
     if not all(map(operator.is_, blocks, itertools.repeat(block))):
-        return torch.stack([b[j] for b, j in entries])
+        # Rows of several kernel calls (e.g. a general-path statistic over sites read in
+        # different passes): the few outputs joined, then one gather, not an op per row.
+        starts: dict[int, int] = {}
+        outputs: list[torch.Tensor] = []
+        for b in blocks:
+            if id(b) not in starts:
+                starts[id(b)] = sum(o.shape[0] for o in outputs)
+                outputs.append(b)
+        rows = tuple(starts[id(b)] + j for b, j in entries)
+        block = torch.cat(outputs)
     even = spaced(rows)
-    return block[even] if even is not None else block.index_select(0, torch.tensor(rows))
+    return block[even] if even is not None else block.index_select(0, torch.tensor(rows, device=block.device))
 
 
 def spaced(rows: Sequence[int]) -> slice | None:
