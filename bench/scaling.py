@@ -1,6 +1,6 @@
 """How tmetrics' cost grows with the world size and with the number of tensors.
 
-    python -m bench.scaling [--large] [--plot PATH] [--no-world] [--no-tensors]
+    python -m bench.scaling [--large] [--plot PATH] [--no-world] [--no-tensors] [--no-flat]
 
 Table 1, a simulated world (``bench.recording``): 8 to 16,384 ranks on a pp x dp x ep x tp mesh,
 the demo transformer (4 layers, 8 experts per MoE block, 128 tensors, attention weights declared
@@ -21,6 +21,10 @@ its CPU time per due step (thread time, median of alternating rounds, so other p
 shared machine do not inflate it), that time per tensor, and one ``torch._foreach_norm`` pass
 over the same gradients for scale. ``--plot`` saves both series as
 a figure when matplotlib is installed.
+
+Table 3, flat buffers: two rows of table 2 with the gradients also held in one flat buffer on a
+``dp`` axis of one rank (ZeRO's and Megatron's distributed optimizer's layout), from which
+tmetrics reads them, against the same model reading ``.grad``, alternating in one run.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.placements import Shard
+from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.tensor_metrics import TensorMetrics
+from tmetrics_core.topology import Axis, Topology
 
 __all__ = ["main", "world_rank"]
 
@@ -143,10 +149,23 @@ def _moe(layers: int, experts: int, width: int) -> Transformer:
     return Transformer(config)
 
 
-def _tensor_case(layers: int, experts: int, width: int, rounds: int, device: str) -> dict[str, Any]:
+def _tensor_case(layers: int, experts: int, width: int, rounds: int, device: str, flat: bool | None = None
+                 ) -> dict[str, Any]:
+    """One row: table 2's (``flat`` None, through ``from_config``), or table 3's (the same
+    metrics on a ``dp`` axis of one rank, the gradients read from ``.grad`` or, with ``flat``,
+    from one flat buffer holding their values: ZeRO's layout)."""
     torch.manual_seed(0)
     model = _moe(layers, experts, width).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    if flat is not None:
+        buffers = [FlatBuffer("grad", "dp", params, torch.cat([p.grad.reshape(-1) for p in params]), 0)] if flat else []
+        metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in TENSOR_METRICS], optimizer=optimizer,
+                                topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1),
+                                flat_buffers=buffers)
+        return _measure(metrics, model, optimizer, rounds, device)
     config = {"metrics": [f"{name}:1" for name in TENSOR_METRICS], "sinks": {}}
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as run_dir:
         return _measure(TensorMetrics.from_config(config, model=model, optimizer=optimizer, run_dir=run_dir),
@@ -205,9 +224,6 @@ def _kernel_timed(clock: Any) -> Iterator[_KernelClock | None]:
 def _measure(metrics: TensorMetrics, model: Transformer, optimizer: torch.optim.Optimizer,
              rounds: int, device: str) -> dict[str, Any]:
     params = list(model.parameters())
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
-
     clock = _clock(device)
 
     def due(step: int) -> float:
@@ -292,6 +308,29 @@ def print_tensors(rows: list[dict[str, Any]]) -> None:
           "ops); marginal: us per tensor added since the row above (the per-tensor cost without the fixed one).")
 
 
+FLAT_CASES = ((16, 8, 8), (16, 64, 8))
+"""Table 3's (layers, experts, width): 499 and 3,188 tiny tensors."""
+
+
+def flat_table(device: str = "cpu") -> list[dict[str, Any]]:
+    """Table 3's rows: each case with gradients read from ``.grad`` and from a flat buffer."""
+    rows = []
+    for layers, experts, width in FLAT_CASES:
+        for flat in (False, True):
+            row = _tensor_case(layers, experts, width, rounds=9, device=device, flat=flat)
+            rows.append(row | {"gradients": "flat buffer" if flat else ".grad"})
+    return rows
+
+
+def print_flat(rows: list[dict[str, Any]]) -> None:
+    print(f"Table 3: gradients in a flat buffer (ZeRO's layout), one process, {', '.join(TENSOR_METRICS)} due every step")
+    head = f"{'tensors':>7} {'gradients':>11} | {'torch ops/due step':>18} | {'tmetrics ms/due step':>20} {'us/tensor':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['tensors']:>7} {r['gradients']:>11} | {r['ops']:>18} | {r['ms']:>20.2f} {r['us per tensor']:>9.1f}")
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> str:
     try:
         import matplotlib
@@ -325,6 +364,7 @@ def main() -> None:
     parser.add_argument("--plot", default="runs/bench_scaling.png", help="figure path for table 2")
     parser.add_argument("--no-world", action="store_true")
     parser.add_argument("--no-tensors", action="store_true")
+    parser.add_argument("--no-flat", action="store_true")
     parser.add_argument("--device", default="cpu", help="device of table 2 (bench.gpu_overhead passes cuda)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -336,6 +376,9 @@ def main() -> None:
         rows = tensor_table(args.large, args.device)
         print_tensors(rows)
         print(plot(rows, args.plot))
+    if not args.no_flat:
+        print()
+        print_flat(flat_table(args.device))
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

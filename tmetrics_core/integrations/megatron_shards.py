@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.site import Site
-from tmetrics_core.sources.flat import FlatBuffer, _range_of, owned_part
+from tmetrics_core.sources.flat import FlatBuffer, Reader, _range_of, owned_part
 from tmetrics_core.topology import Topology
 
 __all__ = ["OwnedRanges", "is_distributed_optimizer", "owned_ranges"]
@@ -63,9 +63,12 @@ class OwnedRanges(FlatBuffer):
     ranges: Mapping[int, tuple[int, int]] = field(default_factory=dict)
     fetch: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: None
 
-    def read(self, manifest: Manifest, topology_axes: Sequence[str]) -> tuple[list[Site], list[torch.Tensor | None]]:
-        """Sites (``FlatShard`` on ``axis``) and local views for every manifest entry, in
-        manifest order; entries not listed keep their site and get None.
+    def layout(self, manifest: Manifest, topology_axes: Sequence[str]) -> tuple[list[Site], Reader]:
+        """Sites (``FlatShard`` on ``axis``) for every manifest entry, in manifest order (entries
+        not listed keep their site), and the reader of this rank's part of each at a due step:
+        a view of the fetched range, empty where this rank owns no element of the entry, None
+        where the entry is not listed or ``fetch`` has no value yet (Adam state before the
+        first step).
 
         Raises ``ConfigError`` for an axis not in the topology.
         """
@@ -74,24 +77,33 @@ class OwnedRanges(FlatBuffer):
                               f"topology {list(topology_axes)}")
         listed = {id(p) for p in self.params}
         sites: list[Site] = []
-        tensors: list[torch.Tensor | None] = []
+        # Per entry: (parameter, [a, b) of its owned part, whether the rank owns any of it).
+        pieces: list[tuple[torch.nn.Parameter, int, int, bool] | None] = []
         for entry in manifest.entries:
             site = entry.site(self.kind)
             param = manifest.local.get(entry.name)
             if param is None or id(param) not in listed:
                 sites.append(site)
-                tensors.append(None)
+                pieces.append(None)
                 continue
             lo, hi = self.ranges.get(id(param), (0, 0))
             owned, a, b = owned_part(site, entry.shape, _range_of(entry.name, manifest, param, (0, param.numel())),
                                      (lo, hi), self.axis, topology_axes)
             sites.append(owned)
-            piece = self.fetch(param) if lo < hi else None
-            if piece is None:
-                tensors.append(None if lo < hi else param.detach().reshape(-1)[:0])
-            else:
-                tensors.append(piece.detach()[a - lo:b - lo] if a < b else piece.detach()[:0])
-        return sites, tensors
+            pieces.append((param, a - lo, b - lo, lo < hi) if a < b else (param, 0, 0, lo < hi))
+        fetch = self.fetch
+
+        def read() -> list[torch.Tensor | None]:
+            out: list[torch.Tensor | None] = []
+            for piece in pieces:
+                if piece is None:
+                    out.append(None)
+                    continue
+                param, start, end, owns = piece
+                fetched = fetch(param) if owns else param.detach().reshape(-1)
+                out.append(None if fetched is None else fetched.detach()[start:end])
+            return out
+        return sites, read
 
 
 def owned_ranges(optimizer: Any, topology: Topology) -> list[OwnedRanges]:

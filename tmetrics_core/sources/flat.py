@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.placements import FlatShard
 from tmetrics_core.site import Site
 
-__all__ = ["FlatBuffer", "owned_part", "read_buffers"]
+__all__ = ["FlatBuffer", "FlatSource", "Reader", "owned_part"]
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,12 @@ class FlatBuffer:
         ids = {id(p) for p in self.params}
         return [id(manifest.local.get(e.name)) in ids for e in manifest.entries]
 
-    def read(self, manifest: Manifest, topology_axes: Sequence[str]) -> tuple[list[Site], list[torch.Tensor | None]]:
-        """Sites (FlatShard on ``axis``) and local views for every manifest entry, in manifest
-        order; entries not in the buffer keep their site and get None (see :meth:`covers`).
+    def layout(self, manifest: Manifest, topology_axes: Sequence[str]) -> tuple[list[Site], Reader]:
+        """Sites (FlatShard on ``axis``) for every manifest entry, in manifest order (entries not
+        in the buffer keep their site: see :meth:`covers`), and the reader of this rank's part
+        of each at a due step (a 1-D view of the buffer, empty where this rank owns none of the
+        entry; None where the entry is not in the buffer). Depends on the manifest and the
+        ranges alone: found once per run.
 
         Raises ``ConfigError`` for an axis not in the topology or a parameter not in the model.
         """
@@ -64,19 +67,97 @@ class FlatBuffer:
             cursor += p.numel()
         lo, hi = self.offset, self.offset + self.buffer.numel()
         sites: list[Site] = []
-        tensors: list[torch.Tensor | None] = []
+        spans: list[tuple[int, int] | None] = []
         for entry in manifest.entries:
             site = entry.site(self.kind)
             param = manifest.local.get(entry.name)
             if param is None or id(param) not in ranges:
                 sites.append(site)
-                tensors.append(None)
+                spans.append(None)
                 continue
             owned, a, b = owned_part(site, entry.shape, _range_of(entry.name, manifest, param, ranges[id(param)]),
                                      (lo, hi), self.axis, topology_axes)
             sites.append(owned)
-            tensors.append(self.buffer.detach()[a - lo:b - lo] if a < b else self.buffer.detach()[:0])
-        return sites, tensors
+            spans.append((a - lo, b - lo) if a < b else (0, 0))
+        return sites, _Split(self.buffer, spans)
+
+
+Reader = Callable[[], list[torch.Tensor | None]]
+"""A flat source's local tensor of every manifest entry at a due step (None: not held there)."""
+
+
+class _Split:
+    """Views of ``buffer`` at ``spans`` (per manifest entry ``(start, end)``, or None) from one
+    ``split`` of the buffer, made again only when the buffer's memory changes: no torch op per
+    entry at a due step. Spans do not overlap: each lies in its own parameter's range.
+    """
+
+    def __init__(self, buffer: torch.Tensor, spans: Sequence[tuple[int, int] | None]) -> None:
+        self._buffer = buffer
+        self._views: tuple[int, list[torch.Tensor | None]] | None = None
+        self._sizes: list[int] = []
+        self._at: list[int | None] = [None] * len(spans)
+        cursor = 0
+        for start, end, i in sorted((*span, i) for i, span in enumerate(spans) if span is not None):
+            if start < end:
+                if start > cursor:
+                    self._sizes.append(start - cursor)  # elements no entry reads (padding)
+                cursor = end
+            self._sizes.append(end - start)
+            self._at[i] = len(self._sizes) - 1
+        if cursor < buffer.numel():
+            self._sizes.append(buffer.numel() - cursor)
+
+    def __call__(self) -> list[torch.Tensor | None]:
+        # The views of the last call while the buffer keeps its memory (updated in place, as
+        # FlatBuffer asks): they see its current values. A buffer given other memory (``set_``,
+        # ``.data =``) has another address, since the kept views hold the old memory alive.
+        address = self._buffer.data_ptr()
+        if self._views is None or self._views[0] != address:
+            parts = self._buffer.detach().split(self._sizes)
+            self._views = (address, [None if k is None else parts[k] for k in self._at])
+        return list(self._views[1])
+
+
+class FlatSource:
+    """One source kind read from all its flat buffers (a distributed optimizer keeps several:
+    dense and expert parameters, one per dtype or per bucket): the sites and readers are found
+    once, the tensors at each due step (:meth:`tensors`).
+
+    Attributes:
+        sites: per manifest entry, its FlatShard site where a buffer holds it, else its own.
+        covered: per manifest entry, whether a buffer holds it (others are read as usual).
+
+    Raises:
+        ConfigError: a parameter listed in two buffers of the kind (it would count twice), or
+            what :meth:`FlatBuffer.layout` raises.
+    """
+
+    def __init__(self, buffers: Sequence[FlatBuffer], manifest: Manifest, topology_axes: Sequence[str]) -> None:
+        self.sites = [e.site(buffers[0].kind) for e in manifest.entries]
+        self.covered = [False] * len(self.sites)
+        self._readers: list[tuple[list[int], Reader]] = []
+        for fb in buffers:
+            mine, reader = fb.layout(manifest, topology_axes)
+            held = [i for i, covers in enumerate(fb.covers(manifest)) if covers]
+            for i in held:
+                if self.covered[i]:
+                    raise ConfigError(f"parameter {manifest.entries[i].name!r} is in two flat buffers of kind "
+                                      f"{fb.kind!r}; list each parameter in one buffer per kind")
+                self.sites[i], self.covered[i] = mine[i], True
+            self._readers.append((held, reader))
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Per manifest entry, this due step's local tensor from its buffer; None where no
+        buffer holds it (or the buffer has no value yet: Adam state before the first step)."""
+        if len(self._readers) == 1 and all(self.covered):
+            return self._readers[0][1]()
+        out: list[torch.Tensor | None] = [None] * len(self.sites)
+        for held, reader in self._readers:
+            read = reader()
+            for i in held:
+                out[i] = read[i]
+        return out
 
 
 def owned_part(site: Site, shape: tuple[int, ...], entry: tuple[int, int], owned: tuple[int, int], axis: str,
@@ -95,32 +176,6 @@ def owned_part(site: Site, shape: tuple[int, ...], entry: tuple[int, int], owned
     order = {n: i for i, n in enumerate(topology_axes)}
     placements = tuple(sorted(placements, key=lambda ap: order.get(ap[0], 0)))
     return dataclasses.replace(site, placements=placements), a, b
-
-
-def read_buffers(buffers: Sequence[FlatBuffer], manifest: Manifest, topology_axes: Sequence[str]
-                 ) -> tuple[list[Site], list[torch.Tensor | None], list[bool]]:
-    """Sites, local views and whether a buffer holds it, for every manifest entry, from all the
-    buffers of one kind (a distributed optimizer keeps several: dense and expert parameters,
-    one per dtype or per bucket). An entry in no buffer keeps its site and gets None, and is
-    read as usual by the caller.
-
-    Raises:
-        ConfigError: a parameter listed in two buffers of the kind (it would count twice), or
-            what :meth:`FlatBuffer.read` raises.
-    """
-    sites = [e.site(buffers[0].kind) for e in manifest.entries]
-    tensors: list[torch.Tensor | None] = [None] * len(sites)
-    covered = [False] * len(sites)
-    for fb in buffers:
-        mine, local = fb.read(manifest, topology_axes)
-        for i, held in enumerate(fb.covers(manifest)):
-            if not held:
-                continue
-            if covered[i]:
-                raise ConfigError(f"parameter {manifest.entries[i].name!r} is in two flat buffers of kind "
-                                  f"{fb.kind!r}; list each parameter in one buffer per kind")
-            sites[i], tensors[i], covered[i] = mine[i], local[i], True
-    return sites, tensors, covered
 
 
 def _range_of(name: str, manifest: Manifest, param: torch.Tensor, stored: tuple[int, int]) -> tuple[int, int]:

@@ -35,7 +35,7 @@ from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.naming.manifest import Manifest, dtensor_placements
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.flat import FlatBuffer, read_buffers
+from tmetrics_core.sources.flat import FlatBuffer, FlatSource
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, local_view, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
@@ -149,6 +149,7 @@ class ParamObserver:
         self._done: set[str] = set()
         self._before: MutableMapping[str, torch.Tensor] | None = None
         self._spare: torch.Tensor | None = None
+        self._flat_sources: dict[str, FlatSource] = {}
 
     # -- the step ----------------------------------------------------------------------------
     def begin(self, step: int, due: Sequence[TensorMetric]) -> None:
@@ -239,16 +240,47 @@ class ParamObserver:
     def _plan_program(self, pre: Sequence[TensorMetric], post: Sequence[TensorMetric],
                       before: Sequence[TensorMetric], names: frozenset[str]) -> ParamProgram | None:
         """The due set's :class:`ParamProgram`: only over parameters held here, plain or DTensor
-        (no flat buffer or Partial placement, whose sites and tensors the general path changes
-        per step), with every parameter-side metric one the program prepares. A DTensor
+        (no flat parameter buffer or Partial placement, whose sites and tensors the general path
+        changes per step), with every parameter-side metric one the program prepares. A DTensor
         parameter is read as its local tensor; a step where some DTensor gradient is placed
-        otherwise than its parameter takes the general path (see :meth:`_programmed`)."""
-        if (set(self.flat) & (PARAM_KINDS | OPTIMIZER_KINDS) or self.facts.partial_params
+        otherwise than its parameter takes the general path (see :meth:`_programmed`).
+        Gradients and Adam state in flat buffers (ZeRO, Megatron's distributed optimizer) are
+        read from them, with their FlatShard sites (not with DTensor parameters)."""
+        if (set(self.flat) & {"param", "update"} or self.facts.partial_params
                 or any(s.partial for s in self._kind_sites["grad"])
-                or any(p is None for p in self.facts.local)):
+                or any(p is None for p in self.facts.local)
+                or (self.flat and self.facts.dtensor_params)):
             return None
-        return ParamProgram.plan(pre, post, before, self._kind_sites.__getitem__, self._choices.of, names,
+        return ParamProgram.plan(pre, post, before, self._sites_of, self._choices.of, names,
                                  len(self.manifest.entries))
+
+    def _sites_of(self, kind: str) -> list[Site]:
+        """The sites of ``kind``, one per manifest entry: a flat buffer's where one holds it."""
+        return self._flat_source(kind).sites if kind in self.flat else self._kind_sites[kind]
+
+    def _flat_source(self, kind: str) -> FlatSource:
+        """The flat buffers of ``kind`` as one source, laid out on first use.
+
+        Raises:
+            ConfigError: as :class:`FlatSource` (at each due step that reads the kind, as a
+                failure of its metrics, until the buffers are fixed).
+        """
+        source = self._flat_sources.get(kind)
+        if source is None:
+            source = self._flat_sources[kind] = FlatSource(self.flat[kind], self.manifest, self.topology.names)
+        return source
+
+    def _flat_tensors(self, kind: str, entries: Sequence[int]) -> list[torch.Tensor | None]:
+        """The local tensors of ``kind`` of manifest ``entries`` from its flat buffers, those no
+        buffer holds read as ``read_kind`` reads them (a gradient or Adam state viewed as its
+        entry reads it)."""
+        source = self._flat_source(kind)
+        held = source.tensors()
+        covered = source.covered
+        if all(covered[i] for i in entries):
+            return [held[i] for i in entries]
+        plain = read_kind(kind, self.manifest, self.optimizer)
+        return [held[i] if covered[i] else plain[i] for i in entries]
 
     # -- replica verification ----------------------------------------------------------------
     def verify_startup(self) -> None:
@@ -381,8 +413,9 @@ class ParamObserver:
         if phase == "pre":
             if local is not None and not _grads_placed_as_params(params):
                 return  # a Partial gradient (sequence parallel): resolved by the general path
+            grads = (lambda entries: self._flat_tensors("grad", entries)) if "grad" in self.flat else None
             try:
-                states, absent = program.read_pre(params, self.facts.views, self.topology, local)
+                states, absent = program.read_pre(params, self.facts.views, self.topology, local, grads)
             except Exception:  # noqa: BLE001 - the general path reads again and reports it
                 states, absent = None, []
             if states is not None and absent:
@@ -415,9 +448,16 @@ class ParamObserver:
         Raises:
             ValueError: an expert slice whose state is not shaped as its stored parameter.
         """
+        flat: dict[str, dict[int, torch.Tensor | None]] = {}
+        for kind in {k for k, _ in reads} & set(self.flat):  # ZeRO: a FlatShard of the entry
+            entries = [e for k, e in reads if k == kind]
+            flat[kind] = dict(zip(entries, self._flat_tensors(kind, entries)))
         out: list[torch.Tensor | None] = []
         states = self.optimizer.state if self.optimizer is not None else {}
         for kind, entry in reads:
+            if kind in flat:
+                out.append(flat[kind][entry])
+                continue
             param = cast("torch.Tensor", self.facts.local[entry])  # a program's entries are held here
             value = local_view(states.get(param, {}).get(kind))
             view = self.facts.views[entry]
@@ -470,10 +510,8 @@ class ParamObserver:
                 tensors.extend(pair[1] if pair is not None else None for pair in pairs)
                 continue
             if kind in self.flat:
-                flat_sites, flat_tensors, covers = read_buffers(self.flat[kind], self.manifest, self.topology.names)
-                plain = read_kind(kind, self.manifest, self.optimizer, self._before)
-                read = [t if covered else p for t, p, covered in zip(flat_tensors, plain, covers)]
-                sites.extend(flat_sites)
+                read = self._flat_tensors(kind, range(len(self.manifest.entries)))
+                sites.extend(self._flat_source(kind).sites)
             else:
                 read = read_kind(kind, self.manifest, self.optimizer, self._before)
                 sites.extend(self._kind_sites[kind] if kind != "grad" else self._grad_sites())

@@ -280,7 +280,8 @@ class ParamProgram:
                    PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped], state_reads)
 
     def read_pre(self, params: Sequence[torch.Tensor], views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None]
-                 = (), topology: Topology | None = None, local: Local | None = None
+                 = (), topology: Topology | None = None, local: Local | None = None,
+                 grads: Callable[[Sequence[int]], list[torch.Tensor | None]] | None = None
                  ) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
         """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
         entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grad_of`),
@@ -290,18 +291,21 @@ class ParamProgram:
         gradients are left out of the statistics with placeholders (see :meth:`PhasePlan.states`,
         on ``topology``), as the general path does. ``views[i]``, where given and not None, reads entry ``i`` (an expert slice of a
         stacked tensor) as a view of its parameter and gradient (``Manifest.views``). ``local``,
-        where given, maps parameters and gradients to the local tensors read (DTensors' shards)."""
+        where given, maps parameters and gradients to the local tensors read (DTensors' shards).
+        ``grads``, where given, reads the gradients of manifest entries instead of ``.grad``
+        (a flat buffer's part of each, as the entry reads it: no view applied; None where it
+        has none)."""
         # Gradient rows come first (kinds are read in sorted order: see __init__): one C-level
         # map per step over the parameters, none of Python per tensor.
-        grads = self._grads
+        count = self._grads
         read = list(map(params.__getitem__, self._indices))
-        found = list(map(grad_of, read[:grads]))
+        found = list(map(grad_of, read[:count])) if grads is None else grads(self._indices[:count])
         if local is not None:
             read, found = cast("list[torch.Tensor]", local(read)), local(found)
         absent = [k for k, g in enumerate(found) if g is None] if type(None) in set(map(type, found)) else []
-        tensors = _stand_in(found, absent, read) + read[grads:]
+        tensors = _stand_in(found, absent, read) + read[count:]
         if views and any(views):
-            skip = frozenset(absent)
+            skip = frozenset(absent) if grads is None else frozenset(range(count))
             tensors = [t if (view := views[i]) is None or k in skip else view(t)
                        for k, (t, i) in enumerate(zip(tensors, self._indices))]
         rows = moments_rows(tensors, self._columns[0])

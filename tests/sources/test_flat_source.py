@@ -1,0 +1,103 @@
+"""A flat buffer read by the due set's program (one process, a ``dp`` axis of one rank): its
+parts of the gradients, with padding between parameters and a parameter it does not hold,
+give the numbers of the same gradients read from ``.grad``; a buffer given other memory is
+read from there; the views of its parts are made once, not per due step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.sources.flat import FlatBuffer, FlatSource, _Split
+from tmetrics_core.tensor_metrics import TensorMetrics
+from tmetrics_core.topology import Axis, Topology
+
+METRICS = ("global-grad-l2", "layer-grad-l2", "layer-grad-absmax")
+PAD = 5
+"""Elements between two parameters in the buffer (Megatron aligns each start to 64)."""
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.ModuleDict({"up": torch.nn.Linear(4, 3), "down": torch.nn.Linear(3, 4)})
+                                       for _ in range(2))
+    return model
+
+
+class _Padded(FlatBuffer):
+    """A flat buffer whose parameters start ``PAD`` elements apart (its own layout)."""
+
+    def layout(self, manifest, topology_axes):
+        sites, _ = super().layout(manifest, topology_axes)
+        spans, cursor = [], 0
+        starts = {}
+        for p in self.params:
+            starts[id(p)] = cursor
+            cursor += p.numel() + PAD
+        for entry in manifest.entries:
+            p = manifest.local.get(entry.name)
+            spans.append((starts[id(p)], starts[id(p)] + p.numel()) if id(p) in starts else None)
+        return sites, _Split(self.buffer, spans)
+
+
+def _run(with_buffer: bool, rebind: bool = False) -> tuple[list[dict], list[float]]:
+    model = _model()
+    params = list(model.parameters())
+    held = params[:-1]  # the last bias is not in the buffer: read from .grad
+    buffer = torch.full((sum(p.numel() + PAD for p in held),), float("nan"))
+    buffers = [_Padded("grad", "dp", held, buffer, 0)] if with_buffer else []
+    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in METRICS],
+                            topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1),
+                            flat_buffers=buffers)
+    records, norms = [], []
+    for step in (1, 2, 3):
+        with metrics.step(step):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+            h = x
+            for block in model.layers:
+                h = block["down"](torch.tanh(block["up"](h)))
+            h.pow(2).sum().backward()
+            if rebind and step == 3:
+                buffer.data = torch.full_like(buffer, float("nan"))  # other memory, as a resharded buffer
+            cursor = 0
+            for p in held:
+                buffer[cursor:cursor + p.numel()] = p.grad.reshape(-1)
+                cursor += p.numel() + PAD
+            norms.append(math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params)))
+            for p in held if with_buffer else ():
+                p.grad = p.grad * 0.5  # the buffer, not .grad, is read
+        assert metrics.failures == []
+        records.append({(r.metric, r.layer): r.value for r in metrics.last_records})
+        model.zero_grad()
+    metrics.close()
+    return records, norms
+
+
+@pytest.mark.parametrize("rebind", [False, True], ids=["in-place", "new-memory"])
+def test_flat_buffer_parts_equal_the_gradients(rebind: bool) -> None:
+    flat, norms = _run(True, rebind)
+    plain, _ = _run(False)
+    for mine, want in zip(flat, plain):
+        assert mine == pytest.approx(want, rel=1e-12)
+    assert [r[("global-grad-l2", None)] for r in flat] == pytest.approx(norms, rel=1e-12)
+
+
+def test_parts_are_viewed_once_while_the_buffer_keeps_its_memory() -> None:
+    model = _model()
+    params = list(model.parameters())
+    buffer = torch.zeros(sum(p.numel() for p in params))
+    metrics = TensorMetrics(model, metrics=[(build_metric("global-grad-l2"), 1)],
+                            topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1))
+    source = FlatSource([FlatBuffer("grad", "dp", params, buffer, 0)], metrics.manifest, ("dp",))
+    first, second = source.tensors(), source.tensors()
+    assert all(a is b for a, b in zip(first, second))
+    assert [t.numel() for t in first] == [metrics.manifest.local[e.name].numel() for e in metrics.manifest.entries]
+    buffer.data = torch.arange(buffer.numel(), dtype=buffer.dtype)
+    third = source.tensors()
+    assert third[0] is not first[0]
+    assert sorted(t.data_ptr() for t in third)[0] == buffer.data_ptr()  # views of the new memory
+    metrics.close()
