@@ -1,7 +1,8 @@
 """A flat buffer read by the due set's program (one process, a ``dp`` axis of one rank): its
 parts of the gradients, with padding between parameters and a parameter it does not hold,
 give the numbers of the same gradients read from ``.grad``; a buffer given other memory is
-read from there; the views of its parts are made once, not per due step."""
+read from there; the views of its parts are made once, not per due step (also the per-parameter
+parts of Megatron's distributed optimizer)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tmetrics_core.integrations.megatron_shards import OwnedRanges
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.sources.flat import FlatBuffer, FlatSource, _Split
 from tmetrics_core.tensor_metrics import TensorMetrics
@@ -100,4 +102,35 @@ def test_parts_are_viewed_once_while_the_buffer_keeps_its_memory() -> None:
     third = source.tensors()
     assert third[0] is not first[0]
     assert sorted(t.data_ptr() for t in third)[0] == buffer.data_ptr()  # views of the new memory
+    metrics.close()
+
+
+def test_owned_ranges_view_each_part_once_while_its_holder_stays() -> None:
+    """Megatron's distributed optimizer: each part is a view of its holder (``main_grad`` at
+    the rank's start, an Adam state tensor at 0), made again when the holder is another tensor
+    (state loaded from a checkpoint) and absent while the holder is None; a rank that owns
+    nothing of a parameter reads an empty part."""
+    model = _model()
+    params = list(model.parameters())
+    owner = params[0]
+    holders: dict[int, torch.Tensor | None] = {id(p): torch.arange(float(p.numel() + 2)) for p in params}
+    holders[id(params[1])] = None  # no value yet
+    ranges = {id(p): (1, p.numel() - 1) for p in params if p is not params[2]}  # params[2]: owned elsewhere
+    metrics = TensorMetrics(model, metrics=[(build_metric("global-grad-l2"), 1)],
+                            topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1))
+
+    def fetch(p):
+        holder = holders[id(p)]
+        return None if holder is None else (holder, 2)
+
+    source = FlatSource([OwnedRanges("grad", "dp", params, torch.empty(0), 0, ranges=ranges, fetch=fetch)],
+                        metrics.manifest, ("dp",))
+    index = {id(metrics.manifest.local[e.name]): i for i, e in enumerate(metrics.manifest.entries)}
+    first, second = source.tensors(), source.tensors()
+    assert second[index[id(owner)]] is first[index[id(owner)]]
+    assert torch.equal(first[index[id(owner)]], torch.arange(2.0, owner.numel()))  # [at + 0, at + numel - 2)
+    assert first[index[id(params[1])]] is None and first[index[id(params[2])]].numel() == 0
+    holders[id(owner)] = torch.full((owner.numel() + 2,), 7.0)
+    third = source.tensors()[index[id(owner)]]
+    assert torch.equal(third, torch.full((owner.numel() - 2,), 7.0))
     metrics.close()

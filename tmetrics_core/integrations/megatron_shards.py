@@ -56,12 +56,15 @@ class OwnedRanges(FlatBuffer):
     Attributes:
         ranges: ``id(param) -> (start, end)``, this rank's range of the parameter's flattening;
             parameters absent here are owned elsewhere (an empty range).
-        fetch: ``param -> tensor`` of ``end - start`` elements (this rank's part, read at each
-            due step), or None when there is none yet (Adam state before the first step).
+        fetch: ``param -> (holder, at)``, asked at each due step: this rank's part is elements
+            ``[at, at + end - start)`` of ``holder``'s flattening (a contiguous tensor: the
+            gradient buffer's view ``main_grad`` at ``start``, an Adam state tensor of the part
+            at 0); None when there is none yet (Adam state before the first step). A part is
+            viewed again only when its holder is another tensor or moved.
     """
 
     ranges: Mapping[int, tuple[int, int]] = field(default_factory=dict)
-    fetch: Callable[[torch.nn.Parameter], torch.Tensor | None] = lambda p: None
+    fetch: Callable[[torch.nn.Parameter], tuple[torch.Tensor, int] | None] = lambda p: None
 
     def layout(self, manifest: Manifest, topology_axes: Sequence[str]) -> tuple[list[Site], Reader]:
         """Sites (``FlatShard`` on ``axis``) for every manifest entry, in manifest order (entries
@@ -92,16 +95,28 @@ class OwnedRanges(FlatBuffer):
             sites.append(owned)
             pieces.append((param, a - lo, b - lo, lo < hi) if a < b else (param, 0, 0, lo < hi))
         fetch = self.fetch
+        # Per entry: (holder's id, its address, the view of the part), kept while the holder is
+        # the same tensor at the same address (the kept view holds it alive: no id is reused).
+        viewed: list[tuple[int, int, torch.Tensor] | None] = [None] * len(pieces)
 
         def read() -> list[torch.Tensor | None]:
             out: list[torch.Tensor | None] = []
-            for piece in pieces:
+            for k, piece in enumerate(pieces):
                 if piece is None:
                     out.append(None)
                     continue
                 param, start, end, owns = piece
-                fetched = fetch(param) if owns else param.detach().reshape(-1)
-                out.append(None if fetched is None else fetched.detach()[start:end])
+                found = fetch(param) if owns else (param, 0)
+                if found is None:
+                    out.append(None)
+                    continue
+                holder, at = found
+                last = viewed[k]
+                if last is None or last[0] != id(holder) or last[1] != holder.data_ptr():
+                    # view, not reshape: a holder that is not contiguous raises (a copy kept here
+                    # would go stale) and the metrics reading it fail with that error.
+                    last = viewed[k] = (id(holder), holder.data_ptr(), holder.detach().view(-1)[at + start:at + end])
+                out.append(last[2])
             return out
         return sites, read
 
@@ -148,13 +163,15 @@ def owned_ranges(optimizer: Any, topology: Topology) -> list[OwnedRanges]:
             main[id(model_param)] = shard_main
     inner = optimizer.optimizer
 
-    def grad(p: torch.nn.Parameter) -> torch.Tensor | None:
-        lo, hi = ranges[id(p)]
+    def grad(p: torch.nn.Parameter) -> tuple[torch.Tensor, int] | None:
         main: torch.Tensor | None = getattr(p, "main_grad", None)  # Megatron's DDP: a view of its grad buffer
-        return main.view(-1)[lo:hi] if main is not None else None
+        return (main, ranges[id(p)][0]) if main is not None else None
 
-    def state(kind: str) -> Callable[[torch.nn.Parameter], torch.Tensor | None]:
-        return lambda p: inner.state.get(main[id(p)], {}).get(kind)
+    def state(kind: str) -> Callable[[torch.nn.Parameter], tuple[torch.Tensor, int] | None]:
+        def read(p: torch.nn.Parameter) -> tuple[torch.Tensor, int] | None:
+            value = inner.state.get(main[id(p)], {}).get(kind)
+            return (value, 0) if value is not None else None
+        return read
 
     empty = torch.empty(0)
     return [OwnedRanges(kind, "dp", params, empty, 0, ranges=ranges, fetch=grad if kind == "grad" else state(kind))
