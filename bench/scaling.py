@@ -22,9 +22,9 @@ shared machine do not inflate it), that time per tensor, and one ``torch._foreac
 over the same gradients for scale. ``--plot`` saves both series as
 a figure when matplotlib is installed.
 
-Table 3, flat buffers: two rows of table 2 with the gradients also held in one flat buffer on a
-``dp`` axis of one rank (ZeRO's and Megatron's distributed optimizer's layout), from which
-tmetrics reads them, against the same model reading ``.grad``, alternating in one run.
+Table 3, flat buffers: two rows of table 2 on a ``dp`` axis of one rank, the gradients read from
+``.grad``, from one flat buffer holding their values (ZeRO's layout), and as per-parameter parts
+of ``main_grad`` (Megatron's distributed optimizer: ``OwnedRanges``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.recording import RecordingCollectives, SymmetricWorld
 from tmetrics_core.demo.model import ModelConfig, Transformer
+from tmetrics_core.integrations.megatron_shards import OwnedRanges
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.placements import Shard
@@ -149,19 +150,28 @@ def _moe(layers: int, experts: int, width: int) -> Transformer:
     return Transformer(config)
 
 
-def _tensor_case(layers: int, experts: int, width: int, rounds: int, device: str, flat: bool | None = None
+def _tensor_case(layers: int, experts: int, width: int, rounds: int, device: str, gradients: str | None = None
                  ) -> dict[str, Any]:
-    """One row: table 2's (``flat`` None, through ``from_config``), or table 3's (the same
-    metrics on a ``dp`` axis of one rank, the gradients read from ``.grad`` or, with ``flat``,
-    from one flat buffer holding their values: ZeRO's layout)."""
+    """One row: table 2's (``gradients`` None, through ``from_config``), or table 3's (the same
+    metrics on a ``dp`` axis of one rank, the gradients read from ``.grad``, from one flat
+    buffer holding their values (``"flat buffer"``: ZeRO's layout) or as each parameter's part
+    of ``main_grad`` (``"megatron parts"``: Megatron's distributed optimizer))."""
     torch.manual_seed(0)
     model = _moe(layers, experts, width).to(device)
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=1e-3)
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
-    if flat is not None:
-        buffers = [FlatBuffer("grad", "dp", params, torch.cat([p.grad.reshape(-1) for p in params]), 0)] if flat else []
+    if gradients is not None:
+        buffers: list[FlatBuffer] = []
+        if gradients == "flat buffer":
+            buffers = [FlatBuffer("grad", "dp", params, torch.cat([p.grad.reshape(-1) for p in params]), 0)]
+        elif gradients == "megatron parts":
+            for p in params:
+                p.main_grad = p.grad  # type: ignore[attr-defined]
+            ranges = {id(p): (0, p.numel()) for p in params}
+            buffers = [OwnedRanges("grad", "dp", params, torch.empty(0), 0, ranges=ranges,
+                                   fetch=lambda p: (p.main_grad, 0))]
         metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in TENSOR_METRICS], optimizer=optimizer,
                                 topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1),
                                 flat_buffers=buffers)
@@ -313,22 +323,22 @@ FLAT_CASES = ((16, 8, 8), (16, 64, 8))
 
 
 def flat_table(device: str = "cpu") -> list[dict[str, Any]]:
-    """Table 3's rows: each case with gradients read from ``.grad`` and from a flat buffer."""
+    """Table 3's rows: each case with its gradients in each layout."""
     rows = []
     for layers, experts, width in FLAT_CASES:
-        for flat in (False, True):
-            row = _tensor_case(layers, experts, width, rounds=9, device=device, flat=flat)
-            rows.append(row | {"gradients": "flat buffer" if flat else ".grad"})
+        for gradients in (".grad", "flat buffer", "megatron parts"):
+            row = _tensor_case(layers, experts, width, rounds=9, device=device, gradients=gradients)
+            rows.append(row | {"gradients": gradients})
     return rows
 
 
 def print_flat(rows: list[dict[str, Any]]) -> None:
     print(f"Table 3: gradients in a flat buffer (ZeRO's layout), one process, {', '.join(TENSOR_METRICS)} due every step")
-    head = f"{'tensors':>7} {'gradients':>11} | {'torch ops/due step':>18} | {'tmetrics ms/due step':>20} {'us/tensor':>9}"
+    head = f"{'tensors':>7} {'gradients':>14} | {'torch ops/due step':>18} | {'tmetrics ms/due step':>20} {'us/tensor':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['tensors']:>7} {r['gradients']:>11} | {r['ops']:>18} | {r['ms']:>20.2f} {r['us per tensor']:>9.1f}")
+        print(f"{r['tensors']:>7} {r['gradients']:>14} | {r['ops']:>18} | {r['ms']:>20.2f} {r['us per tensor']:>9.1f}")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> str:
