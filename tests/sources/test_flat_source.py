@@ -134,3 +134,25 @@ def test_owned_ranges_view_each_part_once_while_its_holder_stays() -> None:
     third = source.tensors()[index[id(owner)]]
     assert torch.equal(third, torch.full((owner.numel() - 2,), 7.0))
     metrics.close()
+
+
+@pytest.mark.parametrize("case", ["kind", "axis", "foreign", "twice"])
+def test_a_flat_buffer_that_does_not_fit_is_refused_when_configured(case: str) -> None:
+    """A wrong kind, an axis the topology lacks, a parameter of another model or one listed in
+    two buffers of a kind: a ConfigError from the constructor, before any step."""
+    from tmetrics_core.errors import ConfigError
+
+    model = _model()
+    params = list(model.parameters())
+    buffer = torch.zeros(sum(p.numel() for p in params))
+    buffers = {
+        "kind": [FlatBuffer("grads", "dp", params, buffer, 0)],
+        "axis": [FlatBuffer("grad", "fsdp", params, buffer, 0)],
+        "foreign": [FlatBuffer("grad", "dp", [torch.nn.Parameter(torch.zeros(3))], torch.zeros(3), 0)],
+        "twice": [FlatBuffer("grad", "dp", params, buffer, 0), FlatBuffer("grad", "dp", params[:1], buffer, 0)],
+    }[case]
+    words = {"kind": "of kind ['grads']", "axis": "'fsdp' is not an axis", "foreign": "not in the model",
+             "twice": "in two flat buffers"}[case]
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        TensorMetrics(model, metrics=[(build_metric("global-grad-l2"), 1)], flat_buffers=buffers,
+                      topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1))

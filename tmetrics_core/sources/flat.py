@@ -20,7 +20,10 @@ from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.placements import FlatShard
 from tmetrics_core.site import Site
 
-__all__ = ["FlatBuffer", "FlatSource", "Reader", "owned_part"]
+__all__ = ["FLAT_KINDS", "FlatBuffer", "FlatSource", "Reader", "owned_part"]
+
+FLAT_KINDS = frozenset({"grad", "param", "exp_avg", "exp_avg_sq"})
+"""The source kinds a flat buffer may hold."""
 
 
 @dataclass(frozen=True)

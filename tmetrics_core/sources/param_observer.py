@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence, cast
 import torch
 
 from tmetrics_core.distributed.executor import Executor
+from tmetrics_core.errors import ConfigError
 from tmetrics_core.distributed.partials import resolve_partials
 from tmetrics_core.distributed.replicas import replica_claims, verify_replicas
 from tmetrics_core.kernels import moments
@@ -35,7 +36,7 @@ from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.naming.manifest import Manifest, dtensor_placements
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.flat import FlatBuffer, FlatSource
+from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, local_view, read_kind, update_pairs
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
@@ -112,6 +113,8 @@ class ParamObserver:
             (``TensorMetrics`` rewrites the run's ``manifest.json``).
 
     Raises:
+        ConfigError: a flat buffer of another kind than ``FLAT_KINDS``, or one that does not fit
+            the model or the topology (:class:`~tmetrics_core.sources.flat.FlatSource`).
         PlacementError: from :meth:`verify_startup` and :meth:`prepare`, on every rank, when a
             tensor claimed Replica differs across its axis.
     """
@@ -149,7 +152,11 @@ class ParamObserver:
         self._done: set[str] = set()
         self._before: MutableMapping[str, torch.Tensor] | None = None
         self._spare: torch.Tensor | None = None
-        self._flat_sources: dict[str, FlatSource] = {}
+        unknown = sorted(set(flat) - FLAT_KINDS)
+        if unknown:
+            raise ConfigError(f"flat buffers of kind {unknown}: a flat buffer holds one of {sorted(FLAT_KINDS)}")
+        # Laid out here, so a buffer that does not fit the model fails at configuration time.
+        self._flat_sources = {kind: FlatSource(buffers, manifest, topology.names) for kind, buffers in flat.items()}
 
     # -- the step ----------------------------------------------------------------------------
     def begin(self, step: int, due: Sequence[TensorMetric]) -> None:
@@ -256,25 +263,13 @@ class ParamObserver:
 
     def _sites_of(self, kind: str) -> list[Site]:
         """The sites of ``kind``, one per manifest entry: a flat buffer's where one holds it."""
-        return self._flat_source(kind).sites if kind in self.flat else self._kind_sites[kind]
-
-    def _flat_source(self, kind: str) -> FlatSource:
-        """The flat buffers of ``kind`` as one source, laid out on first use.
-
-        Raises:
-            ConfigError: as :class:`FlatSource` (at each due step that reads the kind, as a
-                failure of its metrics, until the buffers are fixed).
-        """
-        source = self._flat_sources.get(kind)
-        if source is None:
-            source = self._flat_sources[kind] = FlatSource(self.flat[kind], self.manifest, self.topology.names)
-        return source
+        return self._flat_sources[kind].sites if kind in self.flat else self._kind_sites[kind]
 
     def _flat_tensors(self, kind: str, entries: Sequence[int]) -> list[torch.Tensor | None]:
         """The local tensors of ``kind`` of manifest ``entries`` from its flat buffers, those no
         buffer holds read as ``read_kind`` reads them (a gradient or Adam state viewed as its
         entry reads it)."""
-        source = self._flat_source(kind)
+        source = self._flat_sources[kind]
         held = source.tensors()
         covered = source.covered
         if all(covered[i] for i in entries):
@@ -511,7 +506,7 @@ class ParamObserver:
                 continue
             if kind in self.flat:
                 read = self._flat_tensors(kind, range(len(self.manifest.entries)))
-                sites.extend(self._flat_source(kind).sites)
+                sites.extend(self._flat_sources[kind].sites)
             else:
                 read = read_kind(kind, self.manifest, self.optimizer, self._before)
                 sites.extend(self._kind_sites[kind] if kind != "grad" else self._grad_sites())
