@@ -360,10 +360,7 @@ class TensorMetrics:
         if say:
             self._say_missing_gradients(step)
         self._checked.update(m.name for m, _, _ in due)
-        records = [
-            MetricRecord(metric=name, step=step, value=r.value, labels=r.labels)
-            for name, rs in results.items() for r in rs
-        ]
+        records = [MetricRecord(name, step, r.value, r.labels) for name, rs in results.items() for r in rs]
         self.last_records = records
         self.failures.extend(failures)
         for failure in failures:

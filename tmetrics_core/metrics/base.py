@@ -100,8 +100,15 @@ class MetricResult:
 
     @property
     def labels(self) -> Labels:
-        """The labels the record of this value carries to the sinks."""
-        return Labels(self.layer, self.expert, self.tensor, self.stat)
+        """The labels the record of this value carries to the sinks (one shared, immutable
+        ``Labels`` per distinct slice: a due step makes no new one for a slice seen before)."""
+        key = (self.layer, self.expert, self.tensor, self.stat)
+        labels = _LABELS.get(key)
+        if labels is None:
+            if len(_LABELS) >= _LABELS_KEPT:
+                _LABELS.clear()
+            labels = _LABELS[key] = Labels(*key)
+        return labels
 
 
 @runtime_checkable
@@ -325,9 +332,9 @@ class StatMetric:
             base = self._labels(labels[gkey])
             # A float first: typing's and abc's instance checks cost microseconds per value.
             if type(value) is not float and isinstance(value, abc.Mapping):
-                results.extend(MetricResult(v, stat=stat, **base) for stat, v in value.items())
+                results.extend(MetricResult(v, *base, stat) for stat, v in value.items())
             else:
-                results.append(MetricResult(value, **base))
+                results.append(MetricResult(value, *base))
         return results
 
     def _group(self, site: Site) -> tuple:
@@ -341,16 +348,17 @@ class StatMetric:
             return (site.family or site.name,)
         return ()
 
-    def _labels(self, site: Site) -> dict[str, Any]:
+    def _labels(self, site: Site) -> tuple[Scope, int | None, int | None, str | None]:
+        """``(scope, layer, expert, tensor)`` of a group's results (``MetricResult``'s order)."""
         if self.scope == "layer":
-            return {"scope": "layer", "layer": site.layer}
+            return ("layer", site.layer, None, None)
         if self.scope == "expert":
-            return {"scope": "expert", "layer": site.layer, "expert": site.expert}
+            return ("expert", site.layer, site.expert, None)
         if self.scope == "tensor":
-            return {"scope": "tensor", "tensor": site.name, "layer": site.layer, "expert": site.expert}
+            return ("tensor", site.layer, site.expert, site.name)
         if self.scope == "family":
-            return {"scope": "family", "tensor": site.family or site.name}
-        return {"scope": "global"}
+            return ("family", None, None, site.family or site.name)
+        return ("global", None, None, None)
 
     def finalize(self, stats: Mapping[str, list[float]]) -> Value | Mapping[str, Value]:
         """Turn the merged statistics of one group into a value (or a mapping stat -> value
@@ -398,3 +406,11 @@ def _sort_key(gkey: tuple) -> tuple:
     """The order of a group's results: by each label, None last, numbers before names (cached:
     a model's groups recur every due step)."""
     return tuple((v is None, v if not isinstance(v, str) else 0, str(v)) for v in gkey)
+
+
+_LABELS: dict[tuple, Labels] = {}
+"""Shared ``Labels`` by ``(layer, expert, tensor, stat)`` (:attr:`MetricResult.labels`): the same
+slices recur every due step (one ``Labels`` each instead of one per record)."""
+
+_LABELS_KEPT = 1 << 16
+"""Slices kept at most; the table is cleared when full."""
