@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         for site in sites:
             if metric.accepts(site):
                 metric.check(site, topology)
+    others = [t + 1e-3 for t in tensors]  # a snapshot's stand-in: parts() reads the update and both ends
     numel = sum(t.numel() for t in tensors)
     print(f"{len(tensors)} tensors, {numel / 1e6:.1f} M fp32 elements ({numel * 4 / 2**20:.0f} MiB), "
           f"{len(metrics)} metrics, {args.threads} thread(s)")
@@ -121,14 +122,17 @@ def main(argv: list[str] | None = None) -> None:
         print("fused moments kernel unavailable (no C compiler?): both bundle rows use torch kernels")
     variants: dict[str, Callable[[], object]] = {
         "foreach_norm": floor, "bundle prepare": prepare, "torch kernels": prepare_torch,
-        "  moments": lambda: moments.moments(tensors) if moments.available() else None}
+        "  moments": lambda: moments.moments(tensors) if moments.available() else None,
+        "  parts": lambda: moments.parts(tensors, others) if moments.available() else None,
+        "  parts, sumsq": lambda: moments.parts(tensors, others, sumsq_only=True) if moments.available() else None}
     for stat in (SUMSQ, ABSMAX, NONFINITE, ZEROS, COUNT):
         variants[f"  {stat.name}"] = (lambda s=stat: s.compute(tensors, sites, topology))
     prepare()  # warm up allocator and kernels (and compile the fused one)
     ratios = _paired(variants, "foreach_norm", args.rounds, args.repeats)
     print(f"bundle prepare / one _foreach_norm pass: {ratios.pop('bundle prepare'):.2f}x (target 1.5x)")
     print(f"  the same with torch kernels only:      {ratios.pop('torch kernels'):.2f}x")
-    print("one fused moments pass, and each statistic alone with its torch kernel (same pairing):")
+    print("one fused moments pass, one parts pass (x - y, x and y: every field, and sums of squares "
+          "alone), and each statistic alone with its torch kernel (same pairing):")
     for name, ratio in ratios.items():
         print(f"{name:<14} {ratio:.2f}x")
 
