@@ -610,7 +610,12 @@ def _grads_placed_as_params(params: Sequence[torch.Tensor]) -> bool:
         if grad is None:
             continue
         if isinstance(param, DTensor) and isinstance(grad, DTensor):
-            if grad.device_mesh != param.device_mesh or grad.placements != param.placements:
+            # The specs' mesh and placements, compared by identity first (FSDP2 gives a
+            # gradient its parameter's): the properties and the placements' equality are
+            # Python calls per tensor and step.
+            mine, theirs = grad._spec, param._spec
+            if ((mine.mesh is not theirs.mesh and mine.mesh != theirs.mesh)
+                    or (mine.placements is not theirs.placements and mine.placements != theirs.placements)):
                 return False
         elif isinstance(param, DTensor) or isinstance(grad, DTensor):
             return False
