@@ -275,14 +275,14 @@ class StatMetric:
             if b.index == len(b.stages):
                 following.append(b)
                 continue
-            regrouped = next_stage(b, results[b.key].reshape(b.rows.shape), topology)
+            regrouped = next_stage(b, results[self._key(b)].reshape(b.rows.shape), topology)
             for batch in regrouped if regrouped is not None else [b]:
                 following.extend(advance(batch, topology))
         return self._round(following, topology)
 
     def _round(self, batches: list[Batch], topology: Topology) -> Round:
         batches = canonical(batches)
-        requests = [CollectiveRequest(b.key, b.stages[b.index].axes, b.stages[b.index].op, b.rows.reshape(-1),
+        requests = [CollectiveRequest(self._key(b), b.stages[b.index].axes, b.stages[b.index].op, b.rows.reshape(-1),
                                       b.parts, b.stat.uniform(b.sites[0], topology, b.index))
                     for b in batches if b.index < len(b.stages)]
         if requests:
@@ -294,6 +294,14 @@ class StatMetric:
             return Round(requests=requests, continuation=(batches, topology), agreed=last or own)
         outputs = merged_outputs(batches, self._group, id(self))
         return Round(continuation=(batches, topology), done=True, outputs=outputs)
+
+    def _key(self, batch: Batch) -> Hashable:
+        """The request key of ``batch``'s current stage. Requests with equal keys are sent once
+        (:class:`CollectiveRequest`), so equal keys must mean equal values. A metric that reads
+        the optimizer's output (updates, Adam state) is prepared after the optimizer step, and so
+        are the parameters it reads; the same parameter sites read before the step by another
+        metric have other values. Its keys are therefore marked as after the step."""
+        return ("after the step", batch.key) if self.source_kinds & _AFTER_STEP_KINDS else batch.key
 
     def grouped(self, continuation: Any, host: Mapping[Hashable, list[float]]
                 ) -> tuple[dict[tuple, dict[str, list[float]]], dict[tuple, Site]]:
@@ -414,3 +422,8 @@ slices recur every due step (one ``Labels`` each instead of one per record)."""
 
 _LABELS_KEPT = 1 << 16
 """Slices kept at most; the table is cleared when full."""
+
+
+_AFTER_STEP_KINDS = frozenset({"update", "exp_avg", "exp_avg_sq"})
+"""Kinds that only exist after the optimizer step: a metric reading one is prepared after it
+(``tmetrics_core.sources.params.OPTIMIZER_KINDS``), parameters included."""
