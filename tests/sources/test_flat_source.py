@@ -13,7 +13,7 @@ import torch
 
 from tmetrics_core.integrations.megatron_shards import OwnedRanges
 from tmetrics_core.metrics.catalogue import build_metric
-from tmetrics_core.sources.flat import FlatBuffer, FlatSource, _Split
+from tmetrics_core.sources.flat import FlatBuffer, FlatSource, Memory, _Split, kept
 from tmetrics_core.tensor_metrics import TensorMetrics
 from tmetrics_core.topology import Axis, Topology
 
@@ -43,7 +43,7 @@ class _Padded(FlatBuffer):
         for entry in manifest.entries:
             p = manifest.local.get(entry.name)
             spans.append((starts[id(p)], starts[id(p)] + p.numel()) if id(p) in starts else None)
-        return sites, _Split(self.buffer, spans)
+        return sites, _Split(self.buffer, spans, "the padded test buffer")
 
 
 def _run(with_buffer: bool, rebind: bool = False) -> tuple[list[dict], list[float]]:
@@ -156,3 +156,65 @@ def test_a_flat_buffer_that_does_not_fit_is_refused_when_configured(case: str) -
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
         TensorMetrics(model, metrics=[(build_metric("global-grad-l2"), 1)], flat_buffers=buffers,
                       topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1))
+
+
+def test_views_are_kept_only_while_the_memory_is() -> None:
+    """``kept``: the same memory keeps the views; new memory, a storage freed in place (FSDP's
+    ``resize_(0)``) or the same bytes read as another dtype does not."""
+    buffer = torch.arange(8.0, dtype=torch.float16)
+    memory = Memory.of(buffer)
+    assert kept(memory, buffer)
+    buffer.add_(1)  # updated in place: still the same memory
+    assert kept(memory, buffer)
+    assert not kept(memory, buffer.view(torch.bfloat16))
+    moved = torch.arange(8.0, dtype=torch.float16)
+    old = buffer.data
+    buffer.data = moved
+    assert not kept(memory, buffer)
+    buffer.data = old
+    assert kept(memory, buffer)
+    buffer.untyped_storage().resize_(0)
+    assert not kept(memory, buffer)
+
+
+def test_a_resized_buffer_fails_its_metrics_with_what_to_do_and_a_reinterpreted_one_is_read_anew() -> None:
+    model = _model()
+    params = list(model.parameters())
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float16)
+    metrics = TensorMetrics(model, metrics=[(build_metric("global-grad-l2"), 1)], flat_buffers=[
+        FlatBuffer("grad", "dp", params, buffer, 0)],
+        topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1))
+    for step, change in ((1, None), (2, "dtype"), (3, "size")):
+        with metrics.step(step):
+            if change == "dtype":
+                buffer.data = buffer.data.view(torch.bfloat16)  # the same bytes, another dtype
+            if change == "size":
+                buffer.resize_(buffer.numel() - 3)
+            values = torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step))
+            buffer.copy_(values)
+            want = buffer.double().norm().item()
+        if change == "size":
+            assert [f.metric for f in metrics.failures] == ["global-grad-l2"]
+            assert "has 59 elements, not the 62 it had when TensorMetrics was built" in metrics.failures[0].error
+        else:
+            assert metrics.failures == []
+            assert metrics.last_records[0].value == pytest.approx(want, rel=1e-6)
+    metrics.close()
+
+
+def test_a_rank_owning_nothing_of_a_parameter_reads_an_empty_part_of_any_layout() -> None:
+    """Megatron's ranges on a rank that owns none of a (here transposed, not contiguous)
+    parameter: an empty part, not a view of the parameter (which would raise)."""
+    model = _model()
+    params = list(model.parameters())
+    weight = params[0]
+    weight.data = weight.data.t().contiguous().t()  # same shape and values, not contiguous
+    ranges = {id(p): (0, p.numel()) for p in params if p is not weight}
+    metrics = TensorMetrics(model, metrics=[(build_metric("global-grad-l2"), 1)],
+                            topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1))
+    source = FlatSource([OwnedRanges("grad", "dp", params, torch.empty(0), 0, ranges=ranges,
+                                     fetch=lambda p: (torch.ones(p.numel()), 0))], metrics.manifest, ("dp",))
+    index = {id(metrics.manifest.local[e.name]): i for i, e in enumerate(metrics.manifest.entries)}
+    part = source.tensors()[index[id(weight)]]
+    assert part.numel() == 0 and part.dtype == weight.dtype
+    metrics.close()

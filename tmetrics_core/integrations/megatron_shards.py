@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.site import Site
-from tmetrics_core.sources.flat import FlatBuffer, Reader, _range_of, owned_part
+from tmetrics_core.sources.flat import FlatBuffer, Memory, Reader, _range_of, kept, owned_part
 from tmetrics_core.topology import Topology
 
 __all__ = ["OwnedRanges", "is_distributed_optimizer", "owned_ranges"]
@@ -95,9 +95,9 @@ class OwnedRanges(FlatBuffer):
             sites.append(owned)
             pieces.append((param, a - lo, b - lo, lo < hi) if a < b else (param, 0, 0, lo < hi))
         fetch = self.fetch
-        # Per entry: (holder's id, its address, the view of the part), kept while the holder is
-        # the same tensor at the same address (the kept view holds it alive: no id is reused).
-        viewed: list[tuple[int, int, torch.Tensor] | None] = [None] * len(pieces)
+        # Per entry: the holder's memory and the view of the part, kept while the holder keeps
+        # its memory (a fresh holder object over the same memory keeps it too).
+        viewed: list[tuple[Memory, torch.Tensor] | None] = [None] * len(pieces)
 
         def read() -> list[torch.Tensor | None]:
             out: list[torch.Tensor | None] = []
@@ -106,17 +106,20 @@ class OwnedRanges(FlatBuffer):
                     out.append(None)
                     continue
                 param, start, end, owns = piece
-                found = fetch(param) if owns else (param, 0)
-                if found is None:
+                found = fetch(param) if owns else None
+                if found is None and owns:
                     out.append(None)
                     continue
-                holder, at = found
+                holder, at = found if found is not None else (param, 0)
                 last = viewed[k]
-                if last is None or last[0] != id(holder) or last[1] != holder.data_ptr():
-                    # view, not reshape: a holder that is not contiguous raises (a copy kept here
-                    # would go stale) and the metrics reading it fail with that error.
-                    last = viewed[k] = (id(holder), holder.data_ptr(), holder.detach().view(-1)[at + start:at + end])
-                out.append(last[2])
+                if last is None or not kept(last[0], holder):
+                    # Owning nothing: an empty tensor like the parameter. Else a view, not a
+                    # reshape: a holder that is not contiguous raises (a copy kept here would go
+                    # stale) and the metrics reading it fail with that error.
+                    part = (holder.detach().view(-1)[at + start:at + end] if owns
+                            else holder.detach().new_empty(0))
+                    last = viewed[k] = (Memory.of(holder), part)
+                out.append(last[1])
             return out
         return sites, read
 

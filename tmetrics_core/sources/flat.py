@@ -20,7 +20,7 @@ from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.placements import FlatShard
 from tmetrics_core.site import Site
 
-__all__ = ["FLAT_KINDS", "FlatBuffer", "FlatSource", "Reader", "owned_part"]
+__all__ = ["FLAT_KINDS", "FlatBuffer", "FlatSource", "Memory", "Reader", "kept", "owned_part"]
 
 FLAT_KINDS = frozenset({"grad", "param", "exp_avg", "exp_avg_sq"})
 """The source kinds a flat buffer may hold."""
@@ -82,7 +82,7 @@ class FlatBuffer:
                                      (lo, hi), self.axis, topology_axes)
             sites.append(owned)
             spans.append((a - lo, b - lo) if a < b else (0, 0))
-        return sites, _Split(self.buffer, spans)
+        return sites, _Split(self.buffer, spans, f"the flat buffer of {self.kind!r} on {self.axis!r}")
 
 
 Reader = Callable[[], list[torch.Tensor | None]]
@@ -91,13 +91,20 @@ Reader = Callable[[], list[torch.Tensor | None]]
 
 class _Split:
     """Views of ``buffer`` at ``spans`` (per manifest entry ``(start, end)``, or None) from one
-    ``split`` of the buffer, made again only when the buffer's memory changes: no torch op per
-    entry at a due step. Spans do not overlap: each lies in its own parameter's range.
+    ``split`` of the buffer, made again only when the buffer's memory changes (:func:`kept`): no
+    torch op per entry at a due step. Spans do not overlap: each lies in its own parameter's
+    range.
+
+    Raises (when called):
+        ValueError: the buffer's element count is not the one it was laid out with (the sites'
+            ranges would be wrong); ``label`` names the buffer.
     """
 
-    def __init__(self, buffer: torch.Tensor, spans: Sequence[tuple[int, int] | None]) -> None:
+    def __init__(self, buffer: torch.Tensor, spans: Sequence[tuple[int, int] | None], label: str) -> None:
         self._buffer = buffer
-        self._views: tuple[int, list[torch.Tensor | None]] | None = None
+        self._numel = buffer.numel()
+        self._label = label
+        self._views: tuple[Memory, list[torch.Tensor | None]] | None = None
         self._sizes: list[int] = []
         self._at: list[int | None] = [None] * len(spans)
         cursor = 0
@@ -112,14 +119,43 @@ class _Split:
             self._sizes.append(buffer.numel() - cursor)
 
     def __call__(self) -> list[torch.Tensor | None]:
+        buffer = self._buffer
+        if buffer.numel() != self._numel:
+            raise ValueError(f"{self._label} has {buffer.numel()} elements, not the {self._numel} it had when "
+                             "TensorMetrics was built: keep its size (update it in place), or build TensorMetrics again")
         # The views of the last call while the buffer keeps its memory (updated in place, as
-        # FlatBuffer asks): they see its current values. A buffer given other memory (``set_``,
-        # ``.data =``) has another address, since the kept views hold the old memory alive.
-        address = self._buffer.data_ptr()
-        if self._views is None or self._views[0] != address:
-            parts = self._buffer.detach().split(self._sizes)
-            self._views = (address, [None if k is None else parts[k] for k in self._at])
-        return list(self._views[1])
+        # FlatBuffer asks): they see its current values.
+        cached = self._views
+        if cached is None or not kept(cached[0], buffer):
+            parts = buffer.detach().split(self._sizes)
+            cached = self._views = (Memory.of(buffer), [None if k is None else parts[k] for k in self._at])
+        return list(cached[1])
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Where a tensor's elements lie, as views made from it depend on it: its storage (a view of
+    it holds it alive), the storage's address, the first element and the dtype."""
+
+    storage: torch.UntypedStorage
+    address: int
+    offset: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Memory:
+        storage = tensor.untyped_storage()
+        return cls(storage, storage.data_ptr(), int(tensor.storage_offset()), tensor.dtype)
+
+
+def kept(memory: Memory, tensor: torch.Tensor) -> bool:
+    """Whether views made from ``tensor`` when it had ``memory`` still read its elements: the
+    same storage, not moved (a storage freed with ``resize_(0)`` and another one allocated at
+    its address fail the first test), from the same element, as the same dtype."""
+    storage = tensor.untyped_storage()
+    return (storage._cdata == memory.storage._cdata and memory.storage.data_ptr() == memory.address
+            and storage.data_ptr() == memory.address and tensor.storage_offset() == memory.offset
+            and tensor.dtype == memory.dtype)
 
 
 class FlatSource:
