@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -150,3 +151,23 @@ def test_nonfinite_gradients_are_counted_not_raised():
         assert counts == {"nan": 2.0, "posinf": 1.0, "neginf": 1.0, "total": 4.0}
         assert math.isnan(got["layer-grad-l2"][0][1]) and math.isnan(got["layer-grad-absmax"][0][1])
         assert got["layer-grad-zero-fraction"][0][1] == 1 / 6
+
+
+def test_mean_row_l2_leaves_out_a_parameter_without_a_gradient_but_counts_a_zero_one():
+    """A parameter with no gradient is not part of gradient statistics: its rows are not rows
+    of the mean (its placeholder is -inf per line, not zeros); a gradient that is all zeros
+    counts its rows with norm 0."""
+    from tmetrics_core.metrics.norms import MeanLineL2
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 3, bias=False), "b": torch.nn.Linear(4, 5, bias=False),
+                                 "c": torch.nn.Linear(4, 2, bias=False)})
+    metrics = TensorMetrics(model, metrics=[(MeanLineL2(name="grad-mean-row-l2", source_kinds=["grad"]), 1)])
+    with metrics.step(1):
+        model["a"](torch.randn(6, 4)).pow(2).sum().backward()  # b is not used: no gradient
+        model["c"].weight.grad = torch.zeros_like(model["c"].weight)  # used, every row zero
+    rows = torch.cat([model["a"].weight.grad.double().norm(dim=1), torch.zeros(2, dtype=torch.float64)])
+    assert model["b"].weight.grad is None
+    assert metrics.last_records[0].value == pytest.approx(rows.mean().item(), rel=1e-6)
+    metrics.close()

@@ -26,7 +26,7 @@ from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.batches import Batch, BatchPlan, advance, canonical, merged_outputs, next_stage
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.kernels.moments import derivable, moments_rows, statistic_vectors
-from tmetrics_core.metrics.statistics import Statistic, neutral
+from tmetrics_core.metrics.statistics import Statistic
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Labels, Value
 from tmetrics_core.site import Site, SiteKey
@@ -230,8 +230,7 @@ class StatMetric:
                 if tensor is not None:
                     state[site.key].append(memo[(stat.name, site.key)])
                 else:
-                    first = stat.stages(site, topology)[0]
-                    state[site.key].append(neutral(first.op, first.size))
+                    state[site.key].append(stat.placeholder(site, topology))
         return state
 
     def _block(self, sites: Sequence[Site], tensors: Sequence[torch.Tensor | None],

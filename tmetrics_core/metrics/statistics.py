@@ -144,6 +144,13 @@ class Statistic:
         """Turn the reduced vector of stage ``index`` into the local vector of stage ``index+1``."""
         raise NotImplementedError(f"{type(self).__name__} has one stage")
 
+    def placeholder(self, site: Site, topology: Topology) -> torch.Tensor:
+        """The first stage's vector for a tensor this rank does not read (held elsewhere, or a
+        parameter without a gradient): the neutral element of its reduction, so it adds
+        nothing (float64, the first stage's size)."""
+        first = self.stages(site, topology)[0]
+        return neutral(first.op, first.size)
+
     def uniform(self, site: Site, topology: Topology, index: int) -> bool:
         """Whether stage ``index``'s vector has the same length on EVERY rank of the topology,
         not only on the ranks that reduce it together (then requests over different axes can
@@ -444,9 +451,18 @@ class RowL2(Statistic):
             out.append(vec)
         return out
 
+    def placeholder(self, site, topology):
+        """-inf per line: sums of squares are never negative, so :meth:`between` tells a tensor
+        nobody read (a parameter without a gradient) from one whose lines are zero, and leaves
+        its lines out of the count; summed with any rank's lines it stays -inf."""
+        return torch.full((self.stages(site, topology)[0].size,), -math.inf, dtype=torch.float64)
+
     def between(self, index, vector, site, topology):
         lines = self._line_shape(site, topology)[0] if self._known_lines(site) else vector.numel()
         if site.holds(topology.coords()) and lines:
-            return torch.stack([vector[:lines].sqrt().sum(), torch.full((), float(lines), dtype=torch.float64,
-                                                                         device=vector.device)])
+            # Lines of a tensor no rank read (placeholders, -inf) are not lines of the group;
+            # a NaN line stays NaN. Decided on the device: no host read.
+            sums = vector[:lines]
+            read = sums != -math.inf
+            return torch.stack([torch.where(read, sums, 0.0).sqrt().sum(), read.sum().to(torch.float64)])
         return torch.zeros(2, dtype=torch.float64, device=vector.device)
