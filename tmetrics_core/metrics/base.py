@@ -29,6 +29,7 @@ from tmetrics_core.kernels.moments import derivable, moments_rows, statistic_vec
 from tmetrics_core.metrics.statistics import Statistic
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Labels, Value
+from tmetrics_core.sources.params import OPTIMIZER_KINDS
 from tmetrics_core.site import Site, SiteKey
 
 __all__ = [
@@ -300,7 +301,7 @@ class StatMetric:
         the optimizer's output (updates, Adam state) is prepared after the optimizer step, and so
         are the parameters it reads; the same parameter sites read before the step by another
         metric have other values. Its keys are therefore marked as after the step."""
-        return ("after the step", batch.key) if self.source_kinds & _AFTER_STEP_KINDS else batch.key
+        return ("after the step", batch.key) if self.source_kinds & OPTIMIZER_KINDS else batch.key
 
     def grouped(self, continuation: Any, host: Mapping[Hashable, list[float]]
                 ) -> tuple[dict[tuple, dict[str, list[float]]], dict[tuple, Site]]:
@@ -422,7 +423,3 @@ slices recur every due step (one ``Labels`` each instead of one per record)."""
 _LABELS_KEPT = 1 << 16
 """Slices kept at most; the table is cleared when full."""
 
-
-_AFTER_STEP_KINDS = frozenset({"update", "exp_avg", "exp_avg_sq"})
-"""Kinds that only exist after the optimizer step: a metric reading one is prepared after it
-(``tmetrics_core.sources.params.OPTIMIZER_KINDS``), parameters included."""

@@ -150,12 +150,12 @@ class Memory:
 
 def kept(memory: Memory, tensor: torch.Tensor) -> bool:
     """Whether views made from ``tensor`` when it had ``memory`` still read its elements: the
-    same storage, not moved (a storage freed with ``resize_(0)`` and another one allocated at
-    its address fail the first test), from the same element, as the same dtype."""
+    same storage object (``memory`` holds it alive, so no other storage can take its place),
+    not reallocated since (freed with ``resize_(0)`` and grown again), from the same element,
+    as the same dtype."""
     storage = tensor.untyped_storage()
-    return (storage._cdata == memory.storage._cdata and memory.storage.data_ptr() == memory.address
-            and storage.data_ptr() == memory.address and tensor.storage_offset() == memory.offset
-            and tensor.dtype == memory.dtype)
+    return (storage._cdata == memory.storage._cdata and storage.data_ptr() == memory.address
+            and tensor.storage_offset() == memory.offset and tensor.dtype == memory.dtype)
 
 
 class FlatSource:
