@@ -144,6 +144,7 @@ class Memory:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Memory:
+        """``tensor``'s memory now (its storage object is held from here on)."""
         storage = tensor.untyped_storage()
         return cls(storage, storage.data_ptr(), int(tensor.storage_offset()), tensor.dtype)
 
@@ -166,6 +167,7 @@ class FlatSource:
     Attributes:
         sites: per manifest entry, its FlatShard site where a buffer holds it, else its own.
         covered: per manifest entry, whether a buffer holds it (others are read as usual).
+        complete: whether the buffers hold every manifest entry.
 
     Raises:
         ConfigError: a parameter listed in two buffers of the kind (it would count twice), or
@@ -185,11 +187,12 @@ class FlatSource:
                                       f"{fb.kind!r}; list each parameter in one buffer per kind")
                 self.sites[i], self.covered[i] = mine[i], True
             self._readers.append((held, reader))
+        self.complete = all(self.covered)
 
     def tensors(self) -> list[torch.Tensor | None]:
         """Per manifest entry, this due step's local tensor from its buffer; None where no
         buffer holds it (or the buffer has no value yet: Adam state before the first step)."""
-        if len(self._readers) == 1 and all(self.covered):
+        if len(self._readers) == 1 and self.complete:
             return self._readers[0][1]()
         out: list[torch.Tensor | None] = [None] * len(self.sites)
         for held, reader in self._readers:

@@ -272,7 +272,7 @@ class ParamObserver:
         source = self._flat_sources[kind]
         held = source.tensors()
         covered = source.covered
-        if all(covered[i] for i in entries):
+        if source.complete or all(covered[i] for i in entries):
             return [held[i] for i in entries]
         plain = read_kind(kind, self.manifest, self.optimizer)
         return [held[i] if covered[i] else plain[i] for i in entries]
