@@ -14,7 +14,8 @@ Host synchronisations inside a step are counted with ``torch.cuda.set_sync_debug
 
 With ``--nproc N`` (N <= number of GPUs) a second table runs N ranks under DDP on NCCL: the
 bundle every step against the bare loop and the per-parameter loop with one ``all_reduce``
-per norm, with collective calls per step.
+per norm, with collective calls per step and the host synchronisations of one step (tmetrics:
+one, the results' copy; its agreements run on the host over a gloo group).
 
 Then, on ``cuda:0``, the tables of ``bench.scaling`` (tensors: torch ops per due step, time per
 due step against one ``torch._foreach_norm`` pass, with the host synchronisations of a due step
@@ -195,6 +196,7 @@ def _ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int, queue:
         jobs = {name: _job(name, args, device, ddp=True) for name in DDP_VARIANTS}
         for job in jobs.values():
             job.run(2)
+        syncs = {name: _syncs(jobs[name]) for name in ("bare", "tmetrics every 1")}
         calls = jobs["tmetrics every 1"].metrics.executor.stats.total_calls
         loop = jobs["norm + all_reduce each"].metrics.collectives
         result = _interleave(jobs, args.rounds, args.steps)
@@ -203,7 +205,7 @@ def _ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int, queue:
                     "tmetrics every 1": (jobs["tmetrics every 1"].metrics.executor.stats.total_calls - calls) / n,
                     "norm + all_reduce each": (jobs["norm + all_reduce each"].metrics.collectives - loop) / n}
         if rank == 0:
-            queue.put((result.wall, per_step))
+            queue.put((result.wall, per_step, syncs))
     finally:
         dist.destroy_process_group()
 
@@ -219,13 +221,16 @@ def multi_gpu(args: argparse.Namespace) -> list[str]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     mp.start_processes(_ddp_rank, args=(args.nproc, args, port, queue), nprocs=args.nproc, start_method="spawn")
-    wall, calls = queue.get(timeout=60)
+    wall, calls, syncs = queue.get(timeout=60)
     result = Rounds(wall, wall)
     lines = [f"DDP table: {args.nproc} ranks on NCCL, {args.rounds} rounds x {args.steps} steps (rank 0, CUDA events)",
-             f"{'variant':<24} {'ms/step':>8} {'x bare':>7} {'metric collectives/step':>24}"]
+             f"{'variant':<24} {'ms/step':>8} {'x bare':>7} {'metric collectives/step':>24} {'host syncs/step':>16}"]
     for name in DDP_VARIANTS:
+        sync = f"{syncs[name]:>16}" if name in syncs else f"{'':>16}"
         lines.append(f"{name:<24} {result.median_ms(name):>8.3f} {result.paired(name, 'bare'):>7.3f} "
-                     f"{calls[name]:>24.1f}")
+                     f"{calls[name]:>24.1f} {sync}")
+    lines.append("host syncs: during one step on rank 0 (set_sync_debug_mode); tmetrics' agreements run on the host "
+                 "over its gloo control group, its results leave the device in one copy")
     return lines
 
 

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from tmetrics_core.build import check_against_model
 from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.backends import collective_device, control_group
 from tmetrics_core.distributed.collectives import Collectives
 from tmetrics_core.distributed.manifest_exchange import share_holdings
 from tmetrics_core.errors import TMetricsError
@@ -132,7 +132,7 @@ class TensorMetrics:
         self.hub = hub
         self.check_plan = check_plan
         self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s,
-                                 device=_collective_device())
+                                 device=collective_device(), control=control_group())
         self.manifest = Manifest.build(model, self.topology, overrides=placements,
                                        framework_placements=framework_placements,
                                        layer_offset=layer_offset, expert_offset=expert_offset,
@@ -428,13 +428,6 @@ class TensorMetrics:
                 os.kill(os.getpid(), signum)
 
         signal.signal(signal.SIGTERM, on_sigterm)
-
-
-def _collective_device() -> torch.device:
-    """Where metric collectives run: the current CUDA device under NCCL, else the CPU."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _write_manifest(run: RunInfo) -> None:

@@ -34,8 +34,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, collective_timeout: float, fn: Callable[..., Any],
-           args: tuple[Any, ...], results: Any) -> None:
+def _entry(rank: int, world_size: int, port: int, collective_timeout: float, backend: str,
+           fn: Callable[..., Any], args: tuple[Any, ...], results: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -47,7 +47,7 @@ def _entry(rank: int, world_size: int, port: int, collective_timeout: float, fn:
     os.environ["LOCAL_RANK"] = str(rank)
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout)
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout)
         )
         value = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(value)))
@@ -59,8 +59,10 @@ def _entry(rank: int, world_size: int, port: int, collective_timeout: float, fn:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-                    collective_timeout: float = 60.0) -> list[Any]:
+                    collective_timeout: float = 60.0, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return values by rank.
+    ``backend`` is the default group's (``"cuda:gloo"``: a default group that carries no CPU
+    tensor, as under ``init_process_group("nccl")``).
 
     Raises :class:`RankFailure` when a rank raises, exits without a result, or the whole run
     exceeds ``timeout`` seconds (all ranks are then killed).
@@ -69,7 +71,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port, collective_timeout, fn, args, results),
+        ctx.Process(target=_entry, args=(rank, world_size, port, collective_timeout, backend, fn, args, results),
                     daemon=True)
         for rank in range(world_size)
     ]

@@ -133,6 +133,55 @@ def test_a_failed_device_check_fails_its_metrics_on_every_rank_with_its_reason(w
         assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (world - 1,), "tokens dropped")]
 
 
+class _Recording:
+    """The collectives seam, recording (call, group, dtype) of each call."""
+
+    def __init__(self, comm, control):
+        self.comm, self.control, self.calls = comm, control, []
+
+    def _name(self, group):
+        return "control" if group is self.control else "world" if group is None else "dp"
+
+    def all_reduce(self, tensor, op, group):
+        self.calls.append(("all_reduce", self._name(group), tensor.dtype))
+        self.comm.all_reduce(tensor, op, group)
+
+    def all_gather(self, tensor, group):
+        self.calls.append(("all_gather", self._name(group), tensor.dtype))
+        return self.comm.all_gather(tensor, group)
+
+    def all_gather_object(self, obj, group):
+        self.calls.append(("all_gather_object", self._name(group), None))
+        return self.comm.all_gather_object(obj, group)
+
+
+def _recorded_checks_rank(rank, world, comm):
+    """``_checks_rank`` with a control group of its own, recording every collective."""
+    topology = sim_topology(rank, (world,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(2 * world,), placements=(("dp", Shard(0)),),
+                  layer=0)]
+    metrics = [L2Norm(name=n, source_kinds=["grad"]) for n in ("good", "checked", "other")]
+    checks = [DeviceCheck(torch.tensor(True), "fine", frozenset({"other"})),
+              DeviceCheck(torch.tensor(False), "tokens dropped", frozenset({"checked"}))] if rank == world - 1 else []
+    recording = _Recording(comm, control=list(range(world)))  # a group of its own (the same ranks)
+    executor = Executor(topology, collectives=recording, control=recording.control)
+    prepared = prepare_states(metrics, sites, [torch.full((2,), float(rank + 1))], topology)
+    results, failures = executor.run(prepared, {s.key: s for s in sites}, checks=checks)
+    return {k: [r.value for r in v] for k, v in results.items()}, failures, recording.calls
+
+
+def test_device_checks_are_reduced_on_the_device_after_the_rounds_and_agreements_stay_on_the_host():
+    """The agreement (which metrics raised, whether any rank has checks) is an int64 vector
+    over the control group; the checks, decided on the device, are MAX-reduced over the world
+    after the data round, so the results' copy is the step's only read of the device. Only
+    because a check failed are the reasons gathered, over the control group."""
+    for results, failures, calls in run_threaded(_recorded_checks_rank, 2, timeout=30):
+        assert sorted(results) == ["good", "other"] and results["good"] == [pytest.approx(10 ** 0.5)]
+        assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1,), "tokens dropped")]
+        assert calls == [("all_reduce", "control", torch.int64), ("all_reduce", "dp", torch.float64),
+                         ("all_reduce", "world", torch.float64), ("all_gather_object", "control", None)]
+
+
 class _TwoRounds:
     """A sum over ``dp`` reduced twice (two collective rounds); ``resume`` of the first round
     raises on rank 1 when ``raising``."""

@@ -19,7 +19,7 @@ def _model():
     return Net(3)
 
 
-def _steps(rank, world):
+def _steps(rank, world, own_group=False):
     from tmetrics_core.topology import Topology
     from tmetrics_core.metrics.catalogue import build_metric
     from tmetrics_core.tensor_metrics import TensorMetrics
@@ -29,8 +29,11 @@ def _steps(rank, world):
     wrapped = model
     if rank is not None:
         import torch.distributed as dist
-        topology = Topology.from_groups({"dp": dist.group.WORLD})
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        # own_group: the default group carries no CPU tensor (as NCCL's), so DDP, the data axis
+        # and tmetrics' own agreements need groups of their own (a gloo one, made by tmetrics).
+        group = dist.new_group(backend="gloo") if own_group else dist.group.WORLD
+        topology = Topology.from_groups({"dp": group})
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     metrics = TensorMetrics(model, metrics=[(build_metric(n), 1 if "residual" in n else 2) for n in NAMES],
                             optimizer=opt, topology=topology, timeout_s=30)
@@ -57,10 +60,18 @@ def _rank(rank, world):
     return _steps(rank, world)
 
 
+def _rank_own_group(rank, world):
+    return _steps(rank, world, own_group=True)
+
+
 @pytest.mark.timeout(150)
-def test_ddp_equals_one_process():
+@pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])
+def test_ddp_equals_one_process(backend):
+    """``cuda:gloo``: a default group with no CPU backend (``init_process_group("nccl")``'s
+    case). Every agreement of a due step (failures, token sites) and the start-up exchange run
+    as CPU tensors over tmetrics' gloo control group; one on the default group would raise."""
     want = _steps(None, 1)
-    for got in run_distributed(_rank, 2, timeout=120):
+    for got in run_distributed(_rank if backend == "gloo" else _rank_own_group, 2, timeout=120, backend=backend):
         for step, values in want.items():
             assert got[step].keys() == values.keys() and values, step
             for key, value in values.items():

@@ -7,8 +7,8 @@ choke point, as pluggy's ``_hookexec``).
 Per step the executor:
 
 1. agrees across all ranks which metrics failed locally (one ``all_reduce(MAX)`` of a small
-   int64 vector over the default group), so every rank skips the same metrics and no rank waits
-   in a collective the others never issue;
+   int64 vector on the host, over the control group: no wait for the accelerator), so every rank
+   skips the same metrics and no rank waits in a collective the others never issue;
 2. optionally checks the plan (on a metric's first run, whenever the plan changes, or on
    demand): one ``all_reduce(MAX)`` per axis of a fingerprint of this rank's layout on that axis
    and its negation (the group's max and min), and one over the world of the mismatch flags;
@@ -21,7 +21,10 @@ Per step the executor:
    each axis set share one ``all_gather`` (NOTE [gathered rounds]); large buckets are reduced
    with one ``all_reduce`` each. Collective calls per round are therefore one (or about
    ``#axis sets``), whatever the number of tensors, shapes or metrics;
-4. copies every metric's final vectors to the host in one transfer.
+4. reduces the step's device checks (``DeviceCheck``) with MAX over the world on the device,
+   when any rank has one (known from step 1);
+5. copies every metric's final vectors and the checks to the host in one transfer: the due
+   step's only wait for the accelerator (besides a plan check, step 2).
 """
 
 from __future__ import annotations
@@ -118,15 +121,18 @@ class Executor:
         collectives: how to talk to other ranks; default ``TorchCollectives(timeout_s)``, which
             bounds every collective so a hung peer raises instead of hanging.
         timeout_s: the bound in seconds for the default collectives.
-        device: where packed buffers and control tensors live: ``cpu`` for gloo, the rank's
-            CUDA device for NCCL (which moves device tensors only).
+        device: where packed buffers live: ``cpu`` for gloo, the rank's CUDA device for NCCL
+            (which moves device tensors only); see ``backends.collective_device``.
+        control: the world group for host-side agreements (CPU int64 tensors; a gloo group,
+            ``backends.control_group``); None: the default group, which must carry CPU tensors.
     """
 
     def __init__(self, topology: Topology, *, collectives: Collectives | None = None,
-                 timeout_s: float = 60.0, device: str | torch.device = "cpu") -> None:
+                 timeout_s: float = 60.0, device: str | torch.device = "cpu", control: Any = None) -> None:
         self.topology = topology
         self.comm: Collectives = collectives or TorchCollectives(timeout_s)
         self.device = torch.device(device)
+        self.control = control
         self.stats = CollectiveStats()
         self.unfed: tuple[str, ...] = ()
         """The due metrics of the last :meth:`run` that read no tensor on any rank."""
@@ -156,8 +162,9 @@ class Executor:
             checks: device conditions of this rank's inputs (:class:`DeviceCheck`; ranks may
                 have different ones). A metric whose check failed on any rank fails on every
                 rank with the first failed check's reason, which replaces any other error it
-                had. Read with the failure agreement's host copy across ranks; on one process,
-                where no collective follows, with the results' copy: no host read of their own.
+                had. Reduced over the world on the device after the rounds (only when some rank
+                has checks, as the agreement tells) and read with the results' copy: no host
+                read of their own. Such a metric still runs its rounds, and gives no results.
 
         Returns:
             ``(results by metric name, failures)``; failures name the metric, the ranks where
@@ -174,7 +181,7 @@ class Executor:
                     item.round = item.metric.start(item.state, sites, self.topology)
                 except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
                     item.error = f"{type(exc).__name__}: {exc}"
-        failures = self._agree_failures(items, unfed, flag, checks if self._distributed else ())
+        failures, checked = self._agree_failures(items, unfed, flag, bool(checks))
         failed = {f.metric for f in failures} | set(self.unfed)
         live = [i for i in items if i.metric.name not in failed]
         first = True
@@ -197,23 +204,19 @@ class Executor:
             if more:
                 # A metric that raised here on one rank would skip requests the others issue:
                 # agree now, and drop it everywhere before the next round.
-                dropped = self._agree_failures(pending)
+                dropped, _ = self._agree_failures(pending)
             else:
                 dropped = [MetricFailure(i.metric.name, (self.topology.global_rank,), i.error or "")
                            for i in pending if i.error]
             failures.extend(dropped)
             gone = {f.metric for f in dropped}
             live = [i for i in live if i.metric.name not in gone]
-        host, reasons = self._to_host(live, () if self._distributed else checks)
-        if reasons:
-            # One process: the checks were read with the results. A metric whose check failed
-            # gives no results; its reason replaces an error it already failed with.
-            failures = [MetricFailure(f.metric, f.ranks, reasons[f.metric]) if f.metric in reasons else f
-                        for f in failures]
-            said = {f.metric for f in failures}
-            failures.extend(MetricFailure(i.metric.name, (self.topology.global_rank,), reasons[i.metric.name])
-                            for i in live if i.metric.name in reasons and i.metric.name not in said)
-            live = [i for i in live if i.metric.name not in reasons]
+        extra = self._checked(items, checks) if checked else []
+        host, read = self._to_host(live, extra)
+        if checked:
+            failures = self._fail_checked(items, failures, checks, read)
+            gone = {f.metric for f in failures}
+            live = [i for i in live if i.metric.name not in gone]
         out: dict[str, list[MetricResult]] = {}
         for item in live:
             try:
@@ -229,12 +232,11 @@ class Executor:
         return self.any_ranks([flag])[0]
 
     def any_ranks(self, flags: Sequence[bool]) -> list[bool]:
-        """``flags`` OR-ed over every rank, element by element (one ``all_reduce(MAX)`` over the
-        world; the same length on every rank)."""
+        """``flags`` OR-ed over every rank, element by element (one ``all_reduce(MAX)`` on the
+        host over the control group; the same length on every rank)."""
         if not self._distributed:
             return list(flags)
-        agreed = self._world_max(torch.tensor([int(f) for f in flags], dtype=torch.int64, device=self.device))
-        return [bool(v) for v in agreed.tolist()]
+        return [bool(v) for v in self._world_max([int(f) for f in flags])]
 
     def gather(self, tensor: torch.Tensor, axis: str) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape everywhere) over the group of ``axis``, in axis-rank
@@ -249,12 +251,13 @@ class Executor:
         return out
 
     def gather_objects(self, obj: Any, group: Any = None, label: str = "world") -> list[Any]:
-        """Every rank's picklable ``obj`` over ``group`` (None: the world), in group-rank order,
-        counted as one call on ``label``. Slow paths (errors, plan changes) and start-up only."""
+        """Every rank's picklable ``obj`` over ``group`` (None: the world, over the control
+        group), in group-rank order, counted as one call on ``label``. Slow paths (errors, plan
+        changes) and start-up only."""
         if not self._distributed:
             return [obj]
         self.stats.add(label, 1)
-        return self.comm.all_gather_object(obj, group)
+        return self.comm.all_gather_object(obj, self.control if group is None else group)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName, axis: str) -> None:
         """Reduce ``tensor`` in place with ``op`` over the group of ``axis`` (nothing to do when
@@ -378,73 +381,88 @@ class Executor:
             self.comm.all_reduce(tensor, op, group)
             self.stats.seconds += time.perf_counter() - start
 
-    def _world_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` reduced with MAX over every rank (one small control collective)."""
+    def _world_max(self, flags: Sequence[int]) -> list[int]:
+        """``flags`` (host ints, the same length on every rank) reduced with MAX over every rank:
+        one small all_reduce of a CPU tensor over the control group."""
+        tensor = torch.tensor(flags, dtype=torch.int64)
         self.stats.add("world", tensor.numel())
-        self.comm.all_reduce(tensor, "max", None)
-        return tensor
+        self.comm.all_reduce(tensor, "max", self.control)
+        return tensor.tolist()
 
-    def _to_host(self, live: Sequence[_Due], checks: Sequence[DeviceCheck] = ()
-                 ) -> tuple[dict[Hashable, list[float]], dict[str, str]]:
-        """The live metrics' outputs on the host and the metrics whose ``checks`` failed (name ->
-        reason, :func:`_failed_checks`), from one copy of all of them."""
+    def _checked(self, items: Sequence[_Due], checks: Sequence[DeviceCheck]) -> list[torch.Tensor]:
+        """``[failed per item, this rank's check flags]`` on the device, for the results' copy:
+        an item fails where a check that names it is false, MAX-reduced over the world (every
+        rank issues it when any rank has checks; a rank without checks sends zeros)."""
+        names = [i.metric.name for i in items]
+        # One process: where the checks are (no copy before the results'); else the collectives'.
+        device = self.device if self._distributed or not checks else checks[0].ok.device
+        oks = (torch.stack([c.ok.to(device) for c in checks]) if checks
+               else torch.ones(0, dtype=torch.bool, device=device))
+        reads = torch.tensor([[n in c.metrics for n in names] for c in checks],
+                             dtype=torch.bool).reshape(len(checks), len(names))
+        failed = (~oks[:, None] & reads.to(device, non_blocking=True)).any(0).to(torch.float64)
+        if self._distributed:
+            self.stats.add("world", failed.numel())
+            self.comm.all_reduce(failed, "max", None)
+        return [failed, oks.to(torch.float64)]
+
+    def _fail_checked(self, items: Sequence[_Due], failures: list[MetricFailure],
+                      checks: Sequence[DeviceCheck], read: Sequence[float]) -> list[MetricFailure]:
+        """``failures`` with the metrics whose check failed on some rank (``read``: the host copy
+        of :meth:`_checked`). Each fails with the reason of the lowest rank whose check failed,
+        which replaces an error it already failed with; only then a gather of the reasons, on
+        every rank alike (they all read the same reduced flags)."""
+        n = len(items)
+        failed = [i.metric.name for i, v in zip(items, read[:n]) if v]
+        if not failed:
+            return failures
+        everyone = self.gather_objects(_failed_checks(checks, [bool(v) for v in read[n:]]))
+        ranks = {name: tuple(r for r, reasons in enumerate(everyone) if name in reasons) for name in failed}
+        out = [MetricFailure(f.metric, tuple(sorted({*f.ranks, *ranks[f.metric]})),
+                             everyone[ranks[f.metric][0]][f.metric]) if f.metric in ranks else f
+               for f in failures]
+        said = {f.metric for f in failures}
+        out.extend(MetricFailure(name, ranks[name], everyone[ranks[name][0]][name]) for name in failed
+                   if name not in said)
+        return out
+
+    def _to_host(self, live: Sequence[_Due], extra: Sequence[torch.Tensor] = ()
+                 ) -> tuple[dict[Hashable, list[float]], list[float]]:
+        """The live metrics' outputs on the host, and ``extra`` (float64 vectors) joined, from one
+        copy of all of them."""
         outputs: dict[Hashable, torch.Tensor] = {}
         for item in live:
             outputs.update(item.round.outputs)
-        if not outputs and not checks:
-            return {}, {}
         vectors = [v if v.dtype == torch.float64 and v.dim() == 1 else v.reshape(-1).to(torch.float64)
                    for v in outputs.values()]
-        device = vectors[0].device if vectors else checks[0].ok.device
-        vectors += [torch.stack([c.ok.to(device) for c in checks]).to(torch.float64)] if checks else []
+        if not vectors and not extra:
+            return {}, []
+        device = vectors[0].device if vectors else extra[0].device
+        vectors += [v.to(device) for v in extra]
         flat = (torch.cat(vectors) if len(vectors) > 1 else vectors[0]).cpu().tolist()
         out: dict[Hashable, list[float]] = {}
         start = 0
         for key, vec in zip(outputs, vectors):
             out[key] = flat[start:start + vec.numel()]
             start += vec.numel()
-        return out, _failed_checks(checks, [bool(v) for v in flat[start:]])
+        return out, flat[start:]
 
     # -- agreement and checks -------------------------------------------------------------------
-    def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (),
-                        flag: bool | None = None, checks: Sequence[DeviceCheck] = ()) -> list[MetricFailure]:
-        """Metrics that raised on any rank, in one ``all_reduce(MAX)`` over the world of
-        ``[raised per metric, fed per metric, flag]``; with ``unfed``, also sets :attr:`unfed`
-        to the metrics fed on no rank; with ``flag`` (not None, the first agreement of a run),
-        sets :attr:`flagged`; with ``checks`` (distributed only), a metric whose check failed on
-        some rank counts as raised there, with the check's reason (one element per metric rides
-        in the collective, this rank's check flags in the same host copy). Only when some
-        metric raised does a second collective gather the error texts, to name the failing ranks
-        and the lowest one's error."""
+    def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (), flag: bool | None = None,
+                        checks: bool = False) -> tuple[list[MetricFailure], bool]:
+        """Metrics that raised on any rank, in one ``all_reduce(MAX)`` on the host over the world
+        of ``[raised per metric, fed per metric, flag, checks]``; with ``unfed``, also sets
+        :attr:`unfed` to the metrics fed on no rank; with ``flag`` (not None, the first agreement
+        of a run), sets :attr:`flagged`. Returns the failures and whether any rank has
+        ``checks`` (device checks, decided after the rounds). Only when some metric raised does
+        a second collective gather the error texts, to name the failing ranks and the lowest
+        one's error."""
         n = len(items)
         mine = [1 if i.error else 0 for i in items] + [0 if i.metric.name in unfed else 1 for i in items]
-        mine.append(1 if flag else 0)
-        if self._distributed:
-            # Last, per metric (every rank sends them, whatever checks it has: the same length
-            # everywhere): 1 where a device check of this rank failed, decided on the device.
-            vector = torch.tensor(mine + ([] if checks else [0] * n), dtype=torch.int64, device=self.device)
-            if checks:
-                oks = torch.stack([c.ok.to(self.device) for c in checks])
-                bad = [torch.stack([~oks[k] for k, c in enumerate(checks) if i.metric.name in c.metrics]).any()
-                       if any(i.metric.name in c.metrics for c in checks) else torch.zeros((), dtype=torch.bool,
-                                                                                         device=self.device)
-                       for i in items]
-                vector = torch.cat([vector, torch.stack(bad).to(torch.int64)]) if bad else vector
-            reduced = self._world_max(vector)
-            read = (torch.cat([reduced, oks.to(torch.int64)]) if checks else reduced).tolist()
-            agreed = read[:len(mine)]
-            # A check failed on some rank: the metric counts as raised. This rank's failed
-            # checks name the reason (replacing a metric's other error); the texts gathered
-            # below name the ranks and the lowest one's reason.
-            reasons = _failed_checks(checks, [bool(v) for v in read[len(mine) + n:]])
-            for index, item in enumerate(items):
-                agreed[index] |= read[len(mine) + index]
-                if item.metric.name in reasons:
-                    item.error = reasons[item.metric.name]
-        else:
-            agreed = mine
+        mine += [1 if flag else 0, 1 if checks else 0]
+        agreed = self._world_max(mine) if self._distributed else mine
         if flag is not None:
-            self.flagged = bool(agreed[-1])
+            self.flagged = bool(agreed[-2])
         raised = agreed[:n]
         texts = self.gather_objects([i.error for i in items]) if any(raised) else None
         if unfed:
@@ -457,7 +475,7 @@ class Executor:
             ranks = tuple(r for r, errors in enumerate(texts) if errors[index] is not None)
             error = texts[ranks[0]][index]
             failures.append(MetricFailure(item.metric.name, ranks, error or f"raised on rank(s) {list(ranks)}"))
-        return failures
+        return failures, bool(agreed[-1])
 
     def _check_plan(self, requests: Sequence[CollectiveRequest], pending: Sequence[_Due]) -> None:
         """Compare this step's per-axis layouts with the other ranks of each axis: one
@@ -479,7 +497,7 @@ class Executor:
             spread = torch.tensor([fps[axis], -fps[axis]], dtype=torch.int64, device=self.device)
             self.all_reduce(spread, "max", axis)
             mismatched.append(int(spread[0].item() != -spread[1].item()))
-        if not any(self._world_max(torch.tensor(mismatched or [0], dtype=torch.int64, device=self.device)).tolist()):
+        if not any(self._world_max(mismatched or [0])):
             return
         coords = {a: self.topology.axes[a].rank for a in names}
         table = self.gather_objects((coords, fps, layouts))

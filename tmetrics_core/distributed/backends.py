@@ -1,0 +1,49 @@
+"""Where the executor's two kinds of collective run: metric values on the accelerator, yes/no
+agreements on the host.
+
+A due step's metric values live where the tensors were read (the accelerator) and are reduced
+there, by the backend the default group has for that device (NCCL on CUDA). Its agreements
+(which metrics failed, whether any rank saw new token sites, whether any rank has device
+checks) are Python facts: all-reduced as CPU tensors over a group whose backend carries CPU
+tensors (gloo), so they never wait for the accelerator's queue. Where the default group has no
+CPU backend (``init_process_group("nccl")``), :func:`control_group` makes one gloo group over
+the world, once, when ``TensorMetrics`` is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["collective_device", "control_group"]
+
+
+def _backends() -> dict[str, str]:
+    """Device type -> backend of the default group, e.g. ``{"cpu": "gloo", "cuda": "nccl"}``
+    for ``init_process_group("cpu:gloo,cuda:nccl")``, ``{"cuda": "nccl"}`` for ``"nccl"``."""
+    pairs = (part.split(":") for part in dist.get_backend_config().split(","))
+    return {device: backend for device, backend in pairs}
+
+
+def collective_device() -> torch.device:
+    """The device of metric collectives: the current accelerator when the default group reduces
+    its tensors with a backend of its own (NCCL, XCCL, ...), else the CPU (gloo, or no process
+    group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    backend = _backends().get(accelerator.type) if accelerator is not None else None
+    if accelerator is None or backend in (None, "gloo"):
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def control_group() -> Any:
+    """The world group for host-side agreements: None (the default group) when it carries CPU
+    tensors or when no process group runs; else a new gloo group over every rank. Collective:
+    every rank calls it at the same point (``TensorMetrics`` construction)."""
+    if not (dist.is_available() and dist.is_initialized()) or "cpu" in _backends():
+        return None
+    return dist.new_group(backend="gloo")
