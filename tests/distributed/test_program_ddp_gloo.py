@@ -37,6 +37,8 @@ def _steps(rank, world, own_group=False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     metrics = TensorMetrics(model, metrics=[(build_metric(n), 1 if "residual" in n else 2) for n in NAMES],
                             optimizer=opt, topology=topology, timeout_s=30)
+    import os
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # set only while tmetrics made its control group
     out = {}
     for step in (1, 2, 3, 4):
         g = torch.Generator().manual_seed(step)

@@ -12,12 +12,15 @@ the world, once, when ``TensorMetrics`` is built.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["collective_device", "control_group"]
+
+_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
 def _backends() -> dict[str, str]:
@@ -42,8 +45,17 @@ def collective_device() -> torch.device:
 
 def control_group() -> Any:
     """The world group for host-side agreements: None (the default group) when it carries CPU
-    tensors or when no process group runs; else a new gloo group over every rank. Collective:
-    every rank calls it at the same point (``TensorMetrics`` construction)."""
+    tensors or when no process group runs; else a new gloo group over every rank, which
+    connects to a peer only when a collective first needs it (torch's ``TORCH_GLOO_LAZY_INIT``,
+    unless the environment sets it): a ring all-reduce's two neighbours, not a full mesh of
+    world-size sockets per rank. Collective: every rank calls it at the same point
+    (``TensorMetrics`` construction)."""
     if not (dist.is_available() and dist.is_initialized()) or "cpu" in _backends():
         return None
-    return dist.new_group(backend="gloo")
+    if _LAZY in os.environ:
+        return dist.new_group(backend="gloo")
+    os.environ[_LAZY] = "1"  # read by the gloo backend as the group is made
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        del os.environ[_LAZY]
