@@ -32,6 +32,11 @@ def _steps(rank, world, own_group=False):
         # own_group: the default group carries no CPU tensor (as NCCL's), so DDP, the data axis
         # and tmetrics' own agreements need groups of their own (a gloo one, made by tmetrics).
         group = dist.new_group(backend="gloo") if own_group else dist.group.WORLD
+        if own_group:  # objects go where a group can move them: its CPU backend, else the accelerator
+            from tmetrics_core.distributed.backends import object_device
+            assert object_device(group) == torch.device("cpu")
+            with pytest.raises(RuntimeError, match="no CPU backend"):
+                object_device(None)
         topology = Topology.from_groups({"dp": group})
         wrapped = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -18,16 +18,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "control_group"]
+__all__ = ["collective_device", "control_group", "object_device"]
 
 _LAZY = "TORCH_GLOO_LAZY_INIT"
 
 
-def _backends() -> dict[str, str]:
-    """Device type -> backend of the default group, e.g. ``{"cpu": "gloo", "cuda": "nccl"}``
-    for ``init_process_group("cpu:gloo,cuda:nccl")``, ``{"cuda": "nccl"}`` for ``"nccl"``."""
-    pairs = (part.split(":") for part in dist.get_backend_config().split(","))
+def _backends(group: Any = None) -> dict[str, str]:
+    """Device type -> backend of ``group`` (None: the default group), e.g. ``{"cpu": "gloo",
+    "cuda": "nccl"}`` for ``init_process_group("cpu:gloo,cuda:nccl")``, ``{"cuda": "nccl"}`` for
+    ``"nccl"``."""
+    pairs = (part.split(":") for part in dist.get_backend_config(group).split(","))
     return {device: backend for device, backend in pairs}
+
+
+def object_device(group: Any) -> torch.device:
+    """Where ``group`` moves pickled objects: the CPU when it has a CPU backend, else the
+    current accelerator."""
+    if "cpu" in _backends(group):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise RuntimeError(f"process group {group} has no CPU backend ({dist.get_backend_config(group)}) and this "
+                           "process has no accelerator")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def collective_device() -> torch.device:

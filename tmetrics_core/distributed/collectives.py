@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from tmetrics_core.distributed.backends import object_device
 from tmetrics_core.errors import TMetricsError
 
 __all__ = ["Collectives", "TorchCollectives"]
@@ -70,9 +71,9 @@ class TorchCollectives:
 
     def all_gather_object(self, obj: Any, group: Any) -> list[Any]:
         """Pickled to bytes and sent in two bounded ``all_gather`` calls (lengths, then the bytes
-        padded to the longest), on the current CUDA device when the group's backend is NCCL."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device or "cpu")
+        padded to the longest), on the CPU where the group has a CPU backend, else on the
+        current accelerator (a group of NCCL alone)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(object_device(group))
         lengths = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=data.device), group)
         longest = max(int(n.item()) for n in lengths)
         padded = torch.zeros(longest, dtype=torch.uint8, device=data.device)
