@@ -182,6 +182,29 @@ def test_device_checks_are_reduced_on_the_device_after_the_rounds_and_agreements
                          ("all_reduce", "world", torch.float64), ("all_gather_object", "control", None)]
 
 
+def _mixed_failures_rank(rank, world, comm):
+    """Checks fail on ranks 1 and 3 with their own reasons; "checked" also raises on rank 2."""
+    topology = sim_topology(rank, (world,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(2 * world,), placements=(("dp", Shard(0)),),
+                  layer=0)]
+    metrics = [L2Norm(name=n, source_kinds=["grad"]) for n in ("good", "checked")]
+    checks = [DeviceCheck(torch.tensor(rank not in (1, 3)), f"dropped on {rank}", frozenset({"checked"}))]
+    executor = Executor(topology, collectives=comm)
+    prepared = prepare_states(metrics, sites, [torch.full((2,), float(rank + 1))], topology)
+    if rank == 2:
+        prepared = [(m, s, "RuntimeError: hook" if m.name == "checked" else e) for m, s, e in prepared]
+    results, failures = executor.run(prepared, {s.key: s for s in sites}, checks=checks)
+    return {k: [r.value for r in v] for k, v in results.items()}, failures
+
+
+def test_checks_failing_on_several_ranks_name_them_all_with_the_lowest_ones_reason():
+    """A metric that raised on rank 2 and whose check failed on ranks 1 and 3: one failure on
+    every rank, naming ranks 1 to 3 and rank 1's reason (a check's reason replaces an error)."""
+    for results, failures in run_threaded(_mixed_failures_rank, 4, timeout=30):
+        assert results == {"good": [pytest.approx(sum(2 * (r + 1) ** 2 for r in range(4)) ** 0.5)]}
+        assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1, 2, 3), "dropped on 1")]
+
+
 class _TwoRounds:
     """A sum over ``dp`` reduced twice (two collective rounds); ``resume`` of the first round
     raises on rank 1 when ``raising``."""

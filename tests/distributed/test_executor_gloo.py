@@ -57,6 +57,16 @@ def test_a_device_check_failing_on_one_rank_fails_its_metric_everywhere():
         assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1,), "tokens dropped")]
 
 
+def _mixed(rank, world):
+    return _with_real(cases._mixed_failures_rank)(rank, world)
+
+
+def test_checks_and_errors_on_several_of_4_ranks_fail_the_metric_everywhere():
+    for results, failures in run_distributed(_mixed, 4, timeout=90):
+        assert results == {"good": [pytest.approx(sum(2 * (r + 1) ** 2 for r in range(4)) ** 0.5)]}
+        assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1, 2, 3), "dropped on 1")]
+
+
 def test_asymmetric_plan_raises_clear_error_fast():
     start = time.monotonic()
     for metric, axis, ranks, message in run_distributed(_asymmetric, 2, timeout=60):
