@@ -127,7 +127,7 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
                       verify_replicas=config.distributed.verify_replicas, placements=config.placements,
                       timeout_s=config.distributed.collective_timeout_s, modules=modules,
                       key_rules={sink.name: sink.key_rules for sink in built},
-                      log_rank=config.distributed.log_rank, **kwargs)
+                      log_rank=config.distributed.log_rank, read_results=config.run.read_results, **kwargs)
     except BaseException:
         for handle in found.handles if megatron is not None else ():
             handle.remove()

@@ -38,12 +38,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from tmetrics_core.build import check_against_model
+from tmetrics_core.config.schema import READ_RESULTS, ReadResults
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.backends import collective_device, control_group
 from tmetrics_core.distributed.collectives import Collectives
 from tmetrics_core.distributed.manifest_exchange import share_holdings
-from tmetrics_core.errors import TMetricsError
-from tmetrics_core.distributed.executor import Executor, MetricFailure
+from tmetrics_core.errors import ConfigError, TMetricsError
+from tmetrics_core.distributed.executor import Executor, MetricFailure, Pending
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
@@ -104,12 +105,18 @@ class TensorMetrics:
         key_rules: sink name -> that sink's key rules, for every configured sink (on every rank,
             logging or not), so tensor names that render to one key are refused before the first step.
         log_rank: the global rank that prints tmetrics' warnings (config ``distributed.log_rank``).
+        read_results: when a due step's results are read from the device (config
+            ``run.read_results``): ``"now"``, at the step's end (the step waits for its
+            accelerator once, at the end); ``"next-step"``, at the end of the next step scope (or
+            at :meth:`close`), when the copy has landed: no wait in any step. Records keep their
+            own step; :attr:`last_records` then holds the previous due step's.
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
             source kind the model or optimizer never produces, a placement a metric cannot
             handle (with the metric and tensor named; path ``metrics[i]``), two tensors whose
-            labels render to one key of a sink (path ``sinks.<backend>``).
+            labels render to one key of a sink (path ``sinks.<backend>``), a ``read_results``
+            other than ``"now"`` and ``"next-step"`` (path ``run.read_results``).
         PlacementError: on every rank, when a tensor placed Replica differs across its axis
             (here for parameters; from ``step()`` or the optimizer step for other sources).
     """
@@ -123,7 +130,10 @@ class TensorMetrics:
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None,
-                 log_rank: int = 0) -> None:
+                 log_rank: int = 0, read_results: ReadResults = "now") -> None:
+        if read_results not in READ_RESULTS:
+            raise ConfigError(f"read_results={read_results!r}; need one of {', '.join(READ_RESULTS)}",
+                              path="run.read_results")
         self.model = model
         self.optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self.topology = topology or Topology.single_process()
@@ -161,6 +171,8 @@ class TensorMetrics:
         self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False
         self._closed_by_signal = False
+        self.read_results = read_results
+        self._in_flight: tuple[int, Pending] | None = None  # a due step launched, read a step later
         check_against_model(self, key_rules or {})
         self.params = ParamObserver(self.manifest, self.topology, self.executor, optimizer=self.optimizer,
                                     flat=self.flat, metrics=[m for m, _ in self.metrics],
@@ -244,6 +256,8 @@ class TensorMetrics:
             try:
                 if not failed and self._due:
                     self._finish_step(step, observer)
+                if not failed:
+                    self._deliver_earlier(step)
             finally:
                 # Nothing outlives the step: the update snapshot is a copy of the parameters.
                 self._step, self._due = None, []
@@ -354,12 +368,29 @@ class TensorMetrics:
         check = self.check_plan == "always" or (
             self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
         say = not self._no_grad_said and any("grad" in m.source_kinds for m, _ in self._due)
-        results, failures = self.executor.run(due, sites, check=check, unfed=self._unfed | self.params.unfed,
-                                              flag=bool(self.params.no_grad) if say else None,
-                                              checks=observer.device_checks() if observer is not None else ())
+        self._deliver_earlier(step)
+        pending = self.executor.launch(due, sites, check=check, unfed=self._unfed | self.params.unfed,
+                                       flag=bool(self.params.no_grad) if say else None,
+                                       checks=observer.device_checks() if observer is not None else ())
         if say:
             self._say_missing_gradients(step)
         self._checked.update(m.name for m, _, _ in due)
+        if self.read_results == "next-step":
+            self._in_flight = (step, pending)
+        else:
+            self._deliver(step, pending)
+
+    def _deliver_earlier(self, step: int) -> None:
+        """Deliver the results launched at a step before ``step`` (``read_results: next-step``):
+        their copy has landed by now, so reading it waits for nothing."""
+        if self._in_flight is not None and self._in_flight[0] < step:
+            earlier, self._in_flight = self._in_flight, None
+            self._deliver(*earlier)
+
+    def _deliver(self, step: int, pending: Pending) -> None:
+        """The results of due step ``step`` read (:meth:`Executor.collect`), warned about, kept
+        in :attr:`last_records` and submitted to the sinks."""
+        results, failures = self.executor.collect(pending)
         records = [MetricRecord(name, step, r.value, r.labels) for name, rs in results.items() for r in rs]
         self.last_records = records
         self.failures.extend(failures)
@@ -369,7 +400,7 @@ class TensorMetrics:
                 log.warning("tmetrics: metric %r skipped at step %d on every rank (raised on ranks %s): %s. "
                             "Further failures of this metric are counted silently.", failure.metric, step,
                             list(failure.ranks), failure.error)
-        for name in self.executor.unfed:
+        for name in pending.unfed:
             if name not in self._said_unfed and self.topology.global_rank == 0:
                 self._said_unfed.add(name)
                 metric = next(m for m, _ in self._due if m.name == name)
@@ -405,6 +436,9 @@ class TensorMetrics:
         self._closed = True
         for h in self._hooks:
             h.remove()
+        if self._in_flight is not None:  # read_results: next-step; the last due step's results
+            self._deliver(*self._in_flight)
+            self._in_flight = None
         return self.hub.close(status) if self.hub is not None else None
 
     def __enter__(self) -> "TensorMetrics":

@@ -130,7 +130,7 @@ def test_dict_form_and_round_trip_through_to_dict() -> None:
         "bins": None,
         "sample": None,
     }
-    assert plain["run"] == {"name": "demo", "dir": "runs/demo"}
+    assert plain["run"] == {"name": "demo", "dir": "runs/demo", "read_results": "now"}
     assert plain["distributed"] == {"collective_timeout_s": 30.0, "check_plan": "always", "verify_replicas": "first",
                                    "log_rank": 1}
     assert yaml.safe_load(yaml.safe_dump(plain)) == plain  # plain data only
@@ -308,8 +308,8 @@ BAD_MAPPINGS = [
         "runn",
         "unknown key 'runn' (did you mean 'run'?); valid keys: run, metrics, sinks, placements, distributed, alerts",
     ),
-    ({"run": {"nmae": "x"}}, "run.nmae", "unknown key 'nmae' (did you mean 'name'?); valid keys: name, dir"),
-    ({"run": "demo"}, "run", "the run section must be a mapping with keys name, dir; got 'demo' (a string)"),
+    ({"run": {"nmae": "x"}}, "run.nmae", "unknown key 'nmae' (did you mean 'name'?); valid keys: name, dir, read_results"),
+    ({"run": "demo"}, "run", "the run section must be a mapping with keys name, dir, read_results; got 'demo' (a string)"),
     ({"run": {"name": ""}}, "run.name", "got '' (a string); need a non-empty string (the run name)"),
     ({"run": {"name": 7}}, "run.name", "got 7 (an integer); need a non-empty string"),
     ({"run": {"name": "a/b"}}, "run.name", "a run name cannot contain '/' or '\\' or be '.' or '..'"),
@@ -478,6 +478,11 @@ BAD_MAPPINGS = [
         {"distributed": {"verify_replicas": "start-up"}},
         "distributed.verify_replicas",
         "got 'start-up' (a string) (did you mean 'startup'?); need one of startup, first, always, never",
+    ),
+    (
+        {"run": {"read_results": "next_step"}},
+        "run.read_results",
+        "got 'next_step' (a string) (did you mean 'next-step'?); need one of now, next-step",
     ),
     (
         {"distributed": {"log_rank": -1}},

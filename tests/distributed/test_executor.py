@@ -205,6 +205,35 @@ def test_checks_failing_on_several_ranks_name_them_all_with_the_lowest_ones_reas
         assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1, 2, 3), "dropped on 1")]
 
 
+def _two_launches_rank(rank, world, comm):
+    """Two steps launched before either is collected (``read_results: next-step`` reads a
+    step's results after the next one launched): a check fails on the last rank in step 1."""
+    topology = sim_topology(rank, (world,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(2 * world,), placements=(("dp", Shard(0)),),
+                  layer=0)]
+    metrics = [L2Norm(name=n, source_kinds=["grad"]) for n in ("good", "checked")]
+    executor = Executor(topology, collectives=comm)
+    launched = []
+    for step in (1, 2):
+        checks = [DeviceCheck(torch.tensor(not (step == 1 and rank == world - 1)), f"dropped at {step}",
+                              frozenset({"checked"}))]
+        prepared = prepare_states(metrics, sites, [torch.full((2,), float(rank + step))], topology)
+        launched.append(executor.launch(prepared, {s.key: s for s in sites}, checks=checks))
+    out = []
+    for pending in launched:
+        results, failures = executor.collect(pending)
+        out.append(({k: [r.value for r in v] for k, v in results.items()}, failures))
+    return out
+
+
+def test_steps_launched_before_either_is_collected_keep_their_own_results_and_failures():
+    for (first, failed_first), (second, failed_second) in run_threaded(_two_launches_rank, 2, timeout=30):
+        assert first == {"good": [pytest.approx((2 * 1 + 2 * 4) ** 0.5)]}
+        assert [(f.metric, f.ranks, f.error) for f in failed_first] == [("checked", (1,), "dropped at 1")]
+        norm = (2 * 4 + 2 * 9) ** 0.5
+        assert second == {"good": [pytest.approx(norm)], "checked": [pytest.approx(norm)]} and failed_second == []
+
+
 class _TwoRounds:
     """A sum over ``dp`` reduced twice (two collective rounds); ``resume`` of the first round
     raises on rank 1 when ``raising``."""

@@ -53,6 +53,8 @@ __all__ = [
     "VerifyReplicas",
     "DistributedConfig",
     "MetricConfig",
+    "READ_RESULTS",
+    "ReadResults",
     "RunConfig",
     "check_names",
     "load_config",
@@ -69,6 +71,11 @@ VerifyReplicas = Literal["startup", "first", "always", "never"]
 """When Replica claims are checked against the values (``tmetrics_core.distributed.replicas``)."""
 
 _VERIFY_REPLICAS: tuple[str, ...] = ("startup", "first", "always", "never")
+
+ReadResults = Literal["now", "next-step"]
+"""When a due step's results are read from the device: at its end, or at the next step's end."""
+
+READ_RESULTS: tuple[str, ...] = ("now", "next-step")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -78,13 +85,17 @@ _SPEC_INTERVAL = re.compile(r"[+-]?[0-9]+")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
-    """Where and under which name the run's files and tracker runs go."""
+    """Where and under which name the run's files and tracker runs go, and when results are read."""
 
     name: str = "tmetrics"
     """Run name shown in every tracker; also the default directory name, so no path separators."""
     dir: str = ""
     """Directory for run files (TensorBoard events, spool, manifest); empty means ``runs/<name>``,
     relative to the working directory."""
+    read_results: ReadResults = "now"
+    """When a due step's results leave the device: ``now`` (at the step's end: the step waits
+    once for its accelerator) or ``next-step`` (at the end of the next step scope, or at
+    ``close()``: no step waits; records arrive one step later, with their own step)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -101,6 +112,9 @@ class RunConfig:
             raise ConfigError(f"got {_describe(self.dir)}; need a directory path string", path="dir")
         if not self.dir:
             object.__setattr__(self, "dir", f"runs/{self.name}")
+        if self.read_results not in READ_RESULTS:
+            raise ConfigError(f"got {_describe(self.read_results)}{_suggest(self.read_results, READ_RESULTS)}; need one "
+                              f"of {', '.join(READ_RESULTS)}", path="read_results")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

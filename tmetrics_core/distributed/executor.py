@@ -23,8 +23,10 @@ Per step the executor:
    ``#axis sets``), whatever the number of tensors, shapes or metrics;
 4. reduces the step's device checks (``DeviceCheck``) with MAX over the world on the device,
    when any rank has one (known from step 1);
-5. copies every metric's final vectors and the checks to the host in one transfer: the due
-   step's only wait for the accelerator (besides a plan check, step 2).
+5. copies every metric's final vectors and the checks to the host in one transfer, started
+   without waiting (:meth:`Executor.launch`) and read by :meth:`Executor.collect`, at once or a
+   step later: the due step's only wait for the accelerator (besides a plan check, step 2),
+   and none when read a step later.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ import torch
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import Collectives, TorchCollectives
+from tmetrics_core.distributed.host_copy import HostCopy
 from tmetrics_core.errors import PlanMismatchError
 from tmetrics_core.metrics.base import CollectiveRequest, MetricResult, Round, TensorMetric
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.site import Site, SiteKey
 
-__all__ = ["CollectiveStats", "Executor", "MetricFailure"]
+__all__ = ["CollectiveStats", "DeviceCheck", "Executor", "MetricFailure", "Pending"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,23 @@ class _Due:
     """The metric's current round: done (nothing to run) until ``start`` returns its first."""
 
 
+@dataclass(slots=True)
+class Pending:
+    """A due step past its collectives, its values on their way to the host
+    (:meth:`Executor.launch`); :meth:`Executor.collect` reads them and finishes the metrics."""
+
+    items: list[_Due]
+    live: list[_Due]
+    failures: list[MetricFailure]
+    checks: Sequence[DeviceCheck] | None
+    """The step's device checks when some rank had one (their flags ride in the copy), else None."""
+    keys: list[tuple[Hashable, int]]
+    """The live metrics' outputs in the copy: (key, length), in order."""
+    copy: HostCopy | None
+    unfed: tuple[str, ...] = ()
+    """The due metrics that read no tensor on any rank (no results, no failure)."""
+
+
 class Executor:
     """Runs the collective rounds of all due metrics of a step over a :class:`Topology`.
 
@@ -145,7 +165,15 @@ class Executor:
             sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = (),
             flag: bool | None = None, checks: Sequence[DeviceCheck] = ()
             ) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
-        """Run every due metric to its results.
+        """Every due metric run to its results: :meth:`launch`, then :meth:`collect` at once
+        (arguments, results and errors as there)."""
+        return self.collect(self.launch(due, sites, check=check, unfed=unfed, flag=flag, checks=checks))
+
+    def launch(self, due: Sequence[tuple[TensorMetric, Mapping[SiteKey, Any], str | None]],
+               sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = (),
+               flag: bool | None = None, checks: Sequence[DeviceCheck] = ()) -> Pending:
+        """Run every due metric through its collectives and start the copy of all their final
+        vectors to the host (not waited for on an accelerator: see :class:`HostCopy`).
 
         Args:
             due: ``(metric, prepared state, local error or None)`` in the same order on every
@@ -167,8 +195,8 @@ class Executor:
                 read of their own. Such a metric still runs its rounds, and gives no results.
 
         Returns:
-            ``(results by metric name, failures)``; failures name the metric, the ranks where
-            it raised and the error text (of this rank, or of the lowest failing rank).
+            The :class:`Pending` step, for :meth:`collect` (every rank collects its launches in
+            launch order; collecting may gather the reasons of failed checks across ranks).
 
         Raises:
             PlanMismatchError: on every rank, when ``check`` finds ranks with different plans.
@@ -211,10 +239,36 @@ class Executor:
             failures.extend(dropped)
             gone = {f.metric for f in dropped}
             live = [i for i in live if i.metric.name not in gone]
-        extra = self._checked(items, checks) if checked else []
-        host, read = self._to_host(live, extra)
+        outputs: dict[Hashable, torch.Tensor] = {}
+        for item in live:
+            outputs.update(item.round.outputs)
+        vectors = [v if v.dtype == torch.float64 and v.dim() == 1 else v.reshape(-1).to(torch.float64)
+                   for v in outputs.values()]
         if checked:
-            failures = self._fail_checked(items, failures, checks, read)
+            extra = self._checked(items, checks)
+            device = vectors[0].device if vectors else extra[0].device
+            vectors += [v.to(device) for v in extra]
+        return Pending(items, live, failures, checks if checked else None,
+                       [(k, v.numel()) for k, v in zip(outputs, vectors)], HostCopy(vectors) if vectors else None,
+                       self.unfed)
+
+    def collect(self, pending: Pending) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
+        """The results of a :meth:`launch`: waits for its host copy (where the device has not
+        passed it yet) and finishes every live metric.
+
+        Returns:
+            ``(results by metric name, failures)``; failures name the metric, the ranks where
+            it raised and the error text (of this rank, or of the lowest failing rank).
+        """
+        flat = pending.copy.read() if pending.copy is not None else []
+        host: dict[Hashable, list[float]] = {}
+        start = 0
+        for key, length in pending.keys:
+            host[key] = flat[start:start + length]
+            start += length
+        failures, live = pending.failures, pending.live
+        if pending.checks is not None:
+            failures = self._fail_checked(pending.items, failures, pending.checks, flat[start:])
             gone = {f.metric for f in failures}
             live = [i for i in live if i.metric.name not in gone]
         out: dict[str, list[MetricResult]] = {}
@@ -425,27 +479,6 @@ class Executor:
         out.extend(MetricFailure(name, ranks[name], everyone[ranks[name][0]][name]) for name in failed
                    if name not in said)
         return out
-
-    def _to_host(self, live: Sequence[_Due], extra: Sequence[torch.Tensor] = ()
-                 ) -> tuple[dict[Hashable, list[float]], list[float]]:
-        """The live metrics' outputs on the host, and ``extra`` (float64 vectors) joined, from one
-        copy of all of them."""
-        outputs: dict[Hashable, torch.Tensor] = {}
-        for item in live:
-            outputs.update(item.round.outputs)
-        vectors = [v if v.dtype == torch.float64 and v.dim() == 1 else v.reshape(-1).to(torch.float64)
-                   for v in outputs.values()]
-        if not vectors and not extra:
-            return {}, []
-        device = vectors[0].device if vectors else extra[0].device
-        vectors += [v.to(device) for v in extra]
-        flat = (torch.cat(vectors) if len(vectors) > 1 else vectors[0]).cpu().tolist()
-        out: dict[Hashable, list[float]] = {}
-        start = 0
-        for key, vec in zip(outputs, vectors):
-            out[key] = flat[start:start + vec.numel()]
-            start += vec.numel()
-        return out, flat[start:]
 
     # -- agreement and checks -------------------------------------------------------------------
     def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (), flag: bool | None = None,

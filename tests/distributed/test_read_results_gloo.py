@@ -1,0 +1,107 @@
+"""``read_results: next-step`` on one process and on 2 gloo ranks (DDP): the same records as
+``now``, each delivered at the end of the next step scope (due or not) or at ``close()``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_distributed
+
+NAMES = {"layer-grad-l2": 1, "layer-update-ratio": 2, "global-grad-l2": 3, "layer-residual-accumulator-rms": 2}
+D = 5
+
+
+class _Hub:
+    """Records each submission with the step scope that was open when it came."""
+
+    def __init__(self) -> None:
+        self.scope: int | None = None
+        self.submitted: list[tuple[int | None, int, list]] = []
+
+    def submit(self, records, step):
+        self.submitted.append((self.scope, step, list(records)))
+
+    def close(self, status):
+        self.scope = "close"
+
+
+def _steps(rank, world, mode):
+    from tests.sources.test_token_row_buffer import Net
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+    from tmetrics_core.topology import Topology
+
+    model, topology, wrapped = Net(3), None, None
+    if world > 1:
+        import torch.distributed as dist
+        topology = Topology.from_groups({"dp": dist.group.WORLD})
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hub = _Hub()
+    metrics = TensorMetrics(model, metrics=[(build_metric(n), i) for n, i in NAMES.items()], optimizer=opt,
+                            topology=topology, hub=hub, timeout_s=30, read_results=mode)
+    last = {}
+    for step in range(1, 8):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 3, D, generator=g)
+        part = x if world == 1 else x[rank * 2:(rank + 1) * 2]
+        hub.scope = step
+        with metrics.step(step):
+            loss = (wrapped or model)(part).pow(2).sum() / (4 * 3 * D) * world
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        last[step] = sorted({r.step for r in metrics.last_records})
+    hub.scope = "close"
+    metrics.close()
+    assert metrics.failures == [], metrics.failures
+    values = {(r.metric, r.step, r.layer, r.tensor, r.stat): r.value for _, _, rs in hub.submitted for r in rs}
+    return [(scope, step) for scope, step, _ in hub.submitted], values, last
+
+
+def _rank(rank, world, mode):
+    return _steps(rank, world, mode)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [1, 2])
+def test_next_step_delivers_the_same_records_one_step_later(world):
+    got = {mode: ([_steps(0, 1, mode)] if world == 1 else run_distributed(_rank, 2, mode, timeout=150))
+           for mode in ("now", "next-step")}
+    reference = _steps(0, 1, "now")[1]  # one process, read at once
+    for mode, ranks in got.items():
+        for when, values, last in ranks:
+            assert values.keys() == reference.keys() and values
+            for key, value in reference.items():
+                assert values[key] == pytest.approx(value, rel=1e-5), (mode, key)
+            # Steps 1 to 7 are all due (layer-grad-l2 every step): read at once, or at the end
+            # of the next scope, the last one at close().
+            if mode == "now":
+                assert when == [(s, s) for s in range(1, 8)]
+                assert last == {s: [s] for s in range(1, 8)}
+            else:
+                assert when == [(s + 1, s) for s in range(1, 7)] + [("close", 7)]
+                assert last == {1: [], **{s: [s - 1] for s in range(2, 8)}}
+
+
+def _sparse(mode):
+    """Metrics due every 3 steps: a result waits for the end of the next scope, due or not."""
+    from tests.sources.test_token_row_buffer import Net
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    model = Net(2)
+    hub = _Hub()
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-param-l2"), 3)], hub=hub, read_results=mode)
+    for step in range(1, 8):
+        hub.scope = step
+        with metrics.step(step):
+            model(torch.randn(2, 3, D)).sum().backward()
+    hub.scope = "close"
+    metrics.close()
+    return [(scope, step) for scope, step, _ in hub.submitted]
+
+
+def test_next_step_results_leave_at_the_next_scope_due_or_not():
+    assert _sparse("now") == [(1, 1), (3, 3), (6, 6)]
+    assert _sparse("next-step") == [(2, 1), (4, 3), (7, 6)]
