@@ -9,7 +9,8 @@ and on not-due steps, ``wandb.watch(log="all", log_freq=1)`` offline, a per-para
 host synchronisation of its own: the MoE runs the fixed-shape dispatch (no ``nonzero``), the
 loss stays on the device, and a round's time is read from CUDA events once, after its steps.
 Host synchronisations inside a step are counted with ``torch.cuda.set_sync_debug_mode``
-(tmetrics: none on a not-due step; one result copy on a due step). Peak memory per variant is
+(tmetrics: none on a not-due step; one result copy on a due step; none with
+``read_results="next-step"``, whose copy is read at the next step's end). Peak memory per variant is
 ``torch.cuda.max_memory_allocated`` over three steps, each variant alone on the device.
 
 With ``--nproc N`` (N <= number of GPUs) a second table runs N ranks under DDP on NCCL: the
@@ -50,9 +51,9 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = ["main"]
 
-VARIANTS = ("bare", "tmetrics every 1", "tmetrics every 10", "tmetrics every 100", "tmetrics not due",
-            "wandb.watch all/1", "norm().item() loop")
-DDP_VARIANTS = ("bare", "tmetrics every 1", "norm + all_reduce each")
+VARIANTS = ("bare", "tmetrics every 1", "tmetrics every 1 next-step", "tmetrics every 10", "tmetrics every 100",
+            "tmetrics not due", "wandb.watch all/1", "norm().item() loop")
+DDP_VARIANTS = ("bare", "tmetrics every 1", "tmetrics every 1 next-step", "norm + all_reduce each")
 
 
 @dataclass
@@ -105,10 +106,10 @@ def _metrics(name: str, module: torch.nn.Module, optimizer: torch.optim.Optimize
     if name == "bare":
         return NullMetrics()
     if name.startswith("tmetrics"):
-        interval = NEVER if name.endswith("not due") else int(name.rsplit(" ", 1)[1])
+        interval = NEVER if name.endswith("not due") else int(name.split()[2])
         topology = Topology.from_groups({"dp": dist.group.WORLD}) if ddp else None
         return TensorMetrics(module, metrics=[(build_metric(n), interval) for n in BUNDLE], optimizer=optimizer,
-                             topology=topology)
+                             topology=topology, read_results="next-step" if name.endswith("next-step") else "now")
     if name.startswith("wandb"):
         return WandbWatch(module)
     return NormLoop(module, all_reduce=name.startswith("norm + all_reduce"))
@@ -166,8 +167,8 @@ def single_gpu(args: argparse.Namespace) -> list[str]:
     for job in jobs.values():
         job.run(2)  # warm-up; spends the always-due first step of "not due"
     result = _interleave(jobs, args.rounds, args.steps)
-    syncs = {name: _syncs(jobs[name]) for name in ("bare", "tmetrics every 1", "tmetrics not due",
-                                                    "norm().item() loop")}
+    syncs = {name: _syncs(jobs[name]) for name in ("bare", "tmetrics every 1", "tmetrics every 1 next-step",
+                                                    "tmetrics not due", "norm().item() loop")}
     for job in jobs.values():
         job.metrics.close()
     jobs.clear()
@@ -175,11 +176,11 @@ def single_gpu(args: argparse.Namespace) -> list[str]:
     base = "bare"
     lines = [f"GPU table: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, model {_config(args)}, "
              f"batch {args.batch}, {args.rounds} rounds x {args.steps} steps (CUDA events)",
-             f"{'variant':<22} {'ms/step':>8} {'x bare':>7} {'mean x':>7} {'host syncs/step':>16} {'peak MiB':>9}"]
+             f"{'variant':<28} {'ms/step':>8} {'x bare':>7} {'mean x':>7} {'host syncs/step':>16} {'peak MiB':>9}"]
     for name in VARIANTS:
         sync = f"{syncs[name]:>16}" if name in syncs else f"{'':>16}"
         peak = f"{peaks[name] / 2**20:>9.1f}" if name in peaks else f"{'':>9}"
-        lines.append(f"{name:<22} {result.median_ms(name):>8.3f} {result.paired(name, base):>7.3f} "
+        lines.append(f"{name:<28} {result.median_ms(name):>8.3f} {result.paired(name, base):>7.3f} "
                      f"{result.mean(name, base):>7.3f} {sync} {peak}")
     lines.append("x bare: median over rounds of the paired ratio; mean x: trimmed mean of the per-round ratios; "
                  "host syncs: during one step; peak: torch.cuda.max_memory_allocated above the memory before the "
@@ -196,14 +197,14 @@ def _ddp_rank(rank: int, world: int, args: argparse.Namespace, port: int, queue:
         jobs = {name: _job(name, args, device, ddp=True) for name in DDP_VARIANTS}
         for job in jobs.values():
             job.run(2)
-        syncs = {name: _syncs(jobs[name]) for name in ("bare", "tmetrics every 1")}
-        calls = jobs["tmetrics every 1"].metrics.executor.stats.total_calls
+        syncs = {name: _syncs(jobs[name]) for name in ("bare", "tmetrics every 1", "tmetrics every 1 next-step")}
+        tracked = ("tmetrics every 1", "tmetrics every 1 next-step")
+        calls = {name: jobs[name].metrics.executor.stats.total_calls for name in tracked}
         loop = jobs["norm + all_reduce each"].metrics.collectives
         result = _interleave(jobs, args.rounds, args.steps)
         n = args.rounds * args.steps
-        per_step = {"bare": 0.0,
-                    "tmetrics every 1": (jobs["tmetrics every 1"].metrics.executor.stats.total_calls - calls) / n,
-                    "norm + all_reduce each": (jobs["norm + all_reduce each"].metrics.collectives - loop) / n}
+        per_step = {"bare": 0.0, "norm + all_reduce each": (jobs["norm + all_reduce each"].metrics.collectives - loop) / n,
+                    **{name: (jobs[name].metrics.executor.stats.total_calls - calls[name]) / n for name in tracked}}
         if rank == 0:
             queue.put((result.wall, per_step, syncs))
     finally:
@@ -224,10 +225,10 @@ def multi_gpu(args: argparse.Namespace) -> list[str]:
     wall, calls, syncs = queue.get(timeout=60)
     result = Rounds(wall, wall)
     lines = [f"DDP table: {args.nproc} ranks on NCCL, {args.rounds} rounds x {args.steps} steps (rank 0, CUDA events)",
-             f"{'variant':<24} {'ms/step':>8} {'x bare':>7} {'metric collectives/step':>24} {'host syncs/step':>16}"]
+             f"{'variant':<28} {'ms/step':>8} {'x bare':>7} {'metric collectives/step':>24} {'host syncs/step':>16}"]
     for name in DDP_VARIANTS:
         sync = f"{syncs[name]:>16}" if name in syncs else f"{'':>16}"
-        lines.append(f"{name:<24} {result.median_ms(name):>8.3f} {result.paired(name, 'bare'):>7.3f} "
+        lines.append(f"{name:<28} {result.median_ms(name):>8.3f} {result.paired(name, 'bare'):>7.3f} "
                      f"{calls[name]:>24.1f} {sync}")
     lines.append("host syncs: during one step on rank 0 (set_sync_debug_mode); tmetrics' agreements run on the host "
                  "over its gloo control group, its results leave the device in one copy")
