@@ -31,11 +31,12 @@ Without a CUDA device it prints why and exits with status 2; the CPU tables of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ from bench.rounds import Rounds
 from tmetrics_core.topology import Topology
 from tmetrics_core.demo.model import ModelConfig, Transformer, fixed_shape_dispatch
 from tmetrics_core.demo.train import NullMetrics
+from tmetrics_core.distributed.host_copy import HostCopy
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -132,17 +134,38 @@ def _interleave(jobs: dict[str, _Job], rounds: int, steps: int) -> Rounds:
     return out
 
 
-def _syncs(job: _Job) -> int:
-    """Host synchronisations during one step (``set_sync_debug_mode`` warnings)."""
+@contextlib.contextmanager
+def _counting_syncs() -> Iterator[list[int]]:
+    """Counts the host's waits for the device inside the block (in the yielded list's one
+    element, set on exit): ``set_sync_debug_mode`` warnings (``.item()``, blocking copies,
+    ``nonzero``), and reads of tmetrics' results copy whose event had not completed, a wait
+    that mode does not report (an event's ``synchronize``)."""
     torch.cuda.synchronize()
+    count = [0]
+    waited = [0]
+    original = HostCopy.read
+
+    def read(copy: HostCopy) -> list[float]:
+        waited[0] += not copy.ready()
+        return original(copy)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        HostCopy.read = read  # type: ignore[method-assign]
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            job.run(1)
+            yield count
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+            HostCopy.read = original  # type: ignore[method-assign]
+    count[0] = sum("synchroniz" in str(w.message) for w in caught) + waited[0]
+
+
+def _syncs(job: _Job) -> int:
+    """Host waits for the device during one step (:func:`_counting_syncs`)."""
+    with _counting_syncs() as count:
+        job.run(1)
+    return count[0]
 
 
 def _peak_bytes(name: str, args: argparse.Namespace, device: torch.device) -> int:
@@ -291,8 +314,7 @@ def device_tables() -> None:
 
 def syncs_of_due_step() -> int:
     """Synchronising CUDA calls in one due step of the scaling bench's largest default model
-    (after its first due step, which plans), as ``torch.cuda.set_sync_debug_mode("warn")`` reports
-    them."""
+    (after its first due step, which plans), counted by :func:`_counting_syncs`."""
     from bench import scaling
 
     layers, experts, width = scaling.TENSOR_CASES[-1]
@@ -306,17 +328,11 @@ def syncs_of_due_step() -> int:
                                         model=model, optimizer=optimizer)
     with metrics.step(1):
         optimizer.step()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with metrics.step(2):
-                optimizer.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with _counting_syncs() as count:
+        with metrics.step(2):
+            optimizer.step()
     metrics.close()
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return count[0]
 
 
 if __name__ == "__main__":

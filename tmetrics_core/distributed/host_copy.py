@@ -30,6 +30,10 @@ class HostCopy:
         self._event = torch.Event(device=flat.device)
         self._event.record()
 
+    def ready(self) -> bool:
+        """Whether :meth:`read` would return without waiting for the device."""
+        return self._event is None or self._event.query()
+
     def read(self) -> list[float]:
         """The values, in the order of the vectors (waits for the copy where it is not done)."""
         if self._event is not None:
