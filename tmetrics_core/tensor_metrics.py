@@ -142,7 +142,8 @@ class TensorMetrics:
         self.hub = hub
         self.check_plan = check_plan
         self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s,
-                                 device=collective_device(), control=control_group())
+                                 device=collective_device(),
+                                 control=control_group() if self.topology.world_size > 1 else None)
         self.manifest = Manifest.build(model, self.topology, overrides=placements,
                                        framework_placements=framework_placements,
                                        layer_offset=layer_offset, expert_offset=expert_offset,

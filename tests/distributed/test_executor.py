@@ -173,13 +173,14 @@ def _recorded_checks_rank(rank, world, comm):
 def test_device_checks_are_reduced_on_the_device_after_the_rounds_and_agreements_stay_on_the_host():
     """The agreement (which metrics raised, whether any rank has checks) is an int64 vector
     over the control group; the checks, decided on the device, are MAX-reduced over the world
-    after the data round, so the results' copy is the step's only read of the device. Only
-    because a check failed are the reasons gathered, over the control group."""
+    after the data round (over the control group here, where the collectives run on the CPU;
+    over the default group on an accelerator), so the results' copy is the step's only read of
+    the device. Only because a check failed are the reasons gathered, over the control group."""
     for results, failures, calls in run_threaded(_recorded_checks_rank, 2, timeout=30):
         assert sorted(results) == ["good", "other"] and results["good"] == [pytest.approx(10 ** 0.5)]
         assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1,), "tokens dropped")]
         assert calls == [("all_reduce", "control", torch.int64), ("all_reduce", "dp", torch.float64),
-                         ("all_reduce", "world", torch.float64), ("all_gather_object", "control", None)]
+                         ("all_reduce", "control", torch.float64), ("all_gather_object", "control", None)]
 
 
 def _mixed_failures_rank(rank, world, comm):
@@ -232,6 +233,39 @@ def test_steps_launched_before_either_is_collected_keep_their_own_results_and_fa
         assert [(f.metric, f.ranks, f.error) for f in failed_first] == [("checked", (1,), "dropped at 1")]
         norm = (2 * 4 + 2 * 9) ** 0.5
         assert second == {"good": [pytest.approx(norm)], "checked": [pytest.approx(norm)]} and failed_second == []
+
+
+def _unfed_and_checked_rank(rank, world, comm):
+    """"checked" reads nothing on any rank and its check fails on the last rank."""
+    topology = sim_topology(rank, (world,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(2 * world,), placements=(("dp", Shard(0)),),
+                  layer=0)]
+    metrics = [L2Norm(name=n, source_kinds=["grad"]) for n in ("good", "checked")]
+    checks = [DeviceCheck(torch.tensor(rank != world - 1), "dropped", frozenset({"checked"}))]
+    executor = Executor(topology, collectives=comm)
+    prepared = prepare_states(metrics, sites, [torch.full((2,), float(rank + 1))], topology)
+    results, failures = executor.run(prepared, {s.key: s for s in sites}, unfed={"checked"}, checks=checks)
+    return sorted(results), failures, executor.unfed
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_metric_fed_nowhere_whose_check_failed_is_one_failure_and_not_unfed(world):
+    for results, failures, unfed in run_threaded(_unfed_and_checked_rank, world, timeout=30):
+        assert results == ["good"] and unfed == ()
+        assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (world - 1,), "dropped")]
+
+
+def test_a_check_flag_is_read_as_a_bool():
+    """``fail_unless`` asks for a 0-d bool; another dtype is read as torch reads it as a bool."""
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(2,), placements=(), layer=0)]
+    topology = sim_topology(0, (1,), ("dp",))
+    metrics = [L2Norm(name=n, source_kinds=["grad"]) for n in ("int", "float", "zero")]
+    checks = [DeviceCheck(torch.tensor(2), "int", frozenset({"int"})),
+              DeviceCheck(torch.tensor(1.0), "float", frozenset({"float"})),
+              DeviceCheck(torch.tensor(0.0), "zero", frozenset({"zero"}))]
+    prepared = prepare_states(metrics, sites, [torch.ones(2)], topology)
+    results, failures = Executor(topology).run(prepared, {s.key: s for s in sites}, checks=checks)
+    assert sorted(results) == ["float", "int"] and [(f.metric, f.error) for f in failures] == [("zero", "zero")]
 
 
 class _TwoRounds:

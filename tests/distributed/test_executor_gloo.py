@@ -67,6 +67,60 @@ def test_checks_and_errors_on_several_of_4_ranks_fail_the_metric_everywhere():
         assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1, 2, 3), "dropped on 1")]
 
 
+def _checks_without_cpu_default(rank, world):
+    """``_checks_rank`` where the default group carries no CPU tensor (``cuda:gloo``, as
+    NCCL's) and the data axis is a gloo group: the device checks are reduced on the CPU, so
+    over the control group tmetrics makes."""
+    import tests.simulation as sim
+    from tmetrics_core.distributed.backends import control_group
+
+    group = dist.new_group(backend="gloo")
+    topo = Topology([Axis("dp", world, rank, group, tuple(range(world)))], global_rank=rank, world_size=world)
+    original = cases.sim_topology
+    cases.sim_topology = lambda r, shape, names: topo
+    control = control_group()
+    real = cases.Executor
+    cases.Executor = lambda topology, collectives: real(topology, collectives=collectives, control=control)
+    try:
+        return cases._checks_rank(rank, world, TorchCollectives(20.0))
+    finally:
+        cases.sim_topology, cases.Executor = original, real
+        assert sim.sim_topology is original
+
+
+def test_device_checks_run_when_the_default_group_carries_no_cpu_tensor():
+    for results, failures in run_distributed(_checks_without_cpu_default, 2, timeout=60, backend="cuda:gloo"):
+        assert sorted(results) == ["good", "other"] and results["good"] == [pytest.approx(10 ** 0.5)]
+        assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1,), "tokens dropped")]
+
+
+def _one_rank_alone(rank, world):
+    """Rank 0 alone builds a one-process TensorMetrics; then the job makes a group of its own."""
+    import datetime
+
+    import torch
+
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    if rank == 0:
+        model = torch.nn.Linear(4, 4)
+        metrics = TensorMetrics(model, metrics=[(build_metric("global-param-l2"), 1)])
+        with metrics.step(1):
+            pass
+        metrics.close()
+    group = dist.new_group(backend="gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group, async_op=True).wait(datetime.timedelta(seconds=15))
+    return t.item()
+
+
+def test_a_one_process_tensor_metrics_on_one_rank_makes_no_group():
+    """A control group is made (collectively) only for a topology of several ranks: one made
+    here on rank 0 alone would pair with the job's next new_group and hang it."""
+    assert run_distributed(_one_rank_alone, 2, timeout=60, collective_timeout=30, backend="cuda:gloo") == [2.0, 2.0]
+
+
 def test_asymmetric_plan_raises_clear_error_fast():
     start = time.monotonic()
     for metric, axis, ranks, message in run_distributed(_asymmetric, 2, timeout=60):

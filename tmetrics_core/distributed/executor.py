@@ -271,6 +271,9 @@ class Executor:
             failures = self._fail_checked(pending.items, failures, pending.checks, flat[start:])
             gone = {f.metric for f in failures}
             live = [i for i in live if i.metric.name not in gone]
+            # A metric no rank fed whose check failed is a failure only (as one that raised).
+            pending.unfed = tuple(name for name in pending.unfed if name not in gone)
+        self.unfed = pending.unfed
         out: dict[str, list[MetricResult]] = {}
         for item in live:
             try:
@@ -445,19 +448,22 @@ class Executor:
 
     def _checked(self, items: Sequence[_Due], checks: Sequence[DeviceCheck]) -> list[torch.Tensor]:
         """``[failed per item, this rank's check flags]`` on the device, for the results' copy:
-        an item fails where a check that names it is false, MAX-reduced over the world (every
-        rank issues it when any rank has checks; a rank without checks sends zeros)."""
+        an item fails where a check that names it is false (a flag is read as a bool: nonzero
+        holds), MAX-reduced over the world (every rank issues it when any rank has checks; a
+        rank without checks sends zeros), over the default group on the accelerator, over the
+        control group where the collectives run on the CPU (a default group may carry no CPU
+        tensor)."""
         names = [i.metric.name for i in items]
         # One process: where the checks are (no copy before the results'); else the collectives'.
         device = self.device if self._distributed or not checks else checks[0].ok.device
-        oks = (torch.stack([c.ok.to(device) for c in checks]) if checks
+        oks = (torch.stack([c.ok.to(device=device, dtype=torch.bool).reshape(()) for c in checks]) if checks
                else torch.ones(0, dtype=torch.bool, device=device))
         reads = torch.tensor([[n in c.metrics for n in names] for c in checks],
                              dtype=torch.bool).reshape(len(checks), len(names))
         failed = (~oks[:, None] & reads.to(device, non_blocking=True)).any(0).to(torch.float64)
         if self._distributed:
             self.stats.add("world", failed.numel())
-            self.comm.all_reduce(failed, "max", None)
+            self.comm.all_reduce(failed, "max", self.control if device.type == "cpu" else None)
         return [failed, oks.to(torch.float64)]
 
     def _fail_checked(self, items: Sequence[_Due], failures: list[MetricFailure],
