@@ -94,6 +94,21 @@ def test_device_checks_run_when_the_default_group_carries_no_cpu_tensor():
         assert [(f.metric, f.ranks, f.error) for f in failures] == [("checked", (1,), "tokens dropped")]
 
 
+def _refused(rank, world):
+    import torch
+
+    from tmetrics_core.errors import TMetricsError
+
+    with pytest.raises(TMetricsError) as info:
+        TorchCollectives(5.0).all_reduce(torch.ones(1), "max", None)
+    return str(info.value)
+
+
+def test_a_collective_the_backend_refuses_is_a_clear_error():
+    for message in run_distributed(_refused, 2, timeout=60, backend="cuda:gloo"):
+        assert "all_reduce(max) of a cpu tensor could not start" in message and "'cuda:gloo'" in message
+
+
 def _one_rank_alone(rank, world):
     """Rank 0 alone builds a one-process TensorMetrics; then the job makes a group of its own."""
     import datetime

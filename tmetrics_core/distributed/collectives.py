@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,19 +44,36 @@ class TorchCollectives:
 
     Raises:
         TMetricsError: from every call when the wait fails (time out, or a peer lost), naming
-            the operation and the bound; the backend's error is the cause.
+            the operation and the bound; or when the backend refuses to start it (a group with
+            no backend for the tensor's device), naming the group's backends and the device;
+            the backend's error is the cause.
     """
 
     def __init__(self, timeout_s: float = 60.0) -> None:
         self.timeout = timedelta(seconds=timeout_s)
 
     def all_reduce(self, tensor: torch.Tensor, op: str, group: Any) -> None:
-        self._wait(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), f"all_reduce({op})")
+        what = f"all_reduce({op})"
+        self._wait(self._start(lambda: dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), what,
+                               tensor, group), what)
 
     def all_gather(self, tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        self._wait(dist.all_gather(out, tensor, group=group, async_op=True), "all_gather")
+        self._wait(self._start(lambda: dist.all_gather(out, tensor, group=group, async_op=True), "all_gather",
+                               tensor, group), "all_gather")
         return out
+
+    @staticmethod
+    def _start(call: Callable[[], Any], what: str, tensor: torch.Tensor, group: Any) -> Any:
+        try:
+            return call()
+        except RuntimeError as exc:  # refused before any rank waits: the same on every rank
+            raise TMetricsError(
+                f"a tmetrics {what} of a {tensor.device.type} tensor could not start on a group whose backends are "
+                f"{dist.get_backend_config(group)!r} ({exc}). The group tmetrics was given (an axis of the topology, "
+                "or the default group) needs a backend for that device: e.g. init_process_group('cpu:gloo,cuda:nccl') "
+                "or axis groups made with a backend for it"
+            ) from exc
 
     def _wait(self, work: Any, what: str) -> None:
         try:
