@@ -155,9 +155,10 @@ class Executor:
         self.control = control
         self.stats = CollectiveStats()
         self.unfed: tuple[str, ...] = ()
-        """The due metrics of the last :meth:`run` that read no tensor on any rank."""
+        """The due metrics of the step last collected (:meth:`collect`, :meth:`run`) that read no
+        tensor on any rank."""
         self.flagged = False
-        """Whether any rank passed ``flag=True`` to the last :meth:`run`."""
+        """Whether any rank passed ``flag=True`` to the last :meth:`launch` (or :meth:`run`)."""
         self._distributed = topology.world_size > 1
 
     # -- public -------------------------------------------------------------------------------
