@@ -404,7 +404,7 @@ class TensorMetrics:
         for name in pending.unfed:
             if name not in self._said_unfed and self.topology.global_rank == 0:
                 self._said_unfed.add(name)
-                metric = next(m for m, _ in self._due if m.name == name)
+                metric = next(m for m, _ in self.metrics if m.name == name)  # _due: another step's, a step later
                 log.warning("tmetrics: metric %r found nothing to measure on any rank at step %d and wrote no record: "
                             "%s. Said once; later steps without anything to measure write no record either.", name,
                             step, what_feeds(metric.source_kinds, self.modules.get(name, ())))
@@ -437,10 +437,13 @@ class TensorMetrics:
         self._closed = True
         for h in self._hooks:
             h.remove()
-        if self._in_flight is not None:  # read_results: next-step; the last due step's results
-            self._deliver(*self._in_flight)
-            self._in_flight = None
-        return self.hub.close(status) if self.hub is not None else None
+        try:
+            if self._in_flight is not None:  # read_results: next-step; the last due step's results
+                earlier, self._in_flight = self._in_flight, None
+                self._deliver(*earlier)
+        finally:  # what the sinks already have is flushed even if that step cannot be read
+            report = self.hub.close(status) if self.hub is not None else None
+        return report
 
     def __enter__(self) -> "TensorMetrics":
         return self

@@ -105,3 +105,19 @@ def _sparse(mode):
 def test_next_step_results_leave_at_the_next_scope_due_or_not():
     assert _sparse("now") == [(1, 1), (3, 3), (6, 6)]
     assert _sparse("next-step") == [(2, 1), (4, 3), (7, 6)]
+
+
+def test_a_step_that_found_nothing_is_said_when_read_at_close(caplog):
+    """The last due step, read at close() (no step scope open), found nothing to measure: the
+    warning names the metric, as at the step's end."""
+    from tests.sources.test_token_row_buffer import Net
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    model = Net(2)
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-grad-l2"), 1)], read_results="next-step")
+    with metrics.step(1):
+        model(torch.randn(2, 3, D))  # no backward: no gradient to read
+    metrics.close()
+    assert "metric 'layer-grad-l2' found nothing to measure on any rank at step 1" in caplog.text
+    assert metrics.last_records == [] and metrics.failures == []
