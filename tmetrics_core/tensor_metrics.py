@@ -391,7 +391,9 @@ class TensorMetrics:
     def _deliver(self, step: int, pending: Pending) -> None:
         """The results of due step ``step`` read (:meth:`Executor.collect`), warned about, kept
         in :attr:`last_records` and submitted to the sinks."""
-        results, failures = self.executor.collect(pending)
+        # A step read a step later is read where ranks need not be in step (a scope whose body
+        # raised on one rank, close()): nothing may be exchanged there.
+        results, failures = self.executor.collect(pending, gather=self.read_results == "now")
         records = [MetricRecord(name, step, r.value, r.labels) for name, rs in results.items() for r in rs]
         self.last_records = records
         self.failures.extend(failures)

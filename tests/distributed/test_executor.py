@@ -268,6 +268,30 @@ def test_a_check_flag_is_read_as_a_bool():
     assert sorted(results) == ["float", "int"] and [(f.metric, f.error) for f in failures] == [("zero", "zero")]
 
 
+def _local_collect_rank(rank, world, comm):
+    """A failed check read with ``gather=False`` (a step read a step later): no collective."""
+    topology = sim_topology(rank, (world,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(2 * world,), placements=(("dp", Shard(0)),),
+                  layer=0)]
+    metrics = [L2Norm(name=n, source_kinds=["grad"]) for n in ("good", "checked")]
+    checks = [DeviceCheck(torch.tensor(rank < 1), f"dropped on {rank}", frozenset({"checked"}))]
+    recording = _Recording(comm, control=None)
+    executor = Executor(topology, collectives=recording)
+    pending = executor.launch(prepare_states(metrics, sites, [torch.full((2,), float(rank + 1))], topology),
+                              {s.key: s for s in sites}, checks=checks)
+    calls = len(recording.calls)
+    results, failures = executor.collect(pending, gather=False)
+    return sorted(results), [(f.metric, f.ranks, f.error) for f in failures], len(recording.calls) - calls
+
+
+def test_a_failed_check_read_without_gathering_names_the_lowest_failing_rank():
+    """Ranks 1 to 3 fail the check: every rank names rank 1, the lowest (carried in the checks'
+    all-reduce); rank 1 gives its own reason, the others point to it; nothing is exchanged."""
+    for rank, (results, failures, calls) in enumerate(run_threaded(_local_collect_rank, 4, timeout=30)):
+        reason = "dropped on 1" if rank == 1 else "a device check failed on rank 1 (its reason is in that rank's failures)"
+        assert results == ["good"] and failures == [("checked", (1,), reason)] and calls == 0
+
+
 class _TwoRounds:
     """A sum over ``dp`` reduced twice (two collective rounds); ``resume`` of the first round
     raises on rank 1 when ``raising``."""

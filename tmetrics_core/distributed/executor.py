@@ -253,9 +253,12 @@ class Executor:
                        [(k, v.numel()) for k, v in zip(outputs, vectors)], HostCopy(vectors) if vectors else None,
                        self.unfed)
 
-    def collect(self, pending: Pending) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
+    def collect(self, pending: Pending, *, gather: bool = True
+                ) -> tuple[dict[str, list[MetricResult]], list[MetricFailure]]:
         """The results of a :meth:`launch`: waits for its host copy (where the device has not
-        passed it yet) and finishes every live metric.
+        passed it yet) and finishes every live metric. ``gather``: whether the reasons of failed
+        device checks may be gathered across ranks (a collective: only where every rank collects
+        at the same point, as at a due step's end); without, nothing is exchanged.
 
         Returns:
             ``(results by metric name, failures)``; failures name the metric, the ranks where
@@ -269,7 +272,7 @@ class Executor:
             start += length
         failures, live = pending.failures, pending.live
         if pending.checks is not None:
-            failures = self._fail_checked(pending.items, failures, pending.checks, flat[start:])
+            failures = self._fail_checked(pending.items, failures, pending.checks, flat[start:], gather)
             gone = {f.metric for f in failures}
             live = [i for i in live if i.metric.name not in gone]
             # A metric no rank fed whose check failed is a failure only (as one that raised).
@@ -461,23 +464,39 @@ class Executor:
                else torch.ones(0, dtype=torch.bool, device=device))
         reads = torch.tensor([[n in c.metrics for n in names] for c in checks],
                              dtype=torch.bool).reshape(len(checks), len(names))
+        # Per item: world - rank where a check of this rank failed, else 0; under MAX, the lowest
+        # failing rank (world - value), known without gathering anything.
         failed = (~oks[:, None] & reads.to(device, non_blocking=True)).any(0).to(torch.float64)
+        failed *= self.topology.world_size - self.topology.global_rank
         if self._distributed:
             self.stats.add("world", failed.numel())
             self.comm.all_reduce(failed, "max", self.control if device.type == "cpu" else None)
         return [failed, oks.to(torch.float64)]
 
     def _fail_checked(self, items: Sequence[_Due], failures: list[MetricFailure],
-                      checks: Sequence[DeviceCheck], read: Sequence[float]) -> list[MetricFailure]:
+                      checks: Sequence[DeviceCheck], read: Sequence[float], gather: bool) -> list[MetricFailure]:
         """``failures`` with the metrics whose check failed on some rank (``read``: the host copy
         of :meth:`_checked`). Each fails with the reason of the lowest rank whose check failed,
-        which replaces an error it already failed with; only then a gather of the reasons, on
-        every rank alike (they all read the same reduced flags)."""
+        which replaces an error it already failed with. With ``gather``, the reasons are
+        gathered (every rank alike: they all read the same reduced values), naming every failing
+        rank; without, nothing is exchanged (a step read where ranks need not be in step): the
+        lowest failing rank is named, with this rank's reason where it is that rank, else
+        a reference to it."""
         n = len(items)
-        failed = [i.metric.name for i, v in zip(items, read[:n]) if v]
+        lowest = {i.metric.name: self.topology.world_size - int(v) for i, v in zip(items, read[:n]) if v}
+        failed = list(lowest)
         if not failed:
             return failures
-        everyone = self.gather_objects(_failed_checks(checks, [bool(v) for v in read[n:]]))
+        mine = _failed_checks(checks, [bool(v) for v in read[n:]])
+        if gather and self._distributed:
+            everyone = self.gather_objects(mine)
+        else:
+            me = self.topology.global_rank
+            everyone = [{} for _ in range(self.topology.world_size)]
+            for name, rank in lowest.items():
+                everyone[rank][name] = (mine[name] if rank == me and name in mine else
+                                        f"a device check failed on rank {rank} (its reason is in that rank's "
+                                        "failures)")
         ranks = {name: tuple(r for r, reasons in enumerate(everyone) if name in reasons) for name in failed}
         out = [MetricFailure(f.metric, tuple(sorted({*f.ranks, *ranks[f.metric]})),
                              everyone[ranks[f.metric][0]][f.metric]) if f.metric in ranks else f
