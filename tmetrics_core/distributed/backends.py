@@ -31,16 +31,26 @@ def _backends(group: Any = None) -> dict[str, str]:
     return {device: backend for device, backend in pairs}
 
 
+def _current_accelerator() -> torch.device | None:
+    """This process's current accelerator device (with its index), or None without one."""
+    accelerator = torch.accelerator.current_accelerator()
+    return None if accelerator is None else torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
 def object_device(group: Any) -> torch.device:
     """Where ``group`` moves pickled objects: the CPU when it has a CPU backend, else the
-    current accelerator."""
+    current accelerator.
+
+    Raises:
+        RuntimeError: the group has no CPU backend and this process no accelerator.
+    """
     if "cpu" in _backends(group):
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
+    device = _current_accelerator()
+    if device is None:
         raise RuntimeError(f"process group {group} has no CPU backend ({dist.get_backend_config(group)}) and this "
                            "process has no accelerator")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return device
 
 
 def collective_device() -> torch.device:
@@ -49,11 +59,10 @@ def collective_device() -> torch.device:
     group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    backend = _backends().get(accelerator.type) if accelerator is not None else None
-    if accelerator is None or backend in (None, "gloo"):
+    device = _current_accelerator()
+    if device is None or _backends().get(device.type) in (None, "gloo"):
         return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    return device
 
 
 def control_group() -> Any:
