@@ -235,6 +235,34 @@ def test_frozen_parameters_and_layers_without_gradients(monkeypatch):
     assert values[("layer-grad-l2", 2, None, None, None)] == 0.0
 
 
+def test_gradients_in_main_grad_for_some_parameters(monkeypatch):
+    """Megatron-Core's DDP leaves a parameter's gradient in ``main_grad`` (``.grad`` None); a
+    ``main_grad`` attribute that is None means ``.grad``. Mixed in one model, the program reads
+    each where it is, as the general path does, and the values are those of the tensors read."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def mixed(model, optimizer, metrics, step):
+        _loss(model, step).backward()
+        for name, p in model.named_parameters():
+            if name.startswith("layers.1."):
+                p.main_grad, p.grad = p.grad * 3, None
+            elif name.startswith("layers.2."):
+                p.main_grad = None
+            seen[name] = p.grad if getattr(p, "main_grad", None) is None else p.main_grad
+        metrics.observe_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
+    spec = [(_metric("tensor-grad-l2"), 1), (_metric("layer-grad-absmax"), 1)]
+    fast, ran = _compare(Net, spec, mixed, monkeypatch, steps=2)
+    assert ran == (2, 0)
+    values = fast[-1][0]
+    for name in ("layers.0.fc.weight", "layers.1.fc.weight", "layers.2.norm.bias"):
+        got = values[("tensor-grad-l2", int(name.split(".")[1]), None, name, None)]
+        assert got == pytest.approx(float(seen[name].double().norm()), rel=1e-12), name
+    assert values[("layer-grad-absmax", 1, None, None, None)] == pytest.approx(
+        max(float(seen[n].abs().max()) for n in seen if n.startswith("layers.1.")), rel=1e-12)
+
+
 # -- optimizer steps, observe_gradients --------------------------------------------------------
 
 def test_steps_without_optimizer_step_and_without_optimizer(monkeypatch):

@@ -35,7 +35,7 @@ from tmetrics_core.metrics.base import StatMetric, TensorMetric
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.metrics.statistics import NEUTRAL, Statistic
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.params import grad_of
+from tmetrics_core.sources.params import grads_of
 from tmetrics_core.topology import Topology
 
 __all__ = ["ParamProgram", "PhasePlan"]
@@ -284,7 +284,7 @@ class ParamProgram:
                  grads: Callable[[Sequence[int]], list[torch.Tensor | None]] | None = None
                  ) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
         """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
-        entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grad_of`),
+        entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grads_of`),
         from one moments pass (:func:`~tmetrics_core.kernels.foreach_moments.rows`: the C kernel
         where it takes a tensor, batched torch ops elsewhere), and the rows of the gradients this
         rank does not have this step (:meth:`entries` names their manifest entries): their
@@ -299,7 +299,7 @@ class ParamProgram:
         # map per step over the parameters, none of Python per tensor.
         count = self._grads
         read = list(map(params.__getitem__, self._indices))
-        found = list(map(grad_of, read[:count])) if grads is None else grads(self._indices[:count])
+        found = grads_of(read[:count]) if grads is None else grads(self._indices[:count])
         if local is not None:
             read, found = cast("list[torch.Tensor]", local(read)), local(found)
         absent = [k for k, g in enumerate(found) if g is None] if type(None) in set(map(type, found)) else []

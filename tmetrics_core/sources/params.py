@@ -12,13 +12,15 @@ tensor held elsewhere, never as zeros (which would lower RMS and raise zero frac
 
 from __future__ import annotations
 
-from typing import Any, MutableMapping, overload
+import itertools
+import operator
+from typing import Any, MutableMapping, Sequence, overload
 
 import torch
 
 from tmetrics_core.naming.manifest import Manifest
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "grad_of", "local_view", "read_kind", "update_pairs"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "grad_of", "grads_of", "local_view", "read_kind", "update_pairs"]
 
 PARAM_KINDS = frozenset({"param", "grad"})
 """Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
@@ -63,6 +65,19 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
     is (no gradient this step)."""
     main = getattr(param, "main_grad", None)
     return main if main is not None else param.grad
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """:func:`grad_of` of each of ``params``, as two C-level maps over the list (no Python call
+    per parameter: this runs on every due step, over every parameter)."""
+    mains = list(map(getattr, params, itertools.repeat("main_grad"), itertools.repeat(None)))
+    grads = list(map(_GRAD, params))
+    if mains.count(None) == len(mains):
+        return grads
+    return [g if m is None else m for m, g in zip(mains, grads)]
 
 
 def read_kind(kind: str, manifest: Manifest, optimizer: Any,
