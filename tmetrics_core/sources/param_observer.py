@@ -138,6 +138,8 @@ class ParamObserver:
             dtensor_params=any(dtensor_placements(p) is not None for p in manifest.local.values()))
         self._choices = SiteChoices()
         self._plans: dict[tuple[str, ...], DueSetPlan] = {}
+        self._plan: DueSetPlan | None = None
+        """The current step's plan, once looked up (:meth:`plan` runs several times a step)."""
         self._verified_kinds: set[str] = set()
         self.step: int | None = None
         self.due: tuple[TensorMetric, ...] = ()
@@ -167,6 +169,7 @@ class ParamObserver:
         self.unfed, self.no_grad = set(), set()
         self._done = set()
         self._before = None
+        self._plan = None
 
     def end(self) -> None:
         """Release what the step held (the snapshot is a copy of the parameters), but keep the
@@ -176,6 +179,7 @@ class ParamObserver:
         if isinstance(self._before, Snapshot):
             self._spare = self._before.spare()
         self.step, self.due, self._before, self.prepared, self.sites = None, (), None, {}, {}
+        self._plan = None
 
     def done(self, phase: str) -> bool:
         """Whether ``phase`` was prepared this step."""
@@ -210,10 +214,13 @@ class ParamObserver:
 
     def plan(self) -> DueSetPlan:
         """The :class:`DueSetPlan` of the current due set, made on its first due step."""
+        if self._plan is not None:
+            return self._plan
         key = tuple(m.name for m in self.due)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._make_plan()
+        self._plan = plan
         return plan
 
     def _make_plan(self) -> DueSetPlan:
