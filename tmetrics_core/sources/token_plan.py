@@ -33,6 +33,9 @@ class TokenPlan:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.sites: dict[SiteKey, Site] = {}
+        self._accepted: dict[str, tuple[int, tuple[SiteKey, ...]]] = {}
+        """Per metric name: the number of planned sites when last looked at (sites are only ever
+        added) and the sorted keys of those the metric accepts."""
 
     def sync(self, observer: TokenObserver, executor: Executor) -> bool:
         """Extend the plan with sites any rank saw; True when the plan changed (on every rank).
@@ -52,6 +55,15 @@ class TokenPlan:
                 (_, site), _ = min(found[key].items(), key=lambda item: item[1])
                 self.sites[key] = self._merge(site, shared.held[key])
         return True
+
+    def _accepted_keys(self, metric: TensorMetric) -> tuple[SiteKey, ...]:
+        """The sorted keys of the planned sites ``metric`` accepts (looked at again only when
+        the plan has grown)."""
+        known = self._accepted.get(metric.name)
+        if known is None or known[0] != len(self.sites):
+            known = self._accepted[metric.name] = (
+                len(self.sites), tuple(sorted(k for k, s in self.sites.items() if metric.accepts(s))))
+        return known[1]
 
     def _merge(self, site: Site, held: Mapping[str, set[int]]) -> Site:
         placements: list[tuple[str, Placement]] = list(site.placements)
@@ -73,10 +85,9 @@ class TokenPlan:
         if metric.name in observer.errors:
             return {}, observer.errors[metric.name]
         prepared = observer.states.get(metric.name, {})
+        if isinstance(prepared, BlockState) and prepared.site_keys == self._accepted_keys(metric):
+            return prepared, None  # every accepted site, in plan order: kept as matrices, no vector per site
         missing = [s for k, s in self.sites.items() if k not in prepared and metric.accepts(s)]
-        if (not missing and isinstance(prepared, BlockState) and all(k in self.sites for k in prepared)
-                and list(prepared) == sorted(prepared)):
-            return prepared, None  # already in plan order: kept as matrices, no vector per site
         state = dict(prepared)
         try:
             if missing:
