@@ -148,6 +148,40 @@ def test_rows_written_into_a_larger_buffer_equal_fresh_rows() -> None:
             moments.parts(xs[:1], ys[:1], out=wrong)
 
 
+def test_rows_written_at_a_row_of_a_buffer_equal_fresh_rows() -> None:
+    """``write_rows``: the rows of ``moments`` and ``parts`` written from a given row of one
+    buffer, nothing else touched; a buffer without room from that row, or of the wrong dtype or
+    width, is refused before anything is read, as is a pair list with a missing tensor."""
+    xs = [_tensor(n, i, torch.float32) for i, n in enumerate((1000, PIECE + 3))]
+    ys = [_tensor(n, 50 + i, torch.float32) for i, n in enumerate((1000, PIECE + 3))]
+    buffer = torch.full((10, 5), -1.0, dtype=torch.float64)
+    moments.write_rows(buffer, 1, xs, ys, parts=True)
+    moments.write_rows(buffer, 7, xs[1:], [None], sumsq_only=True)
+    moments.write_rows(buffer, 8, xs[:1], ys[:1])
+    assert torch.equal(buffer[1:7].nan_to_num(7.0), moments.parts(xs, ys).flatten(0, 1).nan_to_num(7.0))
+    assert torch.equal(buffer[7:8].nan_to_num(7.0), moments.moments(xs[1:], sumsq_only=True).nan_to_num(7.0))
+    assert torch.equal(buffer[8:9], moments.moments(xs[:1], ys[:1]))
+    assert (buffer[0] == -1.0).all() and (buffer[9] == -1.0).all()
+    for wrong, at in ((buffer, 5), (buffer, -1), (buffer.float(), 0), (buffer[:, :3], 0)):
+        with pytest.raises(ValueError, match="out must be a contiguous CPU float64 tensor"):
+            moments.write_rows(wrong, at, xs, ys, parts=True)
+    with pytest.raises(ValueError, match="a tensor to subtract for every tensor"):
+        moments.write_rows(buffer, 0, xs, [ys[0], None], parts=True)
+
+
+def test_pairs_are_checked_as_pairs() -> None:
+    """A list of pairs (every tensor subtracts one, read in one call of the C++ reader) is
+    refused when a pair differs in size or dtype, or when one side is not taken."""
+    a, b = torch.zeros(4), torch.zeros(5)
+    for minus in ([a, b], [b, a], [a, torch.zeros(4, dtype=torch.bfloat16)], [a, torch.zeros(2, 2).t()]):
+        with pytest.raises(ValueError, match="minus must match"):
+            moments.parts([a, a], minus)
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        moments.parts([a, torch.zeros(4, dtype=torch.float64)], [a, a])
+    rows = moments.parts([torch.arange(4.0), torch.ones(3)], [torch.ones(4), torch.zeros(3)])
+    assert rows[:, 0, 0].tolist() == [6.0, 3.0]
+
+
 def test_parts_need_a_tensor_to_subtract_for_every_tensor() -> None:
     with pytest.raises(ValueError, match="moments\\(\\) for single tensors"):
         moments.parts([torch.ones(3)], [None])  # type: ignore[list-item]

@@ -215,9 +215,9 @@ def test_each_block_is_read_once_for_both_residual_rows(peak, monkeypatch) -> No
     calls: list[tuple[int, int, bool]] = []
     original = moments._run
 
-    def spied(lib, packed, rows=1, squares=False, out=None):
+    def spied(lib, packed, rows=1, squares=False, out=None, at=None):
         calls.append((len(packed[0]), rows, squares))
-        return original(lib, packed, rows, squares, out)
+        return original(lib, packed, rows, squares, out, at)
     monkeypatch.setattr(moments, "_run", spied)
     model = Net()
     chosen = [(build_metric(n), 1) for n in RESIDUAL] + ([(ResidualPeak(), 1)] if peak else [])

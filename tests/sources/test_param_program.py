@@ -137,9 +137,9 @@ def test_phases_read_sums_of_squares_alone_when_their_statistics_allow(intervals
     calls: list[bool] = []
     original = moments._run
 
-    def spied(lib, packed, rows=1, squares=False, out=None):
+    def spied(lib, packed, rows=1, squares=False, out=None, at=None):
         calls.append(squares)
-        return original(lib, packed, rows, squares, out)
+        return original(lib, packed, rows, squares, out, at)
     monkeypatch.setattr(moments, "_run", spied)
     fast, ran = _train(intervals, program=True, steps=2, monkeypatch=monkeypatch)
     assert ran == 4 and calls == squares * 2

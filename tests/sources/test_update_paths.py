@@ -155,8 +155,8 @@ def test_parameter_metrics_with_an_update_due_measure_the_parameters_before_the_
     passes: list[tuple[int, set[int], bool]] = []  # (moments rows per tensor, data pointers, before the step)
     stepped = [False]
     original = moments._run
-    monkeypatch.setattr(moments, "_run", lambda lib, packed, rows=1, squares=False, out=None: passes.append(
-        (rows, set(packed[0]), not stepped[0])) or original(lib, packed, rows, squares, out))
+    monkeypatch.setattr(moments, "_run", lambda lib, packed, rows=1, squares=False, out=None, at=None: passes.append(
+        (rows, set(packed[0]), not stepped[0])) or original(lib, packed, rows, squares, out, at))
     model = Transformer(SMALL, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))

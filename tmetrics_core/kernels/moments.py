@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from tmetrics_core.metrics.statistics import Statistic
 
 __all__ = ["FIELDS", "SMALL_TABLE", "Held", "available", "copied", "derivable", "disabled", "moments", "moments_rows",
-           "parts", "rows_of", "row_softmax_sums", "spaced", "statistic_vectors", "sumsq_suffices", "rows_if_taken", "takes", "takes_all"]
+           "parts", "rows_of", "row_softmax_sums", "spaced", "statistic_vectors", "sumsq_suffices", "rows_if_taken", "takes", "takes_all", "write_rows"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a moments row."""
@@ -243,6 +243,23 @@ def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor] | Held,
         len(tensors), 3, len(FIELDS))
 
 
+def write_rows(out: torch.Tensor, at: int, tensors: Sequence[torch.Tensor],
+               minus: Sequence[torch.Tensor | None] | None = None, *, parts: bool = False,
+               sumsq_only: bool = False) -> None:
+    """Write into rows ``at`` onwards of ``out`` (a contiguous CPU float64 ``[m, 5]`` buffer
+    that several calls fill: a step's rows of every observation) what :func:`moments` (or, with
+    ``parts``, :func:`parts`, every ``minus`` given) returns for ``tensors``: no tensor object
+    made for the destination, as an ``out=buffer[at:...]`` view would be.
+
+    Raises:
+        ValueError: as :func:`moments`, or ``out`` without room for the rows from ``at``.
+        RuntimeError: as :func:`moments`.
+    """
+    if parts and (minus is None or any(m is None for m in minus)):
+        raise ValueError("write_rows(parts=True) needs a tensor to subtract for every tensor")
+    _run(_kernel(), _packed(tensors, minus), rows=3 if parts else 1, squares=sumsq_only, out=out, at=at)
+
+
 class Held(NamedTuple):
     """Values a caller keeps outside any tensor object, given to :func:`parts` as ``minus``:
     those of tensor ``i`` start at ``addresses[i]`` (contiguous, alive during the call), with
@@ -336,6 +353,14 @@ def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None
         ValueError: a tensor the kernel does not take (:func:`takes`), or a ``minus`` entry
             whose dtype or element count differs from its tensor's.
     """
+    if (minus is not None and not isinstance(minus, Held) and len(minus) == len(tensors)
+            and type(None) not in set(map(type, minus))):
+        # Pairs (a residual's h - x): both lists in one reader call, split afterwards.
+        both = _pack([*tensors, *cast("Sequence[torch.Tensor]", minus)])
+        n = len(tensors)
+        if both is not None and both[1][:n] == both[1][n:] and both[2][:n] == both[2][n:]:
+            return both[0][:n], both[0][n:], both[1][:n], both[2][:n]
+        # else the checks below say what does not match
     packed = _pack(tensors)
     if packed is None:
         bad = next(t for t in tensors if _pack((t,)) is None)
@@ -385,26 +410,31 @@ def _address(values: array.array) -> int:
 
 
 def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1, squares: bool = False,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, at: int | None = None) -> torch.Tensor:
     """``[rows * n, 5]`` for the ``n`` tensors of ``packed``: :func:`moments` (``rows=1``) or
-    :func:`parts` (``rows=3``); ``squares`` and ``out``: their ``sumsq_only`` and ``out``.
+    :func:`parts` (``rows=3``); ``squares`` and ``out``: their ``sumsq_only`` and ``out``. With
+    ``at``, the rows go to ``out``'s rows from ``at`` on (:func:`write_rows`) and ``out`` is
+    returned whole.
 
     Raises:
-        ValueError: an ``out`` that is not a contiguous CPU float64 tensor of that shape.
+        ValueError: an ``out`` that is not a contiguous CPU float64 tensor of that shape (or,
+            with ``at``, with room for the rows from there).
     """
     xs, ys, ns, dtypes = packed
     n = len(xs)
     if out is None:
         out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
-    elif (out.shape != (rows * n, len(FIELDS)) or out.dtype is not torch.float64 or not out.is_cpu
-          or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous CPU float64 tensor of shape ({rows * n}, {len(FIELDS)}); "
+    elif ((out.shape != (rows * n, len(FIELDS)) if at is None else
+           (out.dim() != 2 or out.shape[1] != len(FIELDS) or not 0 <= at <= out.shape[0] - rows * n))
+          or out.dtype is not torch.float64 or not out.is_cpu or not out.is_contiguous()):
+        room = f"({rows * n}, {len(FIELDS)})" if at is None else f"(at least {at + rows * n}, {len(FIELDS)})"
+        raise ValueError(f"out must be a contiguous CPU float64 tensor of shape {room}; "
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if not n:
         return out
     threads = torch.get_num_threads() if sum(ns) >= _PARALLEL else 1
     status = lib.tm_moments(n, _address(xs), _address(ys), _address(ns), _address(dtypes), threads, rows, squares,
-                            out.data_ptr())
+                            out.data_ptr() + (at or 0) * len(FIELDS) * 8)
     if status:
         raise RuntimeError("the fused moments kernel " + ("ran out of memory" if status == -1 else
                                                           "was given a tensor without data (null pointer)"))

@@ -212,7 +212,7 @@ class TokenObserver:
             return False
         buffer, first = self._row_space(3)
         try:
-            moments.parts([h], [x], sumsq_only=total.squares and part.squares, out=buffer[first:first + 3])
+            moments.write_rows(buffer, first, [h], [x], parts=True, sumsq_only=total.squares and part.squares)
         except ValueError:  # a tensor the kernel does not take (refused before reading)
             return False
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
@@ -348,7 +348,7 @@ class TokenObserver:
         now = [m for m, joint in readers if not joint and m.name not in self.errors]
         buffer, first = self._row_space(1)
         try:
-            moments.moments([x], [y], sumsq_only=squares, out=buffer[first:first + 1])
+            moments.write_rows(buffer, first, [x], [y], sumsq_only=squares)
         except ValueError:  # a tensor the kernel does not take (refused before reading)
             return False
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
