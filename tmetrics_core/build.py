@@ -78,11 +78,53 @@ def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None, model:
     return Topology.single_process()
 
 
+_OVERRIDES: dict[str, tuple[str, str]] = {
+    "check_plan": ("distributed", "check_plan"),
+    "verify_replicas": ("distributed", "verify_replicas"),
+    "timeout_s": ("distributed", "collective_timeout_s"),
+    "log_rank": ("distributed", "log_rank"),
+    "read_results": ("run", "read_results"),
+}
+"""Keyword arguments of ``TensorMetrics`` that ``from_config`` also reads from the config: passed
+to ``from_config``, each replaces its config key (``section.key``)."""
+
+_BUILT = ("metrics", "topology", "hub", "run", "modules", "key_rules", "placements")
+"""Arguments ``from_config`` builds from the config, the model and the mesh itself."""
+
+
+def _with_overrides(config: Config, kwargs: dict[str, Any]) -> Config:
+    """``config`` with the values of :data:`_OVERRIDES` taken out of ``kwargs`` put in their
+    keys, checked as the config's own values are.
+
+    Raises:
+        ConfigError: an override the config refuses (named by its key), or an argument that
+            ``from_config`` builds itself (:data:`_BUILT`).
+    """
+    built = [name for name in _BUILT if name in kwargs]
+    if built:
+        raise ConfigError(f"from_config(..., {'=, '.join(built)}=) given: from_config builds {', '.join(built)} "
+                          "from the config, the model and the mesh. Set them in the config (metrics:, sinks:, "
+                          "placements:, a metric's modules:) or build TensorMetrics(...) directly to pass them")
+    given = {name: kwargs.pop(name) for name in list(kwargs) if name in _OVERRIDES}
+    if not given:
+        return config
+    data = config.to_dict()
+    for name, value in given.items():
+        section, key = _OVERRIDES[name]
+        data.setdefault(section, {})[key] = value
+    try:
+        return load_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (given to from_config as {', '.join(f'{n}={v!r}' for n, v in given.items())})"
+                          ) from exc
+
+
 def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimizer: Any = None, mesh: Any = None,
                       axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
                       run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
     """See :meth:`TensorMetrics.from_config`."""
     config = source if isinstance(source, Config) else load_config(source)
+    config = _with_overrides(config, kwargs)
     if sinks:
         config = override_sinks(config, sinks)
     if run_dir is not None:

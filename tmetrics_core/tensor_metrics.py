@@ -204,8 +204,14 @@ class TensorMetrics:
 
         ``mesh`` (a DeviceMesh with dim names) or ``axes`` (``{name: process_group}``) give
         the topology; ``sinks`` (``"tensorboard,mlflow"`` or a list) overrides the config's sinks;
-        ``run_dir`` overrides ``run.dir``. Raises ``ConfigError`` for every invalid input,
-        before any step runs.
+        ``run_dir`` overrides ``run.dir``; ``check_plan``, ``verify_replicas``, ``timeout_s``,
+        ``log_rank`` and ``read_results`` override ``distributed.check_plan``,
+        ``distributed.verify_replicas``, ``distributed.collective_timeout_s``,
+        ``distributed.log_rank`` and ``run.read_results`` (the run's recorded config shows the
+        values used). Other keyword arguments go to :class:`TensorMetrics` as they are, except
+        those the config builds (``metrics``, ``topology``, ``hub``, ``run``, ``modules``,
+        ``key_rules``, ``placements``). Raises ``ConfigError`` for every invalid input, before
+        any step runs and before any sink starts.
         """
         from tmetrics_core.build import build_from_config
 
