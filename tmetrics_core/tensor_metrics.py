@@ -172,6 +172,8 @@ class TensorMetrics:
         self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False
         self._closed_by_signal = False
+        self._close_at_step_end: RunStatus | None = None
+        """The status of a :meth:`close` called inside an open step scope, run at the scope's end."""
         self.read_results = read_results
         self._in_flight: tuple[int, Pending] | None = None  # a due step launched, read a step later
         check_against_model(self, key_rules or {})
@@ -269,6 +271,9 @@ class TensorMetrics:
                 # Nothing outlives the step: the update snapshot is a copy of the parameters.
                 self._step, self._due = None, []
                 self.params.end()
+                if self._close_at_step_end is not None:
+                    status, self._close_at_step_end = self._close_at_step_end, None
+                    self.close(status)
 
     def _observation_hooks(self) -> list[Any]:
         """The forward hooks of every token source a configured metric reads, installed once and
@@ -439,8 +444,14 @@ class TensorMetrics:
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, status: RunStatus = "finished") -> Any:
         """Remove hooks, flush every sink and end the tracker runs with ``status``; returns the
-        hub's report (counts written, retried, spooled, dropped per sink). Idempotent."""
+        hub's report (counts written, retried, spooled, dropped per sink). Idempotent. Called
+        inside an open step scope, it returns None and closes at the scope's end, after that
+        step is measured and logged (its optimizer hooks and observations still run); SIGTERM
+        closes at once."""
         if self._closed:
+            return None
+        if self._step is not None and not self._closed_by_signal:
+            self._close_at_step_end = status
             return None
         self._closed = True
         for h in self._hooks:

@@ -121,3 +121,35 @@ def test_a_step_that_found_nothing_is_said_when_read_at_close(caplog):
     metrics.close()
     assert "metric 'layer-grad-l2' found nothing to measure on any rank at step 1" in caplog.text
     assert metrics.last_records == [] and metrics.failures == []
+
+
+@pytest.mark.parametrize("mode", ["now", "next-step"])
+def test_close_inside_a_step_scope_closes_after_that_step_is_logged(mode):
+    """close() called inside the last step's scope returns None and takes effect at the scope's
+    end: the optimizer hooks still run (the update is read), the step's records reach the sinks
+    before they close, in both modes; later calls raise."""
+    from tests.sources.test_token_row_buffer import Net
+    from tmetrics_core.errors import TMetricsError
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    model = Net(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hub = _Hub()
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-update-ratio"), 1)], optimizer=opt, hub=hub,
+                            read_results=mode)
+    for step in (1, 2):
+        hub.scope = step
+        with metrics.step(step):
+            model(torch.randn(2, 3, D, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+            if step == 2:
+                assert metrics.close() is None
+                assert hub.scope == 2  # not closed yet
+            opt.step()
+            opt.zero_grad()
+    assert hub.scope == "close"
+    assert [step for _, step, _ in hub.submitted] == [1, 2]
+    assert all(r.value > 0 for _, _, rs in hub.submitted for r in rs) and len(hub.submitted[1][2]) == 2
+    assert metrics.failures == []
+    with pytest.raises(TMetricsError, match="after close"):
+        metrics.observe_gradients()
