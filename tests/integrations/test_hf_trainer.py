@@ -117,6 +117,7 @@ def test_report_to_writes_into_the_trainers_wandb_run(tmp_path, monkeypatch):
                         "WANDB_PROJECT": "trainer", "WANDB_CACHE_DIR": str(tmp_path / "cache"),
                         "WANDB_CONFIG_DIR": str(tmp_path / "config"), "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
         monkeypatch.setenv(name, value)
+    wandb.teardown()  # W&B's process-wide settings are read once: an earlier test's would override these
     try:
         _, logged = _train(tmp_path, report_to="wandb")
     finally:
