@@ -167,6 +167,15 @@ def test_rows_written_at_a_row_of_a_buffer_equal_fresh_rows() -> None:
             moments.write_rows(wrong, at, xs, ys, parts=True)
     with pytest.raises(ValueError, match="a tensor to subtract for every tensor"):
         moments.write_rows(buffer, 0, xs, [ys[0], None], parts=True)
+    for wrong_at in (1.0, True, torch.tensor(1.5)):
+        with pytest.raises(ValueError, match="at must be an integer row index"):
+            moments.write_rows(buffer, wrong_at, xs[:1], ys[:1])  # type: ignore[arg-type]
+    before = buffer.clone()
+    refused = [([xs[0].half()], None, False), ([xs[0]], [ys[0].bfloat16()], False), ([xs[0]], [ys[1]], True),
+               ([xs[1][:64].reshape(8, 8).t()], None, False), ([xs[0], xs[1]], [None, ys[0]], False)]
+    for tensors, minus, parts in refused:  # what moments() refuses: False, nothing written, no exception
+        assert moments.write_rows(buffer, 0, tensors, minus, parts=parts) is False
+    assert torch.equal(buffer.nan_to_num(7.0), before.nan_to_num(7.0))
 
 
 def test_pairs_are_checked_as_pairs() -> None:

@@ -245,19 +245,27 @@ def parts(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor] | Held,
 
 def write_rows(out: torch.Tensor, at: int, tensors: Sequence[torch.Tensor],
                minus: Sequence[torch.Tensor | None] | None = None, *, parts: bool = False,
-               sumsq_only: bool = False) -> None:
+               sumsq_only: bool = False) -> bool:
     """Write into rows ``at`` onwards of ``out`` (a contiguous CPU float64 ``[m, 5]`` buffer
     that several calls fill: a step's rows of every observation) what :func:`moments` (or, with
     ``parts``, :func:`parts`, every ``minus`` given) returns for ``tensors``: no tensor object
-    made for the destination, as an ``out=buffer[at:...]`` view would be.
+    made for the destination, as an ``out=buffer[at:...]`` view would be. Returns False, with
+    nothing read or written, where :func:`moments` would refuse the tensors (a tensor the kernel
+    does not take, a ``minus`` of another dtype or element count): decided from metadata, so a
+    caller with another way to read them asks without an exception.
 
     Raises:
-        ValueError: as :func:`moments`, or ``out`` without room for the rows from ``at``.
+        ValueError: ``parts`` with a missing ``minus``, or ``out`` without room for the rows
+            from ``at``.
         RuntimeError: as :func:`moments`.
     """
     if parts and (minus is None or any(m is None for m in minus)):
         raise ValueError("write_rows(parts=True) needs a tensor to subtract for every tensor")
-    _run(_kernel(), _packed(tensors, minus), rows=3 if parts else 1, squares=sumsq_only, out=out, at=at)
+    packed = _taken(tensors, minus)
+    if packed is None:
+        return False
+    _run(_kernel(), packed, rows=3 if parts else 1, squares=sumsq_only, out=out, at=at)
+    return True
 
 
 class Held(NamedTuple):
@@ -347,26 +355,42 @@ counts and dtype codes."""
 
 
 def _packed(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | Held | None) -> _Packed:
-    """The kernel's arguments for ``tensors`` minus ``minus``, each checked while packed.
+    """The kernel's arguments for ``tensors`` minus ``minus`` (:func:`_taken`).
 
     Raises:
         ValueError: a tensor the kernel does not take (:func:`takes`), or a ``minus`` entry
             whose dtype or element count differs from its tensor's.
     """
-    if (minus is not None and not isinstance(minus, Held) and len(minus) == len(tensors)
-            and type(None) not in set(map(type, minus))):
-        # Pairs (a residual's h - x): both lists in one reader call, split afterwards.
-        both = _pack([*tensors, *cast("Sequence[torch.Tensor]", minus)])
-        n = len(tensors)
-        if both is not None and both[1][:n] == both[1][n:] and both[2][:n] == both[2][n:]:
-            return both[0][:n], both[0][n:], both[1][:n], both[2][:n]
-        # else the checks below say what does not match
+    taken = _taken(tensors, minus)
+    if taken is not None:
+        return taken
     packed = _pack(tensors)
     if packed is None:
         bad = next(t for t in tensors if _pack((t,)) is None)
         raise ValueError(f"moments takes contiguous CPU float32/bfloat16 tensors; got {bad.dtype} on "
                          f"{bad.device}, contiguous={bad.is_contiguous()}")
-    return _with_minus(packed, minus)
+    return _with_minus(packed, minus)  # raises: what does not match
+
+
+def _taken(tensors: Sequence[torch.Tensor], minus: Sequence[torch.Tensor | None] | Held | None) -> _Packed | None:
+    """The kernel's arguments for ``tensors`` minus ``minus``, or None (no exception, nothing
+    read) where it does not take a tensor or a ``minus`` entry differs from its tensor in dtype
+    or element count: decided from metadata by the C++ reader."""
+    if (minus is not None and not isinstance(minus, Held) and len(minus) == len(tensors)
+            and type(None) not in set(map(type, minus))):
+        # Pairs (a residual's h - x): both lists in one reader call, split afterwards.
+        both = _pack([*tensors, *cast("Sequence[torch.Tensor]", minus)])
+        n = len(tensors)
+        if both is None or both[1][:n] != both[1][n:] or both[2][:n] != both[2][n:]:
+            return None
+        return both[0][:n], both[0][n:], both[1][:n], both[2][:n]
+    packed = _pack(tensors)
+    if packed is None:
+        return None
+    try:
+        return _with_minus(packed, minus)
+    except ValueError:  # some tensors subtract nothing, and another differs from its tensor
+        return None
 
 
 def _with_minus(packed: tuple[array.array, array.array, array.array],
@@ -422,6 +446,13 @@ def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1, squares: bool = False
     """
     xs, ys, ns, dtypes = packed
     n = len(xs)
+    if at is not None:
+        try:
+            at = operator.index(at) if type(at) is not bool else None
+        except TypeError:
+            at = None
+        if at is None:
+            raise ValueError("at must be an integer row index")
     if out is None:
         out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
     elif ((out.shape != (rows * n, len(FIELDS)) if at is None else

@@ -212,9 +212,8 @@ class TokenObserver:
             return False
         buffer, first = self._row_space(3)
         try:
-            moments.write_rows(buffer, first, [h], [x], parts=True, sumsq_only=total.squares and part.squares)
-        except ValueError:  # a tensor the kernel does not take (refused before reading)
-            return False
+            if not moments.write_rows(buffer, first, [h], [x], parts=True, sumsq_only=total.squares and part.squares):
+                return False  # a tensor the kernel does not take (decided from metadata)
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
             for route in (total, part):
                 self.sites[route.site.key] = route.site
@@ -348,9 +347,8 @@ class TokenObserver:
         now = [m for m, joint in readers if not joint and m.name not in self.errors]
         buffer, first = self._row_space(1)
         try:
-            moments.write_rows(buffer, first, [x], [y], sumsq_only=squares)
-        except ValueError:  # a tensor the kernel does not take (refused before reading)
-            return False
+            if not moments.write_rows(buffer, first, [x], [y], sumsq_only=squares):
+                return False  # a tensor the kernel does not take (decided from metadata)
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
             for metric in now:
                 self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
