@@ -173,7 +173,9 @@ class TensorMetrics:
         self._closed = False
         self._closed_by_signal = False
         self._close_at_step_end: RunStatus | None = None
-        """The status of a :meth:`close` called inside an open step scope, run at the scope's end."""
+        """The status of the first :meth:`close` called inside an open step scope, run at the scope's end."""
+        self._in_scope = False
+        """Whether a step scope's body is running (its end will run a deferred :meth:`close`)."""
         self.read_results = read_results
         self._in_flight: tuple[int, Pending] | None = None  # a due step launched, read a step later
         check_against_model(self, key_rules or {})
@@ -255,6 +257,7 @@ class TensorMetrics:
             reset = _ACTIVE.set(observer)
         failed = False
         try:
+            self._in_scope = True
             yield self
         except BaseException:
             failed = True
@@ -271,9 +274,9 @@ class TensorMetrics:
                 # Nothing outlives the step: the update snapshot is a copy of the parameters.
                 self._step, self._due = None, []
                 self.params.end()
+                self._in_scope = False
                 if self._close_at_step_end is not None:
-                    status, self._close_at_step_end = self._close_at_step_end, None
-                    self.close(status)
+                    self._close_deferred(failed)
 
     def _observation_hooks(self) -> list[Any]:
         """The forward hooks of every token source a configured metric reads, installed once and
@@ -446,12 +449,14 @@ class TensorMetrics:
         """Remove hooks, flush every sink and end the tracker runs with ``status``; returns the
         hub's report (counts written, retried, spooled, dropped per sink). Idempotent. Called
         inside an open step scope, it returns None and closes at the scope's end, after that
-        step is measured and logged (its optimizer hooks and observations still run); SIGTERM
-        closes at once."""
+        step is measured and logged (its optimizer hooks and observations still run), with the
+        first status asked for (``"failed"`` where the scope's body raised and ``"finished"``
+        was asked); SIGTERM closes at once."""
         if self._closed:
             return None
-        if self._step is not None and not self._closed_by_signal:
-            self._close_at_step_end = status
+        if self._in_scope and not self._closed_by_signal:
+            if self._close_at_step_end is None:
+                self._close_at_step_end = status
             return None
         self._closed = True
         for h in self._hooks:
@@ -463,6 +468,19 @@ class TensorMetrics:
         finally:  # what the sinks already have is flushed even if that step cannot be read
             report = self.hub.close(status) if self.hub is not None else None
         return report
+
+    def _close_deferred(self, failed: bool) -> None:
+        """The :meth:`close` asked for inside the scope that just ended: ``"failed"`` instead
+        of ``"finished"`` when the scope's body raised; a close that raises then is logged, so
+        the body's own exception is the one that propagates."""
+        status, self._close_at_step_end = self._close_at_step_end, None
+        assert status is not None  # called only with a close pending
+        try:
+            self.close("failed" if failed and status == "finished" else status)
+        except Exception:
+            if not failed:
+                raise
+            log.exception("tmetrics: close() asked for inside the step scope failed at the scope's end")
 
     def __enter__(self) -> "TensorMetrics":
         return self

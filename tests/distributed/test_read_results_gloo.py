@@ -2,6 +2,8 @@
 ``now``, each delivered at the end of the next step scope (due or not) or at ``close()``."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -153,3 +155,38 @@ def test_close_inside_a_step_scope_closes_after_that_step_is_logged(mode):
     assert metrics.failures == []
     with pytest.raises(TMetricsError, match="after close"):
         metrics.observe_gradients()
+
+
+def test_a_deferred_close_keeps_the_first_status_and_says_failed_when_the_body_raised():
+    """Inside a scope the first close() status wins (as outside one); a body that raises after
+    close("finished") ends the run "failed"; a scope whose entry raised leaves close() working."""
+    from tests.sources.test_token_row_buffer import Net
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    def run(body) -> list:
+        model = Net(2)
+        hub = _Hub()
+        statuses = []
+        hub.close = statuses.append
+        metrics = TensorMetrics(model, metrics=[(build_metric("layer-residual-accumulator-rms"), 1)], hub=hub)
+        with pytest.raises(KeyError) if body == "raises" else contextlib.nullcontext():
+            with metrics.step(1):
+                model(torch.randn(2, 3, D))
+                metrics.close("killed" if body == "twice" else "finished")
+                metrics.close("finished")
+                if body == "raises":
+                    raise KeyError("the training loop's own error")
+        metrics.close()
+        return [statuses, [step for _, step, _ in hub.submitted]]
+
+    assert run("twice") == [["killed"], [1]]
+    assert run("raises") == [["failed"], []]
+    model = Net(2)
+    hub = _Hub()
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-residual-accumulator-rms"), 1)], hub=hub)
+    with pytest.raises(TypeError):
+        with metrics.step("1"):  # type: ignore[arg-type]  # fails before the body runs
+            pass
+    metrics.close()
+    assert hub.scope == "close"
