@@ -179,7 +179,15 @@ class Topology:
     def logs(self, log_rank: int) -> bool:
         """Whether this rank is the logging rank: global rank ``log_rank`` (config
         ``distributed.log_rank``, default 0) writes records to the sinks and prints tmetrics'
-        warnings; every other rank keeps quiet. The one place this is decided."""
+        warnings; every other rank keeps quiet. The one place this is decided.
+
+        Raises:
+            ConfigError: ``log_rank`` is not a rank of this world (nothing would be logged).
+        """
+        if not 0 <= log_rank < self.world_size:
+            raise ConfigError(f"log_rank {log_rank} is not a rank of this job, whose world has {self.world_size} "
+                              f"rank(s) (0..{self.world_size - 1}): no rank would write to the sinks. Set a rank "
+                              "in that range (default 0)", path="distributed.log_rank")
         return self.global_rank == log_rank
 
     def coords(self) -> dict[str, int]:
