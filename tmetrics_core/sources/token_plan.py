@@ -6,7 +6,10 @@ not yet in the plan; if any did, all ranks share their site lists once (axis by 
 manifest's holdings) and extend the plan.
 Sites held by one coordinate of a non-population axis (a layer on one pipeline stage) become
 ``Owned`` there. Ranks that did not see a planned site this step join with placeholders, so a
-stage without experts or a rank whose batch was all padding never stalls the others.
+stage without experts or a rank whose batch was all padding never stalls the others. A planned
+site that no rank saw this step (a layer skipped by LayerDrop or an early exit) is left out of
+the step's states on every rank, agreed in the same collective: its layer gets no record that
+step, not a placeholder's 0.
 """
 
 from __future__ import annotations
@@ -33,18 +36,28 @@ class TokenPlan:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.sites: dict[SiteKey, Site] = {}
-        self._accepted: dict[str, tuple[int, tuple[SiteKey, ...]]] = {}
-        """Per metric name: the number of planned sites when last looked at (sites are only ever
-        added) and the sorted keys of those the metric accepts."""
+        self.unseen: frozenset[SiteKey] = frozenset()
+        """Planned sites no rank observed at the last :meth:`sync` (a layer that did not run:
+        LayerDrop, an early exit): left out of that step's states, so they give no record
+        rather than a placeholder's 0."""
+        self._accepted: dict[str, tuple[tuple[int, frozenset[SiteKey]], tuple[SiteKey, ...]]] = {}
+        """Per metric name: the number of planned sites (sites are only ever added) and the
+        unseen ones when last looked at, and the sorted keys of the others the metric accepts."""
 
     def sync(self, observer: TokenObserver, executor: Executor) -> bool:
         """Extend the plan with sites any rank saw; True when the plan changed (on every rank).
+        Also sets :attr:`unseen`, from the same collective.
 
         The site lists are shared as the manifest's are (``share_holdings``: exchanged only
         over the axes whose ranks saw different sites), so per-rank bytes follow the number of
         sites and the axis sizes, not the world size."""
         unplanned = [k for k in observer.sites if k not in self.sites]
-        if not executor.any_rank(bool(unplanned)):
+        # One agreement (the plan is the same on every rank): any site unplanned, and which
+        # planned sites some rank observed.
+        planned = list(self.sites)
+        flags = executor.any_ranks([bool(unplanned), *(k in observer.sites for k in planned)])
+        self.unseen = frozenset(k for k, seen in zip(planned, flags[1:]) if not seen)
+        if not flags[0]:
             return False
         mine = Holdings.local([(site.key, site) for site in observer.sites.values()], self.topology.coords(),
                               self.topology.global_rank, 0)
@@ -57,12 +70,13 @@ class TokenPlan:
         return True
 
     def _accepted_keys(self, metric: TensorMetric) -> tuple[SiteKey, ...]:
-        """The sorted keys of the planned sites ``metric`` accepts (looked at again only when
-        the plan has grown)."""
+        """The sorted keys of the planned sites some rank observed this step that ``metric``
+        accepts (looked at again only when the plan or its unseen sites changed)."""
+        version = (len(self.sites), self.unseen)
         known = self._accepted.get(metric.name)
-        if known is None or known[0] != len(self.sites):
-            known = self._accepted[metric.name] = (
-                len(self.sites), tuple(sorted(k for k, s in self.sites.items() if metric.accepts(s))))
+        if known is None or known[0] != version:
+            known = self._accepted[metric.name] = (version, tuple(sorted(
+                k for k, s in self.sites.items() if k not in self.unseen and metric.accepts(s))))
         return known[1]
 
     def _merge(self, site: Site, held: Mapping[str, set[int]]) -> Site:
@@ -87,11 +101,12 @@ class TokenPlan:
         prepared = observer.states.get(metric.name, {})
         if isinstance(prepared, BlockState) and prepared.site_keys == self._accepted_keys(metric):
             return prepared, None  # every accepted site, in plan order: kept as matrices, no vector per site
-        missing = [s for k, s in self.sites.items() if k not in prepared and metric.accepts(s)]
+        unseen = self.unseen
+        missing = [s for k, s in self.sites.items() if k not in prepared and k not in unseen and metric.accepts(s)]
         state = dict(prepared)
         try:
             if missing:
                 state.update(metric.prepare(missing, [None] * len(missing), self.topology, {}))
         except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
             return {}, f"{type(exc).__name__}: {exc}"
-        return {k: state[k] for k in sorted(state) if k in self.sites}, None
+        return {k: state[k] for k in sorted(state) if k in self.sites and k not in unseen}, None
