@@ -411,13 +411,17 @@ class TensorMetrics:
         records = [MetricRecord(name, step, r.value, r.labels) for name, rs in results.items() for r in rs]
         self.last_records = records
         self.failures.extend(failures)
-        for failure in failures:
+        # After SIGTERM closed this object its hooks are gone: steps that still run (for the
+        # ranks' collectives) find nothing and fail their update metrics, which says nothing
+        # about the model; the failures are kept, not warned about.
+        quiet = self._closed_by_signal
+        for failure in failures if not quiet else ():
             if failure.metric not in self._warned and self.logs:
                 self._warned.add(failure.metric)
                 log.warning("tmetrics: metric %r skipped at step %d on every rank (raised on ranks %s): %s. "
                             "Further failures of this metric are counted silently.", failure.metric, step,
                             list(failure.ranks), failure.error)
-        for name in pending.unfed:
+        for name in pending.unfed if not quiet else ():
             if name not in self._said_unfed and self.topology.global_rank == 0:
                 self._said_unfed.add(name)
                 metric = next(m for m, _ in self.metrics if m.name == name)  # _due: another step's, a step later

@@ -5,6 +5,7 @@ backend (or its spool), and the tracker run is ended KILLED or FAILED.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -97,3 +98,35 @@ def test_exception_in_the_loop_flushes_the_steps_before_it_and_fails_the_runs(tm
     assert run.info.status == "FAILED"
     assert _mlflow_steps(client, run, "global-grad-l2") == {1, 2, 3, 4}
     assert not (tmp_path / "spool").exists()  # nothing needed the spool: all was written before close
+
+
+def test_steps_after_sigterm_closed_the_metrics_run_quietly(tmp_path, caplog):
+    """A job that keeps training after SIGTERM (its own handler, chained after tmetrics',
+    returns) runs later steps with the same collectives; with tmetrics' hooks gone they find
+    nothing and their update metric fails, which says nothing about the model: kept in
+    ``failures``, not warned about. Steps before the signal are written."""
+    import logging
+
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        model = LayeredModel()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        metrics = TensorMetrics.from_config(
+            {"metrics": ["global-grad-l2", "layer-update-ratio"], "sinks": {"jsonl": {}}},
+            model=model, optimizer=optimizer, run_dir=tmp_path)
+        caplog.set_level(logging.WARNING, logger="tmetrics")
+        for step in (1, 2, 3, 4):
+            with metrics.step(step):
+                model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [signal.SIGTERM]
+    assert [r.getMessage() for r in caplog.records if r.name == "tmetrics"] == []
+    assert {f.metric for f in metrics.failures} == {"layer-update-ratio"}
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert sorted({json.loads(line)["step"] for line in lines}) == [1, 2]
