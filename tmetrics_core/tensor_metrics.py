@@ -241,10 +241,9 @@ class TensorMetrics:
                 "increase, and one optimizer step is one scope. Wrap all micro-batches of an optimizer step "
                 "(every forward and backward, then optimizer.step()) in one `with metrics.step(n)`; "
                 "gradients accumulate and are read once, before the update")
-        if self._first_step is None:
-            self._first_step = step
-        self._step = step
-        self._due = [(m, i) for m, i in self.metrics if step % i == 0 or step == self._first_step]
+        first = step if self._first_step is None else self._first_step
+        due = [(m, i) for m, i in self.metrics if step % i == 0 or step == first]  # may raise: no state set yet
+        self._first_step, self._step, self._due = first, step, due
         if self._due:
             self._last_due = step
         self._unfed = set()

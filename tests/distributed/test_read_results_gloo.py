@@ -190,3 +190,25 @@ def test_a_deferred_close_keeps_the_first_status_and_says_failed_when_the_body_r
             pass
     metrics.close()
     assert hub.scope == "close"
+
+
+def test_a_step_whose_entry_raised_changes_nothing():
+    """A step number that cannot be used (here a str) raises before any state is set: the next
+    scope is still the first step (every metric due there) and reads like one."""
+    from tests.sources.test_token_row_buffer import Net
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    model = Net(2)
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-residual-accumulator-l2"), 2)])
+    with pytest.raises(TypeError):
+        with metrics.step("1"):  # type: ignore[arg-type]
+            pass
+    x = torch.randn(2, 3, D, generator=torch.Generator().manual_seed(3))
+    with metrics.step(3):  # not a multiple of 2: due only as the first step
+        model(x)
+    with torch.no_grad():
+        h = model.layers[0](x)
+    assert [(r.step, r.layer) for r in metrics.last_records] == [(3, 0), (3, 1)]
+    assert metrics.last_records[0].value == pytest.approx(float(h.double().norm()), rel=1e-6)
+    metrics.close()
