@@ -448,11 +448,11 @@ def _run(lib: ctypes.CDLL, packed: _Packed, rows: int = 1, squares: bool = False
     n = len(xs)
     if at is not None:
         try:
-            at = operator.index(at) if type(at) is not bool else None
+            if isinstance(at, bool):
+                raise TypeError("a bool")
+            at = operator.index(at)
         except TypeError:
-            at = None
-        if at is None:
-            raise ValueError("at must be an integer row index")
+            raise ValueError("at must be an integer row index") from None
     if out is None:
         out = torch.empty((rows * n, len(FIELDS)), dtype=torch.float64)
     elif ((out.shape != (rows * n, len(FIELDS)) if at is None else

@@ -55,8 +55,9 @@ class TokenPlan:
         # One agreement (the plan is the same on every rank): any site unplanned, and which
         # planned sites some rank observed.
         planned = list(self.sites)
-        flags = executor.any_ranks([bool(unplanned), *(k in observer.sites for k in planned)])
-        self.unseen = frozenset(k for k, seen in zip(planned, flags[1:]) if not seen)
+        flags = executor.any_ranks([bool(unplanned), *map(observer.sites.__contains__, planned)])
+        seen = flags[1:]
+        self.unseen = frozenset() if all(seen) else frozenset(k for k, s in zip(planned, seen) if not s)
         if not flags[0]:
             return False
         mine = Holdings.local([(site.key, site) for site in observer.sites.values()], self.topology.coords(),
