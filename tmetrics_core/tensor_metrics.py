@@ -171,6 +171,8 @@ class TensorMetrics:
         self.routers = find_routers(model, self.index)  # routers of the frameworks sources/routers.py knows
         self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False
+        self._report: Any = None
+        """What the first completed :meth:`close` returned (the hub's report)."""
         self._closed_by_signal = False
         self._close_at_step_end: RunStatus | None = None
         """The status of the first :meth:`close` called inside an open step scope, run at the scope's end."""
@@ -450,13 +452,15 @@ class TensorMetrics:
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, status: RunStatus = "finished") -> Any:
         """Remove hooks, flush every sink and end the tracker runs with ``status``; returns the
-        hub's report (counts written, retried, spooled, dropped per sink). Idempotent. Called
-        inside an open step scope, it returns None and closes at the scope's end, after that
-        step is measured and logged (its optimizer hooks and observations still run), with the
-        first status asked for (``"failed"`` where the scope's body raised and ``"finished"``
-        was asked); SIGTERM closes at once."""
+        hub's report (counts written, retried, spooled, dropped per sink; None without a hub).
+        Idempotent: a later call returns the same report (the status of the first close
+        stands). Called inside an open step scope, it returns None and closes at the scope's
+        end, after that step is measured and logged (its optimizer hooks and observations still
+        run), with the first status asked for (``"failed"`` where the scope's body raised and
+        ``"finished"`` was asked); ``close()`` after the scope returns that report. SIGTERM
+        closes at once."""
         if self._closed:
-            return None
+            return self._report
         if self._in_scope and not self._closed_by_signal:
             if self._close_at_step_end is None:
                 self._close_at_step_end = status
@@ -469,8 +473,8 @@ class TensorMetrics:
                 earlier, self._in_flight = self._in_flight, None
                 self._deliver(*earlier)
         finally:  # what the sinks already have is flushed even if that step cannot be read
-            report = self.hub.close(status) if self.hub is not None else None
-        return report
+            self._report = self.hub.close(status) if self.hub is not None else None
+        return self._report
 
     def _close_deferred(self, failed: bool) -> None:
         """The :meth:`close` asked for inside the scope that just ended: ``"failed"`` instead

@@ -25,6 +25,7 @@ class _Hub:
 
     def close(self, status):
         self.scope = "close"
+        return ("report", status)
 
 
 def _steps(rank, world, mode):
@@ -129,7 +130,8 @@ def test_a_step_that_found_nothing_is_said_when_read_at_close(caplog):
 def test_close_inside_a_step_scope_closes_after_that_step_is_logged(mode):
     """close() called inside the last step's scope returns None and takes effect at the scope's
     end: the optimizer hooks still run (the update is read), the step's records reach the sinks
-    before they close, in both modes; later calls raise."""
+    before they close, in both modes; close() after the scope returns that close's report; later
+    steps raise."""
     from tests.sources.test_token_row_buffer import Net
     from tmetrics_core.errors import TMetricsError
     from tmetrics_core.metrics.catalogue import build_metric
@@ -150,6 +152,7 @@ def test_close_inside_a_step_scope_closes_after_that_step_is_logged(mode):
             opt.step()
             opt.zero_grad()
     assert hub.scope == "close"
+    assert metrics.close() == ("report", "finished")  # the report of the close at the scope's end
     assert [step for _, step, _ in hub.submitted] == [1, 2]
     assert all(r.value > 0 for _, _, rs in hub.submitted for r in rs) and len(hub.submitted[1][2]) == 2
     assert metrics.failures == []

@@ -53,7 +53,7 @@ def test_step_and_observe_gradients_after_close_raise_and_compute_nothing(tmp_pa
     with pytest.raises(TMetricsError, match=r"observe_gradients\(\) called after close\(\)"):
         metrics.observe_gradients()
     assert metrics.last_records == measured  # nothing was computed
-    assert metrics.close() is None  # closing twice is a no-op
+    assert metrics.close() is report  # closing twice changes nothing and returns the first close's report
     assert _written_steps(tmp_path) == {1}
 
 
@@ -67,7 +67,8 @@ def test_closed_by_sigterm_steps_still_run_and_reach_no_sink(tmp_path):
         assert stops == [signal.SIGTERM]
         _train(metrics, model, optimizer, 2)  # the job finishes its step before it stops
         assert {r.step for r in metrics.last_records} == {2}
-        assert metrics.close() is None
+        again = metrics.close()  # the report of the close SIGTERM ran
+        assert again is not None and again.status == "killed"
         assert _written_steps(tmp_path) == {1}
     finally:
         signal.signal(signal.SIGTERM, previous)
