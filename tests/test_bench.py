@@ -118,3 +118,22 @@ def test_alternate_pairs_single_steps_in_both_orders_and_reports_the_mean_differ
     assert got.differences == (1.0, 0.0, 2.0, 1.0) and got.first_mean == 4.0
     assert got.overhead() == pytest.approx(0.25)
     assert got.standard_error() == pytest.approx(0.816496580927726 / 2 / 4.0)
+
+
+def test_release_ab_reads_the_figures_step_overhead_prints():
+    """bench.release_ab parses Table 1 as bench.step_overhead prints it (built here from known
+    rounds, pairs and due-step times), and says what is missing in an output without pairs."""
+    from bench.due_step_time import DueStepTime
+    from bench.release_ab import ReleaseRun, parse
+    from bench.rounds import PairedSteps
+    from bench.step_overhead import SECOND_BARE, SWITCHED, _single_table
+
+    names = ("bare", SECOND_BARE, "tmetrics every 1", "tmetrics every 10", *SWITCHED)
+    rounds = Rounds(wall={n: [0.1, 0.1] for n in names}, cpu={n: [0.2, 0.2] for n in names})
+    stepwise = PairedSteps(differences=(0.004, 0.006), first_mean=0.08)
+    table = _single_table(rounds, 2, 5, 9.0, (0, 0), (78, 0), DueStepTime(4.94, 2.53), stepwise)
+    assert parse("\n".join(table)) == ReleaseRun(overhead_pct=6.25, error_pct=1.25, bare_ms=80.0, code_ms=4.94,
+                                                 passes_ms=2.53, ops=78)
+    without_pairs = "\n".join(_single_table(rounds, 2, 5, 9.0, (0, 0), (78, 0), DueStepTime(4.94, 2.53), None))
+    with pytest.raises(ValueError, match="no paired single-step.*no --pairs"):
+        parse(without_pairs)
