@@ -19,8 +19,9 @@ __all__ = ["Holdings", "Row"]
 Row = tuple
 """One tensor as a rank lists it, its key first. The manifest's: ``(name, original, layer,
 expert, component, family, shape, dtype, dtensor placements, framework placements, covered
-axes)``,
-placements as ``(axis, repr)`` pairs; the token plan's: ``(site key, site)``."""
+axes, shard tag)``, placements as ``(axis, repr)`` pairs, the shard tag the listing rank's
+coordinates on the axes where a framework or config ``Shard`` splits a plain tensor
+(``tmetrics_core.naming.hand_split``); the token plan's: ``(site key, site)``."""
 
 
 @dataclass

@@ -45,6 +45,7 @@ from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.naming.canonical import CanonicalName, canonicalize, qkv_views
 from tmetrics_core.naming.layouts.torchtitan import fused_qkv_geometry
 from tmetrics_core.naming.dtensor import dtensor_placements
+from tmetrics_core.naming.hand_split import global_shape, shard_tag
 from tmetrics_core.naming.holdings import Holdings, Row
 from tmetrics_core.naming.slices import SliceView, place_slice
 from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
@@ -198,10 +199,11 @@ class Manifest:
                 slices[cn.name] = cn
                 shape = tuple(cn.view(torch.empty(p.shape, device="meta")).shape)
             local[cn.name] = p
+            tag = shard_tag(cn.name, framework, overrides or {}, topology) if not placements else ()
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
                                shape, str(p.dtype).replace("torch.", ""),
                                tuple((a, repr(pl)) for a, pl in placements),
-                               tuple((a, repr(pl)) for a, pl in framework.items()), covered))
+                               tuple((a, repr(pl)) for a, pl in framework.items()), covered, tag))
         stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
                        if cn.expert_dim is not None and cn.expert is None), default=0)
         mine = Holdings.local(local_rows, coords, topology.global_rank, stacked)
@@ -327,9 +329,11 @@ def _merge(everything: Holdings, topology: Topology,
                     origins.append((axis, "inferred"))
         holders = tuple((a, tuple(sorted(held[a]))) for a in topology.names
                         if a in held and len(held[a]) < topology.axes[a].size)
+        shape = tuple(row[6]) if not row[11] else global_shape(
+            name, {r[11]: tuple(r[6]) for r, _ in variants}, placements, dict(origins), topology)
         entries.append(TensorEntry(
             name=name, original=row[1], layer=row[2], expert=row[3], component=row[4], family=row[5],
-            shape=tuple(row[6]), dtype=row[7], placements=tuple(p for p in placements if not p[1].is_replica()),
+            shape=shape, dtype=row[7], placements=tuple(p for p in placements if not p[1].is_replica()),
             holders=holders, origins=tuple(origins),
         ))
     return entries
