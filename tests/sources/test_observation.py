@@ -84,6 +84,45 @@ def test_checkpointed_forward_is_observed_once():
         h0.pow(2).mean().sqrt().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("wrap", ["checkpoint_wrapper", "torch.compile"])
+def test_a_wrapped_block_is_one_block_observed_once(wrap):
+    """A block wrapped in place (torch's checkpoint_wrapper, as torchtitan's activation
+    checkpointing does; torch.compile per block) and the module inside it share one path: one
+    block is hooked, and a ``modules:`` glob hooks one module, so L2 norms and token counts are
+    those of the unwrapped model (hooking both gave every residual twice: L2 x sqrt(2))."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from tmetrics_core.metrics.catalogue import build_metric
+
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    names = ("layer-residual-accumulator-l2", "layer-residual-contribution-l2")
+    activation = L2Norm(name="layer-activation-l2", source_kinds=["activation"], scope="layer")
+    values = {}
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        model = Tiny()
+        if wrapped:
+            for i, block in enumerate(model.layers):
+                model.layers[i] = (checkpoint_wrapper(block) if wrap == "checkpoint_wrapper"
+                                   else torch.compile(block, backend="eager"))
+        metrics = TensorMetrics(model, metrics=[*((build_metric(n), 1) for n in names), (activation, 1)],
+                                modules={"layer-activation-l2": ("layers.?",)})
+        assert [p for p, _, _ in metrics.index.blocks] == ["layers.0", "layers.1"]
+        with metrics.step(1):
+            model(x.clone().requires_grad_(True)).sum().backward()
+        values[wrapped] = {(r.metric, r.layer): r.value for r in metrics.last_records}
+        metrics.close()
+    assert values[True] == pytest.approx(values[False], rel=1e-6)
+    torch.manual_seed(0)
+    weight = Tiny().layers[0].mlp["up"].weight.detach().double()
+    h0 = x.double() + x.double() @ weight.t()
+    assert len(values[False]) == 6
+    assert values[True][("layer-residual-accumulator-l2", 0)] == pytest.approx(h0.norm().item(), rel=1e-6)
+    assert values[True][("layer-activation-l2", 0)] == pytest.approx(h0.norm().item(), rel=1e-6)
+    assert values[True][("layer-residual-contribution-l2", 0)] == pytest.approx((h0 - x.double()).norm().item(),
+                                                                              rel=1e-6)
+
+
 def test_idle_steps_observe_nothing_and_keep_the_hooks():
     """Hooks are installed once (a compiled model would recompile on each hook added or
     removed); on an idle step there is no observer, so nothing is read."""

@@ -42,6 +42,7 @@ class ModuleIndex:
         """Module path -> canonical module name (see :func:`_canonical_modules`), where it has one."""
         renamed: dict[str, str] = {}  # local block path -> global one (pipeline stages' ModuleLists)
         by_raw = _canonical_modules(model, layer_offset)
+        block_paths: set[str] = set()
         for raw, module in model.named_modules():
             path = strip_wrappers(raw) if raw else ""
             parent, _, key = path.rpartition(".")
@@ -53,8 +54,12 @@ class ModuleIndex:
             self.named.append((path, module))
             if raw in by_raw:
                 self.canonical[path] = by_raw[raw]
-            if path in renamed.values() and path.rpartition(".")[0] in _BLOCK_LISTS:
+            if (path in renamed.values() and path.rpartition(".")[0] in _BLOCK_LISTS
+                    and path not in block_paths):
+                # A wrapper (checkpoint_wrapper, torch.compile's OptimizedModule, FSDP) and the
+                # block it wraps share one path: the outermost, listed first, is the block.
                 self.blocks.append((path, int(path.rpartition(".")[2]), module))
+                block_paths.add(path)
             if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
                 self.head = (path, module)
         self._block_paths = sorted(((p, i) for p, i, _ in self.blocks), key=lambda pi: -len(pi[0]))
@@ -85,10 +90,16 @@ class ModuleIndex:
         return path
 
     def matching(self, patterns: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
-        """Modules whose canonical name or cleaned path matches one of the globs."""
+        """Modules whose canonical name or cleaned path matches one of the globs, one per path
+        (of a wrapper and the module it wraps, the wrapper: hooking both would observe every
+        output twice)."""
         if not patterns:  # the common case, on every due step: no scan of the model
             return []
-        return [(p, m) for p, m in self.named if p and self.matches(p, patterns)]
+        out: dict[str, torch.nn.Module] = {}
+        for p, m in self.named:  # a wrapper and what it wraps share a path: the outermost only
+            if p and p not in out and self.matches(p, patterns):
+                out[p] = m
+        return list(out.items())
 
     def matches(self, path: str, patterns: Sequence[str]) -> bool:
         """Whether a glob matches module ``path``'s canonical name (``layers.3.mlp``) or the path
