@@ -171,3 +171,25 @@ def test_mean_row_l2_leaves_out_a_parameter_without_a_gradient_but_counts_a_zero
     assert model["b"].weight.grad is None
     assert metrics.last_records[0].value == pytest.approx(rows.mean().item(), rel=1e-6)
     metrics.close()
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float64, 1e-30), (torch.float32, 1e20), (torch.bfloat16, 1e20)])
+def test_mean_row_and_column_l2_square_in_float64(dtype, scale):
+    """Line sums of squares are accumulated in float64 whatever the tensor's dtype, like the
+    other norms: squared in float32 they underflowed to 0 for float64 values of 1e-30 and
+    overflowed to inf for float32 values of 1e20."""
+    from tmetrics_core.metrics.norms import MeanLineL2
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 4, bias=False).to(dtype)})
+    with torch.no_grad():
+        model["a"].weight.copy_(torch.arange(1.0, 13.0).reshape(4, 3) / 7 * scale)
+    metrics = TensorMetrics(model, metrics=[(MeanLineL2(name="row", source_kinds=["param"]), 1),
+                                            (MeanLineL2(name="column", source_kinds=["param"], dim=1), 1)])
+    with metrics.step(1):
+        pass
+    full = model["a"].weight.detach().double() / scale
+    values = {r.metric: r.value / scale for r in metrics.last_records}
+    assert values == {"row": pytest.approx(full.norm(dim=1).mean().item(), rel=1e-12),
+                      "column": pytest.approx(full.norm(dim=0).mean().item(), rel=1e-12)}
+    metrics.close()

@@ -436,7 +436,7 @@ class RowL2(Statistic):
                 m = t.reshape(t.shape[0], math.prod(t.shape[1:]))
                 if self.dim == 1:
                     m = m.t()
-                sums = m.float().pow(2).sum(dim=1).double()
+                sums = torch.linalg.vector_norm(m, dim=1, dtype=torch.float64).square()  # float64: no overflow
                 if self._known_lines(site):
                     sums = torch.nn.functional.pad(sums, (0, self._line_shape(site, topology, largest=True)[0] - lines))
                 out.append(sums)
