@@ -20,6 +20,8 @@ the model; the executor then skips it on every rank.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -253,7 +255,7 @@ class TokenObserver:
         # saved tensors); viewed as rows only when not 2-D already: no op otherwise.
         x = tensor.detach() if tensor.requires_grad else tensor
         if x.dim() != 2:
-            x = x.reshape(-1, x.shape[-1])
+            x = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # an empty shard too (width 0)
         if route.readers and not x.is_inference():
             self._views.append((site, x, x._version))
         for metric, _ in route.readers:  # all prepared at the step's end (router sites)
@@ -273,7 +275,7 @@ class TokenObserver:
             self._padding = None if kept.numel() == mask.numel() else Padding(kept, mask.numel())
             return
         x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
-        x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
+        x = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
         y = _local_tokens(minus.detach(), None)[0].reshape(x.shape) if minus is not None else None
         # Only token rows are padded: an expert_bias [E] as long as the micro-batch is not.
         masked = kind in TOKEN_KINDS and self._padding is not None and self._padding.length == x.shape[0]
