@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import json
 import logging
+import numbers
 import os
 import signal
 import threading
@@ -231,12 +232,21 @@ class TensorMetrics:
         skipped; the training loop's exceptions pass through.
 
         Raises:
+            TypeError: ``step`` is not an int (a float, str or bool).
             TMetricsError: on entering a step not larger than the last due one (one scope per
-                optimizer step: micro-batches go in one scope), or the scope after :meth:`close`. After SIGTERM closed
+                optimizer step: micro-batches go in one scope), a scope inside another, or the
+                scope after :meth:`close`. After SIGTERM closed
                 this object, steps still run (their records go nowhere), so a job that shuts
                 down gracefully keeps the same collectives on every rank.
         """
         self._check_open(f"step({step})")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"metrics.step(step): step must be an int, the number of the optimizer step; got "
+                            f"{step!r} ({type(step).__name__}). Pass e.g. int(trainer_state.global_step)")
+        if self._in_scope:
+            raise TMetricsError(
+                f"metrics.step({step}) entered inside the scope of step {self._step}: step scopes do not nest. "
+                "Use one `with metrics.step(n)` per optimizer step, around all of its micro-batches")
         if self._last_due is not None and step <= self._last_due:
             raise TMetricsError(
                 f"metrics.step({step}) entered after step {self._last_due} was measured: step numbers must "
