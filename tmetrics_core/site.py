@@ -13,10 +13,14 @@ from typing import Mapping
 
 from tmetrics_core.placements import Placement, Replica
 
-__all__ = ["Site", "SiteKey"]
+__all__ = ["FROZEN", "Site", "SiteKey"]
 
 SiteKey = tuple[str, str]
 """``(name, kind)``: a site's identity; the same parameter is one site per kind (param, grad)."""
+
+FROZEN: tuple[tuple[str, object], ...] = (("frozen", True),)
+""":attr:`Site.meta` of the sites of a parameter no rank trains (``requires_grad`` False on every
+rank that holds it, as LoRA's base weights): no optimizer updates it."""
 
 
 @dataclass(frozen=True, slots=True)

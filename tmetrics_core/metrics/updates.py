@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from tmetrics_core.metrics.base import StatMetric
+from tmetrics_core.site import FROZEN
 from tmetrics_core.metrics.statistics import COUNT, SUMSQ
 
 __all__ = ["OptimizerStateRms", "UpdateRatio"]
@@ -21,10 +22,11 @@ class UpdateRatio(StatMetric):
 
     ``Δθ`` is the ``update`` site (parameter after the optimizer step minus before it, on due
     steps) and ``θ`` the ``param`` site of the same tensor at the same step (after the step).
-    Both norms run over the layer's tensors that have an update site: every parameter the
-    metric selects, frozen or not stepped ones included (their update is 0, their norm counts
-    in ``||θ||``); narrow them with ``select:``. ``inf`` when ``||θ|| = 0`` and the
-    update is not, NaN when both are 0.
+    Both norms run over the layer's trainable tensors the metric selects: a frozen tensor
+    (``requires_grad`` False on every rank, as LoRA's base weights) is left out of ``||θ||``
+    too, and a layer with no trainable tensor writes no record; a trainable tensor the
+    optimizer did not step (no gradient this step) counts, with an update of 0. Narrow them
+    with ``select:``. ``inf`` when ``||θ|| = 0`` and the update is not, NaN when both are 0.
 
     Healthy training typically shows about 1e-3 per step for Adam (learning rate scale);
     much larger ratios signal instability, much smaller ones a stalled layer.
@@ -36,9 +38,9 @@ class UpdateRatio(StatMetric):
     formula = "sqrt(sum_i Δθ_i^2) / sqrt(sum_i θ_i^2) over the layer's updated tensors"
 
     def kept(self, sites):
-        """Every ``update`` site, and the ``param`` sites of the tensors that have one."""
-        updated = {s.name for s in sites if s.kind == "update"}
-        return [i for i, s in enumerate(sites) if s.kind == "update" or s.name in updated]
+        """The ``update`` and ``param`` sites of the trainable tensors (not :data:`FROZEN`)."""
+        updated = {s.name for s in sites if s.kind == "update" and s.meta != FROZEN}
+        return [i for i, s in enumerate(sites) if s.name in updated]
 
     def finalize(self, stats):
         update = stats.get("update:sumsq", [0.0])[0]

@@ -19,7 +19,7 @@ __all__ = ["Holdings", "Row"]
 Row = tuple
 """One tensor as a rank lists it, its key first. The manifest's: ``(name, original, layer,
 expert, component, family, shape, dtype, dtensor placements, framework placements, covered
-axes, shard tag)``, placements as ``(axis, repr)`` pairs, the shard tag the listing rank's
+axes, shard tag, frozen)``, placements as ``(axis, repr)`` pairs, the shard tag the listing rank's
 coordinates on the axes where a framework or config ``Shard`` splits a plain tensor
 (``tmetrics_core.naming.hand_split``); the token plan's: ``(site key, site)``."""
 

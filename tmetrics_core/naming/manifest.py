@@ -49,7 +49,7 @@ from tmetrics_core.naming.hand_split import global_shape, shard_tag
 from tmetrics_core.naming.holdings import Holdings, Row
 from tmetrics_core.naming.slices import SliceView, place_slice
 from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
-from tmetrics_core.site import Site
+from tmetrics_core.site import FROZEN, Site
 
 __all__ = ["ORIGINS", "Manifest", "TensorEntry", "dtensor_placements"]
 
@@ -81,6 +81,9 @@ class TensorEntry:
     verified: tuple[tuple[str, str], ...] = ()
     """``(axis, source kind)`` pairs whose Replica claim was checked against the values on every
     rank of the axis (``param`` at start-up, ``grad``, ``exp_avg``... at their first due step)."""
+    frozen: bool = False
+    """``requires_grad`` is False on every rank that holds it (LoRA's base weights): no
+    optimizer updates it. Its sites carry ``("frozen", True)`` in :attr:`Site.meta`."""
 
     def origin(self, axis: str) -> str | None:
         """Where the placement on ``axis`` came from, or None when nothing claimed it (an axis of
@@ -96,7 +99,8 @@ class TensorEntry:
     def site(self, kind: str) -> Site:
         """The site of this tensor for source ``kind`` (``param``, ``grad``, ``exp_avg``...)."""
         return Site(name=self.name, kind=kind, logical_shape=self.shape, dtype=self.dtype,
-                    placements=self.placements, layer=self.layer, expert=self.expert, family=self.family)
+                    placements=self.placements, layer=self.layer, expert=self.expert, family=self.family,
+                    meta=FROZEN if self.frozen else ())
 
     def row(self) -> dict[str, Any]:
         """The ``tmetrics names`` row (keys of ``names_table.MANIFEST_KEYS``)."""
@@ -203,7 +207,8 @@ class Manifest:
             local_rows.append((cn.name, cn.original, cn.layer, cn.expert, cn.component, cn.family,
                                shape, str(p.dtype).replace("torch.", ""),
                                tuple((a, repr(pl)) for a, pl in placements),
-                               tuple((a, repr(pl)) for a, pl in framework.items()), covered, tag))
+                               tuple((a, repr(pl)) for a, pl in framework.items()), covered, tag,
+                               not p.requires_grad))
         stacked = max((int(params[cn.original].shape[cn.expert_dim]) for cn in names
                        if cn.expert_dim is not None and cn.expert is None), default=0)
         mine = Holdings.local(local_rows, coords, topology.global_rank, stacked)
@@ -334,7 +339,7 @@ def _merge(everything: Holdings, topology: Topology,
         entries.append(TensorEntry(
             name=name, original=row[1], layer=row[2], expert=row[3], component=row[4], family=row[5],
             shape=shape, dtype=row[7], placements=tuple(p for p in placements if not p[1].is_replica()),
-            holders=holders, origins=tuple(origins),
+            holders=holders, origins=tuple(origins), frozen=all(r[12] for r, _ in variants),
         ))
     return entries
 
