@@ -312,14 +312,17 @@ class TensorMetrics:
     def observe_gradients(self) -> None:
         """Read gradients (and parameters) now, e.g. before clipping, instead of in the optimizer's
         pre-hook. Call between ``backward()`` and ``optimizer.step()`` inside ``step()``, or inside
-        the closure of ``optimizer.step(closure)`` after its ``backward()``. Metrics
-        of parameters alone still see them as the optimizer step does when an update metric is
-        due: they are read from its snapshot (see :class:`~tmetrics_core.sources.param_observer.DueSetPlan`).
+        the closure of ``optimizer.step(closure)`` after its ``backward()``. Called again before
+        ``optimizer.step()`` (after each micro-batch's backward), it reads them again: the last
+        call's values are the step's. Metrics of parameters alone still see them as the
+        optimizer step does when an update metric is due: they are read from its snapshot (see
+        :class:`~tmetrics_core.sources.param_observer.DueSetPlan`).
 
         Raises:
             TMetricsError: after :meth:`close`.
         """
         self._check_open("observe_gradients()")
+        self.params.read_again()
         self.params.prepare("pre")
 
     def _check_open(self, call: str) -> None:

@@ -181,6 +181,17 @@ class ParamObserver:
         self.step, self.due, self._before, self.prepared, self.sites = None, (), None, {}, {}
         self._plan = None
 
+    def read_again(self) -> None:
+        """Forget this step's ``pre`` phase when it ran and the optimizer step has not, so that
+        the next :meth:`prepare` reads parameters and gradients again: a later
+        ``observe_gradients()`` (after the next micro-batch's backward) supersedes an earlier one."""
+        if "pre" in self._done and "post" not in self._done:
+            for metric in self.plan().pre:
+                self.prepared.pop(metric.name, None)
+            self.unfed.clear()  # found by reads of this step, all in the pre phase so far
+            self.no_grad.clear()
+            self._done.discard("pre")
+
     def done(self, phase: str) -> bool:
         """Whether ``phase`` was prepared this step."""
         return phase in self._done
