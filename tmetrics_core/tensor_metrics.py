@@ -398,7 +398,7 @@ class TensorMetrics:
             self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
         say = not self._no_grad_said and any("grad" in m.source_kinds for m, _ in self._due)
         self._deliver_earlier(step)
-        pending = self.executor.launch(due, sites, check=check, unfed=self._unfed | self.params.unfed,
+        pending = self.executor.launch(due, sites, check=check, unfed=self._unfed | self.params.unfed, step=step,
                                        flag=bool(self.params.no_grad) if say else None,
                                        checks=observer.device_checks() if observer is not None else ())
         if say:

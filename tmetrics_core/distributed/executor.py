@@ -43,7 +43,7 @@ import torch
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import Collectives, TorchCollectives
 from tmetrics_core.distributed.host_copy import HostCopy
-from tmetrics_core.errors import PlanMismatchError
+from tmetrics_core.errors import PlanMismatchError, TMetricsError
 from tmetrics_core.metrics.base import CollectiveRequest, MetricResult, Round, TensorMetric
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.site import Site, SiteKey
@@ -172,7 +172,7 @@ class Executor:
 
     def launch(self, due: Sequence[tuple[TensorMetric, Mapping[SiteKey, Any], str | None]],
                sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = (),
-               flag: bool | None = None, checks: Sequence[DeviceCheck] = ()) -> Pending:
+               flag: bool | None = None, checks: Sequence[DeviceCheck] = (), step: int | None = None) -> Pending:
         """Run every due metric through its collectives and start the copy of all their final
         vectors to the host (not waited for on an accelerator: see :class:`HostCopy`).
 
@@ -194,6 +194,8 @@ class Executor:
                 had. Reduced over the world on the device after the rounds (only when some rank
                 has checks, as the agreement tells) and read with the results' copy: no host
                 read of their own. Such a metric still runs its rounds, and gives no results.
+            step: the caller's step number, compared across ranks in the same collective (two
+                more elements): ranks at different steps would combine different steps' values.
 
         Returns:
             The :class:`Pending` step, for :meth:`collect` (every rank collects its launches in
@@ -201,6 +203,7 @@ class Executor:
 
         Raises:
             PlanMismatchError: on every rank, when ``check`` finds ranks with different plans.
+            TMetricsError: on every rank, when ranks passed different ``step`` numbers.
         """
         items = [_Due(m, s, e) for m, s, e in due]
         self.unfed, self.flagged = (), bool(flag)
@@ -210,7 +213,7 @@ class Executor:
                     item.round = item.metric.start(item.state, sites, self.topology)
                 except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
                     item.error = f"{type(exc).__name__}: {exc}"
-        failures, checked = self._agree_failures(items, unfed, flag, bool(checks))
+        failures, checked = self._agree_failures(items, unfed, flag, bool(checks), step)
         failed = {f.metric for f in failures} | set(self.unfed)
         live = [i for i in items if i.metric.name not in failed]
         first = True
@@ -508,18 +511,28 @@ class Executor:
 
     # -- agreement and checks -------------------------------------------------------------------
     def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (), flag: bool | None = None,
-                        checks: bool = False) -> tuple[list[MetricFailure], bool]:
+                        checks: bool = False, step: int | None = None) -> tuple[list[MetricFailure], bool]:
         """Metrics that raised on any rank, in one ``all_reduce(MAX)`` on the host over the world
-        of ``[raised per metric, fed per metric, flag, checks]``; with ``unfed``, also sets
-        :attr:`unfed` to the metrics fed on no rank; with ``flag`` (not None, the first agreement
-        of a run), sets :attr:`flagged`. Returns the failures and whether any rank has
-        ``checks`` (device checks, decided after the rounds). Only when some metric raised does
-        a second collective gather the error texts, to name the failing ranks and the lowest
-        one's error."""
+        of ``[raised per metric, fed per metric, step, -step, flag, checks]``; with ``unfed``,
+        also sets :attr:`unfed` to the metrics fed on no rank; with ``flag`` (not None, the
+        first agreement of a run), sets :attr:`flagged`. Returns the failures and whether any
+        rank has ``checks`` (device checks, decided after the rounds). Only when some metric
+        raised does a second collective gather the error texts, to name the failing ranks and
+        the lowest one's error.
+
+        Raises:
+            TMetricsError: on every rank, when ranks passed different ``step`` numbers.
+        """
         n = len(items)
         mine = [1 if i.error else 0 for i in items] + [0 if i.metric.name in unfed else 1 for i in items]
-        mine += [1 if flag else 0, 1 if checks else 0]
+        mine += [step or 0, -(step or 0), 1 if flag else 0, 1 if checks else 0]
         agreed = self._world_max(mine) if self._distributed else mine
+        if agreed[-4] != -agreed[-3]:
+            raise TMetricsError(
+                f"ranks measured different step numbers in one due step (from {-agreed[-3]} to {agreed[-4]}): "
+                "every rank must enter metrics.step(n) with the same n, the optimizer step's number; their values "
+                "would be combined across steps. Count steps the same way on every rank (e.g. from the "
+                "optimizer's or the trainer's global step)")
         if flag is not None:
             self.flagged = bool(agreed[-2])
         raised = agreed[:n]
