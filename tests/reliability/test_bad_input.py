@@ -173,6 +173,11 @@ CASES = [
     Case("placement-axis-not-in-topology", "dict",
          {"metrics": ["layer-grad-l2"], "placements": {"head.*": {"tp": "S0"}}},
          "placements.head.*", "axis 'tp' is not in the topology ['dp']", dp_axis=True),
+    Case("placement-glob-matching-nothing", "dict",
+         {"metrics": ["layer-grad-l2"], "placements": {"layers.*.attn.q.wieght": {"dp": "S0"}}},
+         "placements.layers.*.attn.q.wieght", "'layers.*.attn.q.wieght' matches no tensor of the model on any rank; "
+         "placements: globs take canonical names (see `tmetrics names`); nearest: 'layers.*.attn.q.weight'",
+         dp_axis=True),
     Case("key-collision-after-rendering", "dict", {"metrics": ["tensor-grad-l2"], "sinks": {"tensorboard": {}}},
          "sinks.tensorboard", "2 key collision(s) for tensorboard:\n  two label sets render to the same tensorboard "
          "key 'tensor-grad-l2/blocks.w_1.bias': {metric='tensor-grad-l2', tensor='blocks.w+1.bias'} and "

@@ -47,6 +47,7 @@ from tmetrics_core.naming.layouts.torchtitan import fused_qkv_geometry
 from tmetrics_core.naming.dtensor import dtensor_placements
 from tmetrics_core.naming.hand_split import global_shape, shard_tag
 from tmetrics_core.naming.holdings import Holdings, Row
+from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.naming.slices import SliceView, place_slice
 from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
 from tmetrics_core.site import FROZEN, Site
@@ -307,6 +308,11 @@ def _merge(everything: Holdings, topology: Topology,
            overrides: Mapping[str, Mapping[str, str]]) -> list[TensorEntry]:
     entries = []
     by_name = cast(dict[str, dict[Row, int]], everything.rows)  # keyed by canonical name in build
+    for pattern in overrides:
+        if not any(fnmatchcase(name, pattern) for name in by_name):
+            raise ConfigError(f"{pattern!r} matches no tensor of the model on any rank; placements: globs take "
+                              f"canonical names (see `tmetrics names`); nearest: {nearest([pattern], by_name)!r}",
+                              path=f"placements.{pattern}")
     for name in sorted(by_name):
         variants = sorted(by_name[name].items(), key=lambda item: item[1])
         row = variants[0][0]
