@@ -193,3 +193,24 @@ def test_mean_row_and_column_l2_square_in_float64(dtype, scale):
     assert values == {"row": pytest.approx(full.norm(dim=1).mean().item(), rel=1e-12),
                       "column": pytest.approx(full.norm(dim=0).mean().item(), rel=1e-12)}
     metrics.close()
+
+
+def test_absmax_of_a_layer_without_any_gradient_writes_no_record():
+    """A layer whose parameters have no gradient on any rank (a branch the loss did not use)
+    gets no gradient absmax record: it read -inf, the identity of max, which the default
+    nonfinite-gradients alert took for an infinite gradient. Its L2 still reads 0 (documented)."""
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in ("layer-grad-absmax", "layer-grad-l2")])
+    with metrics.step(1):
+        model.layers[0](torch.randn(3, 4)).pow(2).sum().backward()  # layer 1 unused: no gradient
+    got = {(r.metric, r.layer): r.value for r in metrics.last_records}
+    grads = [p.grad.detach().double() for p in model.layers[0].parameters()]
+    assert got == {("layer-grad-absmax", 0): pytest.approx(max(float(g.abs().max()) for g in grads), rel=1e-12),
+                   ("layer-grad-l2", 0): pytest.approx(sum(float(g.pow(2).sum()) for g in grads) ** 0.5, rel=1e-12),
+                   ("layer-grad-l2", 1): 0.0}
+    metrics.close()

@@ -337,6 +337,8 @@ class StatMetric:
         results: list[MetricResult] = []
         for gkey in sorted(groups, key=_sort_key):
             value = self.finalize(groups[gkey])
+            if value is None:
+                continue  # the group read nothing on any rank (no gradient anywhere): no record
             base = self._labels(labels[gkey])
             # A float first: typing's and abc's instance checks cost microseconds per value.
             if type(value) is not float and isinstance(value, abc.Mapping):
@@ -368,11 +370,13 @@ class StatMetric:
             return ("family", None, None, site.family or site.name)
         return ("global", None, None, None)
 
-    def finalize(self, stats: Mapping[str, list[float]]) -> Value | Mapping[str, Value]:
+    def finalize(self, stats: Mapping[str, list[float]]) -> Value | Mapping[str, Value] | None:
         """Turn the merged statistics of one group into a value (or a mapping stat -> value
-        for multi-valued metrics). ``stats[name]`` merges a statistic over every site of the
-        group; ``stats["kind:name"]`` over the sites of one source kind only (e.g.
-        ``"update:sumsq"`` and ``"param:sumsq"`` for an update ratio)."""
+        for multi-valued metrics), or None when the group read nothing on any rank (every
+        tensor a placeholder: no gradient anywhere), which writes no record. ``stats[name]``
+        merges a statistic over every site of the group; ``stats["kind:name"]`` over the sites
+        of one source kind only (e.g. ``"update:sumsq"`` and ``"param:sumsq"`` for an update
+        ratio)."""
         raise NotImplementedError(f"{type(self).__name__}.finalize")
 
     def __repr__(self) -> str:

@@ -59,6 +59,8 @@ class AbsMax(StatMetric):
     formula = "max_i |x_i|"
 
     def finalize(self, stats):
+        if stats["absmax"][1] == -math.inf:
+            return None  # every tensor a placeholder (no gradient on any rank): no record, not -inf
         return flagged_value(stats["absmax"])
 
 
