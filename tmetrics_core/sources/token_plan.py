@@ -25,6 +25,7 @@ from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.naming.holdings import Holdings
 from tmetrics_core.placements import Owned, Placement
 from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.sequence_split import split_by_sequence
 from tmetrics_core.sources.tokens import TokenObserver
 
 __all__ = ["TokenPlan"]
@@ -64,10 +65,11 @@ class TokenPlan:
                               self.topology.global_rank, 0)
         shared = share_holdings(mine, executor)
         found = cast(dict[SiteKey, dict[tuple[SiteKey, Site], int]], shared.rows)  # keyed as listed above
-        for key in sorted(found):
-            if key not in self.sites:
-                (_, site), _ = min(found[key].items(), key=lambda item: item[1])
-                self.sites[key] = self._merge(site, shared.held[key])
+        new = [key for key in sorted(found) if key not in self.sites]
+        for key in new:
+            (_, site), _ = min(found[key].items(), key=lambda item: item[1])
+            self.sites[key] = self._merge(site, shared.held[key])
+        split_by_sequence(self.sites, new, observer.first_sumsq, executor, self.topology)
         return True
 
     def _accepted_keys(self, metric: TensorMetric) -> tuple[SiteKey, ...]:

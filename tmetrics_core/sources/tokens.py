@@ -35,13 +35,16 @@ from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.modules import ModuleIndex
 
-__all__ = ["TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
+__all__ = ["RESIDUAL_KINDS", "TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
 
 TOKEN_KINDS = frozenset({
     "residual_accumulator", "residual_contribution", "logits", "activation",
     "router_logits", "router_topk", "router_scores",
 })
 """Site kinds whose rows are tokens."""
+
+RESIDUAL_KINDS = frozenset({"residual_accumulator", "residual_contribution"})
+"""The residual stream's kinds: a block's output, and its output less its input."""
 
 
 @dataclass
@@ -137,6 +140,11 @@ class TokenObserver:
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
         self._kept: dict[SiteKey, int] = {}
         self._memos: list[dict] = []
+        self._fresh: set[SiteKey] = set()
+        """Keys of the sites first made in this step (no earlier step saw them)."""
+        self._firsts: dict[SiteKey, torch.Tensor] = {}
+        """Sum of squares of a fresh residual site's first observation, where it is not read
+        as a moments row (:meth:`first_sumsq`)."""
         self._views: list[tuple[Site, torch.Tensor, int]] = []
         self._row_buffer: torch.Tensor | None = None
         self._rows_used = 0
@@ -293,6 +301,8 @@ class TokenObserver:
             squares = rows and moments.sumsq_suffices(s for m, joint in readers if not joint
                                                       for s in getattr(m, "statistics", ()))
             self.known.routes[key] = Route(site, tuple(readers), rows, squares)
+        if site.key in self._fresh and site.key not in self._firsts and kind in RESIDUAL_KINDS:
+            self._firsts[site.key] = torch.linalg.vector_norm(x if y is None else x - y, dtype=torch.float64).square()
         if not masked and self._from_rows(site, path, readers, x, y):
             return
         if y is not None:
@@ -377,6 +387,15 @@ class TokenObserver:
         for metric, joint in readers:
             if not joint and metric.name not in self.errors:
                 self._deferred.setdefault(metric.name, []).append((site, standin))
+
+    def first_sumsq(self, key: SiteKey) -> torch.Tensor | None:
+        """The sum of squares of site ``key``'s first observation this step (a 0-d tensor on
+        its device, from its moments row), or None where it was not read as a row."""
+        found = moments.rows_of(self._memos[0]).get(key) if self._memos else None
+        if found is None:
+            return self._firsts.get(key)
+        block, row = found
+        return block[row, 0]
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -463,6 +482,7 @@ class TokenObserver:
         site = self.known.sites.get(known)
         if site is None:
             site = self.known.sites[known] = self._new_site(name, kind, x, shard_dim, path, split_axes)
+            self._fresh.add(site.key)
         self.sites[key] = site
         return site
 
