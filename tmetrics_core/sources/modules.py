@@ -169,18 +169,26 @@ def _residual_hook(record_residual: Callable[..., None], residual: bool, contrib
     """A block's input is its first positional argument, or its first tensor keyword argument
     when called by keyword (Megatron-Core calls ``layer(hidden_states=..., ...)``)."""
     def hook(module, args, kwargs, out):
-        h = _first(out)
+        h = _unwrapped(out)  # a DTensor stays one: its Shard on the sequence dim is a population split
         given = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        fits = contribution and isinstance(given, torch.Tensor) and given.shape == h.shape
+        fits = (contribution and isinstance(given, torch.Tensor) and given.shape == h.shape
+                and getattr(given, "placements", None) == getattr(h, "placements", None))  # both DTensors or neither
         x = given if fits else None
         if residual or x is not None:
             record_residual(module, h, x, accumulator=residual)
     return hook
 
 
-def _first(out: Any) -> torch.Tensor:
+def _unwrapped(out: Any) -> torch.Tensor:
+    """The first tensor of a module's output (tuples and lists unwrapped; a DTensor as it is)."""
     while isinstance(out, (tuple, list)):
         out = out[0]
+    return out
+
+
+def _first(out: Any) -> torch.Tensor:
+    """The local tensor of a module's first output."""
+    out = _unwrapped(out)
     local = getattr(out, "to_local", None)
     return local() if local is not None else out
 

@@ -28,7 +28,8 @@ from tmetrics_core.naming.canonical import canonicalize
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 BATCH, SEQ = 4, 16
-METRICS = ("global-grad-l2", "layer-grad-l2", "layer-param-l2", "tensor-grad-l2")
+METRICS = ("global-grad-l2", "layer-grad-l2", "layer-param-l2", "tensor-grad-l2", "layer-residual-accumulator-l2",
+           "layer-residual-contribution-rms")
 MOE_METRICS = METRICS + ("layer-expert-tokens", "expert-grad-l2", "expert-param-l2")
 QKV_SELECT = ["layers.*.attn.[qkv].*", "layers.*.attn.o.*"]
 """tensor-grad-l2 on the q/k/v views of the fused wqkv (the ``llama3-gqa`` runs)."""
