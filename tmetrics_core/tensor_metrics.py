@@ -1,6 +1,6 @@
 """``TensorMetrics``: sources, executor and sinks tied together behind ``with metrics.step(n)``.
 
-Usage (DESIGN.md section 6)::
+Usage (the README's "Use it in your training loop")::
 
     metrics = tm.TensorMetrics.from_config("tmetrics.yaml", model=model, optimizer=optimizer,
                                           mesh=device_mesh)
@@ -207,7 +207,7 @@ class TensorMetrics:
     def from_config(cls, source: Any, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     mesh: Any = None, axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
                     run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> "TensorMetrics":
-        """Build from a config file path, a dict, or a loaded ``Config`` (see DESIGN.md §6).
+        """Build from a config file path, a dict, or a loaded ``Config`` (the README's Config section).
 
         ``mesh`` (a DeviceMesh with dim names) or ``axes`` (``{name: process_group}``) give
         the topology; ``sinks`` (``"tensorboard,mlflow"`` or a list) overrides the config's sinks;

@@ -1,6 +1,6 @@
 """The tmetrics configuration: frozen dataclasses built from YAML, TOML, JSON or a dict.
 
-Shape (DESIGN.md section 6); every section and key is optional::
+Shape (the README's Config section); every section and key is optional::
 
     run: {name: demo, dir: runs/demo}                 # dir defaults to runs/<name>
     metrics:

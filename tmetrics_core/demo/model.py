@@ -1,6 +1,6 @@
 """The demo model: a small byte-level decoder-only transformer with mixture-of-experts MLPs.
 
-Module paths are the canonical tensor names of DESIGN.md section 5, so ``named_parameters()``
+Module paths are the canonical tensor names (tmetrics_core.naming.canonical), so ``named_parameters()``
 of the unwrapped model yields ``embed.weight``, ``layers.{i}.attn_norm.weight``,
 ``layers.{i}.attn.{q,k,v,o}.weight``, ``layers.{i}.mlp_norm.weight``,
 ``layers.{i}.moe.router.weight``, ``layers.{i}.moe.experts.{e}.{gate,up,down}.weight`` (or

@@ -1,5 +1,5 @@
 """Canonical tensor names: one scheme for every framework, so runs from different codebases
-compare (DESIGN.md section 5).
+compare (`tmetrics names` lists a model's; docs/architecture.md).
 
 ===========================================  ============================================
 canonical name                               what it is
