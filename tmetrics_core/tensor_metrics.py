@@ -319,9 +319,12 @@ class TensorMetrics:
         :class:`~tmetrics_core.sources.param_observer.DueSetPlan`).
 
         Raises:
-            TMetricsError: after :meth:`close`.
+            TMetricsError: after :meth:`close`, or outside a step scope (nothing would be read).
         """
         self._check_open("observe_gradients()")
+        if not self._in_scope:
+            raise TMetricsError("observe_gradients() called outside a step scope: gradients are read for the step "
+                                "whose `with metrics.step(n)` is open; call it inside, after backward()")
         self.params.read_again()
         self.params.prepare("pre")
 

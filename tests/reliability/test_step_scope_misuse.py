@@ -40,3 +40,16 @@ def test_a_scope_inside_another_is_refused(tmp_path):
     _train(metrics, model, optimizer, 4)
     metrics.close()
     assert _written_steps(tmp_path) == {1, 4}  # step 2's body raised: not measured
+
+
+def test_observe_gradients_outside_a_step_scope_is_refused(tmp_path):
+    """It read nothing and said nothing; the data already logged stays."""
+    metrics, model, optimizer = _metrics(tmp_path)
+    _train(metrics, model, optimizer, 1)
+    model(torch.randn(4, 6)).pow(2).mean().backward()
+    with pytest.raises(TMetricsError, match=r"observe_gradients\(\) called outside a step scope"):
+        metrics.observe_gradients()
+    optimizer.zero_grad()
+    _train(metrics, model, optimizer, 2)
+    metrics.close()
+    assert _written_steps(tmp_path) == {1, 2}
