@@ -191,7 +191,12 @@ def _current(owner: int | None) -> Observer | None:
 def _record(module: torch.nn.Module, name: str, tensor: torch.Tensor, minus: torch.Tensor | None, kind: str,
             shard_dim: int | None, owner: int | None, *, compiled: bool) -> None:
     observer = _current(owner)
-    if observer is None or kind not in observer.kinds:
+    if observer is None:
+        return
+    if kind not in observer.kinds:
+        unwatched = getattr(observer, "unwatched", None)  # observers written before it take no such call
+        if unwatched is not None:
+            unwatched(kind, module)
         return
     if compiled and kind in getattr(observer, "kept", observer.kinds):  # not declared: every kind may be kept
         tensor = tensor.clone()  # the compiled graph may write its next values into this buffer

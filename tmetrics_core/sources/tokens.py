@@ -20,6 +20,7 @@ the model; the executor then skips it on every rank.
 
 from __future__ import annotations
 
+import logging
 import math
 
 from dataclasses import dataclass, field
@@ -35,13 +36,18 @@ from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.modules import ModuleIndex
 
-__all__ = ["RESIDUAL_KINDS", "TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
+__all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
 
 TOKEN_KINDS = frozenset({
     "residual_accumulator", "residual_contribution", "logits", "activation",
     "router_logits", "router_topk", "router_scores",
 })
 """Site kinds whose rows are tokens."""
+
+OBSERVED_KINDS = TOKEN_KINDS | {"token_mask", "expert_bias"}
+"""Every kind the catalogue's metrics read from observations (``tm.observe``, hooks)."""
+
+log = logging.getLogger("tmetrics")
 
 RESIDUAL_KINDS = frozenset({"residual_accumulator", "residual_contribution"})
 """The residual stream's kinds: a block's output, and its output less its input."""
@@ -69,6 +75,11 @@ class TokenSites:
     routes: dict[tuple, Route] = field(default_factory=dict)
     """``(module, name, kind, shard_dim, dtype, width, with minus, due metric names)`` -> the
     :class:`Route` of a plain-tensor observation: later calls skip the site and reader lookups."""
+    configured: frozenset[str] = frozenset()
+    """The kinds some configured metric reads (due or not); with :data:`OBSERVED_KINDS`, the
+    kinds an observation may have without a word."""
+    unread: set[str] = field(default_factory=set)
+    """Kinds observed that no metric reads, said once each."""
 
 
 @dataclass(frozen=True)
@@ -396,6 +407,18 @@ class TokenObserver:
             return self._firsts.get(key)
         block, row = found
         return block[row, 0]
+
+    def unwatched(self, kind: str, module: torch.nn.Module) -> None:
+        """An observation of ``kind`` that no due metric reads: dropped; the first of a kind that
+        neither the catalogue nor a configured metric reads (a misspelled ``kind``) is said
+        once, with the kinds observations feed."""
+        known = self.known
+        if kind not in known.configured and kind not in OBSERVED_KINDS and kind not in known.unread:
+            known.unread.add(kind)
+            if self.topology.global_rank == 0:
+                log.warning("tmetrics: tm.observe(..., kind=%r) at %s: no metric reads this kind, so it is "
+                            "dropped; observations feed %s. Check the kind's spelling", kind,
+                            self.index.path(module), sorted(known.configured | OBSERVED_KINDS))
 
     @torch.no_grad()
     def finish(self) -> None:
