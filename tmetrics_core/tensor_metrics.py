@@ -347,6 +347,11 @@ class TensorMetrics:
         read when it first returns (or where it calls :meth:`observe_gradients`)."""
         if self._step is None or not self._due:
             return None
+        if self.params.done("post"):
+            self.params.fail_post(f"optimizer.step() ran again inside the scope of step {self._step}: the update and "
+                                  "optimizer-state metrics read after the first one only. Use one `with "
+                                  "metrics.step(n)` per optimizer step")
+            return None
         # torch passes the optimizer itself as args[0]: step(closure) has the closure at args[1].
         closure = kwargs.get("closure") if "closure" in kwargs else args[1] if len(args) > 1 else None
         changed = None

@@ -302,8 +302,11 @@ def test_two_optimizer_steps_in_one_scope(monkeypatch):
         optimizer.step()
         optimizer.step()
         optimizer.zero_grad()
-    _, ran = _compare(Net, ALL, twice, monkeypatch, steps=3)
+    fast, ran = _compare(Net, ALL, twice, monkeypatch, steps=3)
     assert ran == (3, 3)
+    failures = fast[-1][1]  # every step's (kept across steps): the update read after the first step only
+    assert [name for name, _ in failures] == ["layer-update-ratio"] * 3
+    assert all("optimizer.step() ran again inside the scope of step" in text for _, text in failures)
 
 
 def test_scope_and_optimizer_hook_raising(monkeypatch):

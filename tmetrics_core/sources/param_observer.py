@@ -192,6 +192,12 @@ class ParamObserver:
             self.no_grad.clear()
             self._done.discard("pre")
 
+    def fail_post(self, reason: str) -> None:
+        """Fail this step's ``post`` metrics (updates, Adam state) with ``reason``: a second
+        optimizer step in one scope changed what they read after they read it."""
+        for metric in self.plan().post:
+            self.prepared[metric.name] = ({}, reason)
+
     def done(self, phase: str) -> bool:
         """Whether ``phase`` was prepared this step."""
         return phase in self._done
