@@ -68,13 +68,13 @@ def global_shape(name: str, local: Mapping[Tag, tuple[int, ...]], placements: Se
                           "coordinate: " + "; ".join(f"{dict(t)}: {list(s)}" for t, s in local.items()) + "). Pass "
                           "the same placements on every rank", path="placements")
     sizes = {a: topology.axes[a].size for a in topology.names}
-    shards = [(a, p) for a, p in placements if a in tagged and p.shard_dim() is not None]
+    shards = [(a, p, d) for a, p in placements if a in tagged and (d := p.shard_dim()) is not None]
     by_coords = {tuple(c for _, c in tag): shape for tag, shape in local.items()}
     base = tuple(min(coords[i] for coords in by_coords) for i in range(len(tagged)))
     shape = list(by_coords[base] if base in by_coords else next(iter(by_coords.values())))
     described = "; ".join(f"{dict(tag)}: {list(s)}" for tag, s in sorted(local.items()))
-    for dim in sorted({p.shard_dim() for _, p in shards if p.shard_dim() is not None}):
-        axes = [a for a, p in shards if p.shard_dim() == dim]
+    for dim in sorted({d for _, _, d in shards}):
+        axes = [a for a, _, d in shards if d == dim]
         total = 0
         for combo in itertools.product(*(range(sizes[a]) for a in axes)):
             at = dict(zip(axes, combo))
@@ -88,17 +88,17 @@ def global_shape(name: str, local: Mapping[Tag, tuple[int, ...]], placements: Se
         shape[dim] = total
     for tag, seen in local.items():
         want = list(shape)
-        coords = dict(tag)
+        at_tag = dict(tag)
         for axis, p in placements:
             d = p.shard_dim()
-            if d is not None and axis in coords:
-                want[d] = p.local_length(want[d], sizes[axis], coords[axis])  # type: ignore[attr-defined]
+            if d is not None and axis in at_tag:
+                want[d] = p.local_length(want[d], sizes[axis], at_tag[axis])  # type: ignore[attr-defined]
         if tuple(want) != tuple(seen):
-            split = ", ".join(f"{a}={p}" for a, p in shards) or "no Shard"
+            split = ", ".join(f"{a}={p}" for a, p, _ in shards) or "no Shard"
             raise ConfigError(
                 f"tensor {name!r} ({split}; {_origins(tagged, origins)}) has local shapes {described}, so its global "
                 f"shape is {shape} ({math.prod(shape)} elements); but {split} splits that as torch.chunk does, "
-                f"giving {want} at {coords}. Split the tensor as torch.chunk does (or make it a DTensor), or declare "
+                f"giving {want} at {at_tag}. Split the tensor as torch.chunk does (or make it a DTensor), or declare "
                 "the placement that matches how it is split", path="placements")
     return tuple(shape)
 
