@@ -115,3 +115,32 @@ def test_residual_streams_split_by_sequence_are_measured_whole():
     for steps in run_distributed(_run, 2, timeout=120):
         for got, ref in zip(steps, want):
             assert got == {k: pytest.approx(v, rel=1e-4) for k, v in ref.items()}
+
+
+def _nested(rank: int, world: int) -> float:
+    """Four data-parallel ranks (population) holding different batches, and an expert-parallel
+    axis of pairs inside them, as torchtitan's ``ep`` inside ``fsdp``."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(D, D)])
+    torch.manual_seed(0)
+    model.layers[0].reset_parameters()
+    topology = Topology.from_groups({"dp": dist.group.WORLD, "ep": pairs[rank // 2]}, population_axes=["dp"])
+    metrics = TensorMetrics(model, metrics=[(build_metric("layer-residual-accumulator-l2"), 1)], topology=topology,
+                            timeout_s=60)
+    with metrics.step(1):
+        model.layers[0](torch.randn(3, D, generator=torch.Generator().manual_seed(rank)))
+    (record,) = metrics.last_records
+    metrics.close()
+    return record.value
+
+
+def test_an_axis_inside_a_population_axis_is_not_split_again():
+    """Its ranks hold different tokens because the data-parallel axis splits them: measured once."""
+    torch.manual_seed(0)
+    layer = nn.Linear(D, D).double()
+    outs = [layer(torch.randn(3, D, generator=torch.Generator().manual_seed(r)).double()) for r in range(4)]
+    want = torch.cat(outs).norm().item()
+    assert run_distributed(_nested, 4, timeout=120) == [pytest.approx(want, rel=1e-5)] * 4

@@ -87,10 +87,11 @@ def split_by_sequence(sites: dict[SiteKey, Site], new: Sequence[SiteKey],
 
 def _replica_axes(site: Site, topology: Topology) -> list[str]:
     """Axes of size > 1 with a group on which ``site`` has no placement (a Replica claim), less
-    those spanning the same ranks as an axis it is placed on (torchtitan's ``efsdp`` beside
-    ``fsdp``): the placed axis already says how the site lies on those ranks."""
+    those whose ranks all lie in the group of an axis it is placed on (torchtitan's ``efsdp``
+    or ``ep`` inside ``fsdp``): the placed axis already says how the site lies on those ranks,
+    and their different tokens are its."""
     placed = {a for a, _ in site.placements}
-    spans = {frozenset(topology.axes[a].ranks) for a in placed}
+    spans = [frozenset(topology.axes[a].ranks) for a in placed]
     return [a for a in topology.names
             if a not in placed and topology.axes[a].size > 1 and topology.axes[a].group is not None
-            and frozenset(topology.axes[a].ranks) not in spans]
+            and not any(frozenset(topology.axes[a].ranks) <= span for span in spans)]
