@@ -10,6 +10,8 @@ the model.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -119,11 +121,30 @@ def _with_overrides(config: Config, kwargs: dict[str, Any]) -> Config:
                           ) from exc
 
 
+def _check_keywords(cls: Any, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a keyword neither ``from_config`` nor ``cls`` takes, with the nearest one, before
+    anything starts (it raised ``cls``'s own ``TypeError`` after the sinks had started).
+
+    Raises:
+        ConfigError: the first unknown keyword.
+    """
+    known = set(inspect.signature(cls.__init__).parameters) - {"self", "model"}
+    known |= {"optimizer", "mesh", "axes", "sinks", "run_dir"}
+    for name in kwargs:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known - set(_BUILT)), n=1)
+            raise ConfigError(f"from_config() got an unknown keyword argument {name!r}"
+                              f"{f' (did you mean {near[0]!r}?)' if near else ''}; it takes model=, optimizer=, "
+                              f"mesh=, axes=, sinks=, run_dir= and {', '.join(f'{k}=' for k in _OVERRIDES)}, and "
+                              "TensorMetrics' other keyword arguments")
+
+
 def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimizer: Any = None, mesh: Any = None,
                       axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
                       run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
     """See :meth:`TensorMetrics.from_config`."""
     config = source if isinstance(source, Config) else load_config(source)
+    _check_keywords(cls, kwargs)
     config = _with_overrides(config, kwargs)
     if sinks:
         config = override_sinks(config, sinks)

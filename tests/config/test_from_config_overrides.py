@@ -48,6 +48,7 @@ def test_keyword_arguments_override_their_config_keys(tmp_path) -> None:
     ({"timeout_s": -1}, "distributed.collective_timeout_s: got -1"),
     ({"log_rank": 5}, "distributed.log_rank: log_rank 5 is not a rank of this job, whose world has 1 rank(s)"),
     ({"hub": None, "run": None}, "from_config(..., hub=, run=) given: from_config builds hub, run"),
+    ({"check_plna": "first"}, "from_config() got an unknown keyword argument 'check_plna' (did you mean 'check_plan'?)"),
 ])
 def test_bad_or_built_keyword_arguments_are_refused_before_any_sink_starts(tmp_path, given, says) -> None:
     with pytest.raises(ConfigError) as caught:
