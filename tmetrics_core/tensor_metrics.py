@@ -169,7 +169,7 @@ class TensorMetrics:
         self._due: list[tuple[TensorMetric, int]] = []
         self._due_names: tuple[str, ...] = ()
         self._token_sites = TokenSites(  # token sites and their placement checks, kept across steps
-            configured=frozenset(k for m, _ in self.metrics for k in m.source_kinds) | {"token_mask"})
+            configured=frozenset(k for m, _ in self.metrics for k in m.source_kinds))
         self.routers = find_routers(model, self.index)  # routers of the frameworks sources/routers.py knows
         self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
         self._closed = False

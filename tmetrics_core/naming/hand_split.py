@@ -61,18 +61,17 @@ def global_shape(name: str, local: Mapping[Tag, tuple[int, ...]], placements: Se
             shape (``Shard`` follows ``torch.chunk``, as DTensor does): the message gives the local
             shapes by coordinate and the fix.
     """
+    described = "; ".join(f"{dict(tag)}: {list(s)}" for tag, s in sorted(local.items()))
     tagged = [a for a, _ in next(iter(local))]
     if any([a for a, _ in tag] != tagged for tag in local):
         raise ConfigError(f"ranks place tensor {name!r} differently: some name a Shard on axes "
                           f"{sorted({a for tag in local for a, _ in tag})} that others do not (local shapes by "
-                          "coordinate: " + "; ".join(f"{dict(t)}: {list(s)}" for t, s in local.items()) + "). Pass "
-                          "the same placements on every rank", path="placements")
+                          f"coordinate: {described}). Pass the same placements on every rank", path="placements")
     sizes = {a: topology.axes[a].size for a in topology.names}
     shards = [(a, p, d) for a, p in placements if a in tagged and (d := p.shard_dim()) is not None]
     by_coords = {tuple(c for _, c in tag): shape for tag, shape in local.items()}
     base = tuple(min(coords[i] for coords in by_coords) for i in range(len(tagged)))
     shape = list(by_coords[base] if base in by_coords else next(iter(by_coords.values())))
-    described = "; ".join(f"{dict(tag)}: {list(s)}" for tag, s in sorted(local.items()))
     for dim in sorted({d for _, _, d in shards}):
         axes = [a for a, _, d in shards if d == dim]
         total = 0

@@ -48,10 +48,9 @@ def split_by_sequence(sites: dict[SiteKey, Site], new: Sequence[SiteKey],
     Args:
         sites: the token plan's sites (the same on every rank).
         new: keys of the sites added to it at this step, in plan order.
-        sumsq: this rank's sum of squares of a site's first micro-batch this step (a 0-d
-            float tensor on its device), or None where it has none (not observed here, or not
-            read as a moments row). Read on the host once per axis, after the all-reduce: at a
-            site's first due step only.
+        sumsq: this rank's sum of squares of a site's first observation this step (a 0-d
+            float64 tensor on its device), or None where it has none (not observed here). Read
+            on the host once per axis, after the all-reduce: at a site's first due step only.
 
     Returns:
         ``(site key, axis)`` of each claim found not to hold.
@@ -61,8 +60,10 @@ def split_by_sequence(sites: dict[SiteKey, Site], new: Sequence[SiteKey],
     if not checked:
         return []
     spread: list[bool] = []
+    order: list[tuple[SiteKey, str]] = []
     for axis in dict.fromkeys(a for _, a in checked):
         keys = [k for k, a in checked if a == axis]
+        order += [(k, axis) for k in keys]
         none = torch.full((), -math.inf, dtype=torch.float64, device=executor.device)
         mine = [sumsq(k) for k in keys]
         v = torch.stack([none if x is None else x.to(executor.device, torch.float64) for x in mine])
@@ -72,7 +73,6 @@ def split_by_sequence(sites: dict[SiteKey, Site], new: Sequence[SiteKey],
         top, bottom = both[:len(keys)].tolist(), (-both[len(keys):]).tolist()
         spread += [math.isfinite(hi) and math.isfinite(lo) and hi - lo > SPREAD * max(abs(hi), abs(lo))
                    for hi, lo in zip(top, bottom)]
-    order = [(k, a) for a in dict.fromkeys(a for _, a in checked) for k, a2 in checked if a2 == a]
     split = [pair for pair, differs in zip(order, executor.any_ranks(spread)) if differs]
     axes_order = {a: i for i, a in enumerate(topology.names)}
     for key, axis in split:

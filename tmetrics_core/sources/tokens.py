@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -154,8 +153,8 @@ class TokenObserver:
         self._fresh: set[SiteKey] = set()
         """Keys of the sites first made in this step (no earlier step saw them)."""
         self._firsts: dict[SiteKey, torch.Tensor] = {}
-        """Sum of squares of a fresh residual site's first observation, where it is not read
-        as a moments row (:meth:`first_sumsq`)."""
+        """Sum of squares of a fresh residual site's first observation (:meth:`first_sumsq`;
+        the first observation of a site always takes the general path, :meth:`_record`)."""
         self._views: list[tuple[Site, torch.Tensor, int]] = []
         self._row_buffer: torch.Tensor | None = None
         self._rows_used = 0
@@ -400,13 +399,9 @@ class TokenObserver:
                 self._deferred.setdefault(metric.name, []).append((site, standin))
 
     def first_sumsq(self, key: SiteKey) -> torch.Tensor | None:
-        """The sum of squares of site ``key``'s first observation this step (a 0-d tensor on
-        its device, from its moments row), or None where it was not read as a row."""
-        found = moments.rows_of(self._memos[0]).get(key) if self._memos else None
-        if found is None:
-            return self._firsts.get(key)
-        block, row = found
-        return block[row, 0]
+        """The sum of squares of residual site ``key``'s first observation this step, where the
+        site is new in this run (a 0-d float64 tensor on its device); else None."""
+        return self._firsts.get(key)
 
     def unwatched(self, kind: str, module: torch.nn.Module) -> None:
         """An observation of ``kind`` that no due metric reads: dropped; the first of a kind that
