@@ -130,6 +130,20 @@ def _block_stats(recipe: Recipe, x: torch.Tensor, valid: torch.Tensor | None,
     return block_sums, torch.stack(extremes, 1)
 
 
+_BLOCK_FIELDS = [SUM_FIELDS.index(f) for f in ("blocks", "log2_scale_sum", "log2_scale_sumsq", "blocks_at_limit")]
+_SCALE_FIELDS = [MAX_FIELDS.index(f) for f in ("scale_max", "neg_scale_min")]
+
+
+def _first_shard(site: Site, topology: Topology) -> bool:
+    """Whether this rank holds the tensor's first element on every axis that cuts it."""
+    coords = topology.coords()
+    for axis in scale_axes(site, topology):
+        p = site.placement(axis)
+        if (p.start != 0) if p.is_flat_shard() else coords.get(axis, 0) != 0:  # type: ignore[attr-defined]
+            return False
+    return True
+
+
 def scale_axes(site: Site, topology: Topology) -> tuple[str, ...]:
     """Axes (of more than one rank) that cut one observation of ``site`` into shards: ``Shard``
     of a tensor dim, ``StridedShard``, ``FlatShard``. A population split (``Shard(None)``: other
@@ -235,7 +249,12 @@ class QuantStatistic(Statistic):
                 pairs = vector.reshape(-1, 2)
                 amax = torch.where(pairs[:, 1] > 0, math.nan, pairs[:, 0])
                 sums, maxes = quant_rows(self.recipe, copies, amax)
-                self.held.done[done] = (sums.sum(0), maxes.amax(0))
+                sums, maxes = sums.sum(0), maxes.amax(0)
+                if self.recipe.block == (0, 0) and not _first_shard(site, topology):
+                    # One scale per tensor: counted by the shard holding element 0 alone.
+                    sums[_BLOCK_FIELDS] = 0.0
+                    maxes[_SCALE_FIELDS] = -math.inf
+                self.held.done[done] = (sums, maxes)
             else:
                 self.held.done[done] = (torch.zeros(len(SUM_FIELDS), dtype=torch.float64, device=vector.device),
                                        torch.full((len(MAX_FIELDS),), -math.inf, dtype=torch.float64,
