@@ -23,7 +23,8 @@ PARAM_RECIPES = ("mxfp8", "fp8-tensorwise", "nvfp4", "fp8-rowwise")
 ACT_RECIPES = ("fp8-tensorwise", "mxfp8", "nvfp4")
 SPECS = [MetricSpec("layer-param-quant", (("recipe", PARAM_RECIPES),)),
          MetricSpec("layer-grad-quant", (("recipe", ("fp8-tensorwise", "mxfp8")),)),
-         MetricSpec("layer-activation-quant", (("recipe", ACT_RECIPES),))]
+         MetricSpec("layer-activation-quant", (("recipe", ACT_RECIPES),)),
+         MetricSpec("layer-activation-channel-kurtosis"), MetricSpec("layer-activation-outlier-ratio")]
 
 
 def _pad(names, **by_axis):
@@ -129,9 +130,23 @@ def _observations(case: Case, sc: SiteCase) -> list[torch.Tensor]:
     return [o for o in out if o.numel()]
 
 
+def outlier_reference(case: Case) -> dict[str, list]:
+    """Kurtosis and max/median over features of the per-channel RMS of each module's whole output."""
+    kurtosis, ratio = [], []
+    for sc in case.sites:
+        r = sc.full.double().square().mean(0).sqrt()
+        d = r - r.mean()
+        labels = (sc.layer, None, sc.name, None)
+        kurtosis.append((labels, (d.pow(4).mean() / d.square().mean().square()).item()))
+        ratio.append((labels, (r.max() / r.median()).item()))
+    return {"layer-activation-channel-kurtosis": kurtosis, "layer-activation-outlier-ratio": ratio}
+
+
 def reference(case: Case, specs=SPECS) -> dict[str, list]:
     want: dict[str, list] = {}
     for spec in specs:
+        if "quant" not in spec.name:
+            continue
         kind = spec.name.split("-")[1]
         recipes = dict(spec.options)["recipe"]
         rows = []
@@ -151,7 +166,8 @@ def both_cases(rank, shape, names, topology, comm):
 
 
 def both_references(shape, names):
-    return reference(quant_case(shape, names), SPECS[:2]) | reference(activation_case(shape, names), SPECS[2:])
+    acts = activation_case(shape, names)
+    return reference(quant_case(shape, names), SPECS[:2]) | reference(acts, SPECS[2:]) | outlier_reference(acts)
 
 
 def _run(rank, world, comm, shape, names):

@@ -23,6 +23,7 @@ from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.activations import DEFAULT_MODULES, ModuleRms, OutputEntropy
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.drift import ReplicaDrift
+from tmetrics_core.metrics.outliers import ChannelKurtosis, OutlierRatio
 from tmetrics_core.metrics.quant.metric import QUANT_STATS, QuantMetric
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, MeanLineL2, NonFinite, Rms, ZeroFraction
 from tmetrics_core.metrics.router import (
@@ -244,6 +245,17 @@ def _quant_entries() -> list[CatalogueEntry]:
             f"per recipe (default mxfp8): {', '.join(QUANT_STATS)} of x vs dq(x) (stats <recipe>.<quantity>)",
             "fraction / dB / x units / binades", "underflow and overflow near 0; sqnr-db above 30 for fp8",
             _QUANT, options=frozenset(options)))
+    channels = "token rows split (Shard(None)), features split (Shard(1)), Owned, Replica; not FlatShard"
+    out.append(CatalogueEntry(
+        "layer-activation-channel-kurtosis", _made(ChannelKurtosis, ["activation"], "tensor"), ("activation",),
+        ("tensor",), "Pearson kurtosis over features c of r_c = sqrt(mean_t y_tc^2), per chosen module",
+        "dimensionless", "near 1.8-3; tens and above mean outlier channels", channels,
+        options=frozenset({"select", "modules"})))
+    out.append(CatalogueEntry(
+        "layer-activation-outlier-ratio", _made(OutlierRatio, ["activation"], "tensor"), ("activation",),
+        ("tensor",), "max_c r_c / median_c r_c, r_c = sqrt(mean_t y_tc^2), per chosen module", "ratio",
+        "a few; 100 and above defeats per-tensor and per-row scales", channels,
+        options=frozenset({"select", "modules"})))
     return out
 
 
