@@ -34,15 +34,20 @@ def _cases(rank, world, meshes):
     for shape, names in meshes:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         out.append(both_cases(rank, shape, names, Topology.from_mesh(mesh), TorchCollectives(30.0)))
-    return out
+    # One launch per world size: the torchao step rides along at world 2.
+    return out, (_float8_fsdp(rank, world) if world == 2 else None)
+
+
+@pytest.fixture(scope="module")
+def launches():
+    return {world: run_distributed(_cases, world, MESHES[world], timeout=240) for world in (2, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_quant_equals_unsharded_reference_on_gloo(world):
-    results = run_distributed(_cases, world, MESHES[world], timeout=240)
+def test_quant_equals_unsharded_reference_on_gloo(launches, world):
     for index, (shape, names) in enumerate(MESHES[world]):
         want = both_references(shape, names)
-        for rank_results in results:
+        for rank_results, _ in launches[world]:
             assert_results(rank_results[index], want)
 
 
@@ -121,11 +126,11 @@ def _float8_fsdp(rank, world):
             "loss": float(loss.detach()), "failures": [f.error for f in metrics.failures]}
 
 
-def test_torchao_float8_fsdp2_amax_over_shards():
+def test_torchao_float8_fsdp2_amax_over_shards(launches):
     """A real torchao float8 step (Float8Linear under FSDP2) on 2 gloo ranks:
     tmetrics' fp8-tensorwise underflow and SQNR of each layer's weights equal those of torchao's
     own casts, whose scale comes from the amax over both shards."""
-    results = run_distributed(_float8_fsdp, 2, timeout=240)
+    results = [step for _, step in launches[2]]
     for got in results:
         assert not got["failures"] and math.isfinite(got["loss"])
         for layer, (underflow, energy, noise, numel) in got["torchao"].items():

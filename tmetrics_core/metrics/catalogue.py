@@ -242,7 +242,9 @@ def _quant_entries() -> list[CatalogueEntry]:
         options = {"select", "recipe", "format", "scale_mode"} | ({"modules"} if kind == "activation" else set())
         out.append(CatalogueEntry(
             f"layer-{word}-quant", _made(QuantMetric, [kind], "layer"), (kind,), ("layer",),
-            f"per recipe (default mxfp8): {', '.join(QUANT_STATS)} of x vs dq(x) (stats <recipe>.<quantity>)",
+            f"per recipe (default mxfp8): {', '.join(QUANT_STATS)} of x vs dq(x) (stats <recipe>.<quantity>); "
+            "cost per recipe and due step: one read and ~30 float64 passes per element, plus a MAX round and a "
+            "shard copy for fp8-tensorwise/nvfp4 on sharded tensors (docs/low-precision.md)",
             "fraction / dB / x units / binades", "underflow and overflow near 0; sqnr-db above 30 for fp8",
             _QUANT, options=frozenset(options)))
     channels = "token rows split (Shard(None)), features split (Shard(1)), Owned, Replica; not FlatShard"
