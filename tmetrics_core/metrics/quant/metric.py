@@ -44,6 +44,10 @@ QUANT_STATS = ("underflow", "overflow", "sqnr-db", "rel-error", "mse", "amax", "
 """The quantities each recipe reports, in record order."""
 
 
+_READ_ONCE = frozenset({"param", "grad"})
+"""Kinds read once per step (the last read counts, as ``observe_gradients()`` called again)."""
+
+
 class QuantMetric(StatMetric):
     """Low-precision statistics of one source kind under one or more recipes.
 
@@ -94,7 +98,11 @@ class QuantMetric(StatMetric):
         state: dict = {s.key: [] for s in sites}
         if any(r.tensor_amax for r in self.recipes):
             for i in cut:  # a copy: the optimizer step or later layers may change the tensor in place
-                self.held.reading.setdefault(sites[i].key, []).append(tensors[i].detach().clone())
+                copy = tensors[i].detach().clone()
+                if sites[i].kind in _READ_ONCE:  # one read per step: a later read replaces it
+                    self.held.reading[sites[i].key] = [copy]
+                else:  # one copy per observation (micro-batch)
+                    self.held.reading.setdefault(sites[i].key, []).append(copy)
                 self._two.add(sites[i].key)
         for recipe, sums_stat, max_stat in zip(self.recipes, self.statistics[::2], self.statistics[1::2]):
             now = [i for i in held if not (recipe.tensor_amax and i in cut)]

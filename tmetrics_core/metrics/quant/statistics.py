@@ -244,7 +244,9 @@ class QuantStatistic(Statistic):
         key = site.key
         done = (self.recipe, key)
         if done not in self.held.done:
-            copies = self.held.step.get(key, [])
+            # The last copies, one per observation of this step (a step whose metric failed
+            # before its rounds may have left older ones in front).
+            copies = self.held.step.get(key, [])[-(vector.numel() // 2):]
             if copies:
                 pairs = vector.reshape(-1, 2)
                 amax = torch.where(pairs[:, 1] > 0, math.nan, pairs[:, 0])
