@@ -18,6 +18,7 @@ from tmetrics_core.metrics.quant.metric import QUANT_STATS
 from tmetrics_core.metrics.quant.recipes import recipe_named
 from tmetrics_core.placements import Shard, chunk_range
 from tmetrics_core.site import Site
+from tmetrics_core.tensor_metrics import TensorMetrics
 
 PARAM_RECIPES = ("mxfp8", "fp8-tensorwise", "nvfp4", "fp8-rowwise")
 ACT_RECIPES = ("fp8-tensorwise", "mxfp8", "nvfp4")
@@ -227,3 +228,6 @@ def test_refusals_name_the_fix():
         build_metric("layer-grad-quant", recipe=["mxfp8", "mxfp8"])
     with pytest.raises(ConfigError, match="takes no 'recipe'"):
         build_metric("layer-grad-l2", recipe="mxfp8")
+    with pytest.raises(ConfigError, match=r"metrics\[0\]: recipe: unknown .* did you mean 'mxfp8'"):
+        TensorMetrics.from_config({"metrics": [{"name": "layer-param-quant", "recipe": "mxfp9"}], "sinks": {}},
+                                  model=torch.nn.Linear(4, 4))
