@@ -75,7 +75,9 @@ def quant_rows(recipe: Recipe, tensors: Sequence[torch.Tensor], tensor_amax: tor
         if blocks.shape[0]:
             groups.setdefault(blocks.shape[1], []).append((i, blocks, valid))
     for members in groups.values():
-        owner = torch.tensor([i for i, b, _ in members for _ in range(b.shape[0])], device=device)
+        counts = [b.shape[0] for _, b, _ in members]
+        owner = torch.repeat_interleave(torch.tensor([i for i, _, _ in members], device=device),
+                                        torch.tensor(counts, device=device), output_size=sum(counts))
         x = torch.cat([b for _, b, _ in members]) if len(members) > 1 else members[0][1]
         valid = None
         if any(v is not None for _, _, v in members):
