@@ -91,9 +91,12 @@ def format_named(name: str, *, path: str = "format") -> Format:
     raise ConfigError(f"unknown low-precision format {name!r}{hint} (valid: {', '.join(FORMATS)})", path=path)
 
 
-def pow2(exponent: torch.Tensor) -> torch.Tensor:
-    """``2.0 ** exponent`` in float64, exactly, for integer exponents in ``[-1022, 1023]``: built
-    from the bits (no ``pow`` or ``exp2``, whose last bit a device library may round)."""
+def pow2(exponent: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``2.0 ** exponent`` exactly, for integer exponents in the normal range of ``dtype``
+    (float64: ``[-1022, 1023]``; float32: ``[-126, 127]``): built from the bits (no ``pow`` or
+    ``exp2``, whose last bit a device library may round)."""
+    if dtype == torch.float32:
+        return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
     return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
@@ -109,16 +112,16 @@ def round_to(fmt: Format, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``overflow`` bool, True where the unsaturated rounding exceeds ``max`` (``±inf`` included,
         NaN not).
     """
-    a = y.to(torch.float64).abs()
+    # float32 arithmetic is exact here as float64 is for float64 input: ``a * 2**-ulp`` lies below
+    # 2**(mbits + 1) and both scalings are by powers of two within float32's normal range.
+    work = torch.float64 if y.dtype == torch.float64 else torch.float32
+    a = y.to(work).abs()
     _, exponent = torch.frexp(a)  # a = m * 2**exponent, m in [0.5, 1): floor(log2 a) = exponent - 1
-    binade = torch.clamp(exponent - 1, min=1 - fmt.bias)
-    ulp_exp = binade - fmt.mbits
-    # a / ulp and the product back are exact (powers of two, far from float64's range limits).
-    magnitude = torch.round(a * pow2(-ulp_exp)) * pow2(ulp_exp)
-    magnitude = torch.where(torch.isinf(a), a, magnitude)
+    ulp_exp = torch.clamp(exponent - 1, min=1 - fmt.bias) - fmt.mbits
+    magnitude = torch.round(a * pow2(-ulp_exp, work)) * pow2(ulp_exp, work)  # inf stays inf
     overflow = magnitude > fmt.max
-    q = torch.copysign(torch.clamp(magnitude, max=fmt.max), y.to(torch.float64))
-    return q, overflow
+    q = torch.copysign(torch.clamp(magnitude, max=fmt.max), y.to(work))
+    return q.to(torch.float64), overflow
 
 
 def e8m0_exponent(amax: torch.Tensor, element: Format, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,31 +101,34 @@ def _block_stats(recipe: Recipe, x: torch.Tensor, valid: torch.Tensor | None,
     """``[blocks, len(SUM_FIELDS)]`` sums and ``[blocks, len(MAX_FIELDS)]`` extremes of blocks
     given as rows (see :meth:`Recipe.quantise_blocks`)."""
     b = recipe.quantise_blocks(x, valid, tensor_amax)
+    # Padding (zeros) is never non-zero, never overflows and adds nothing to the sums; only the
+    # element count and the non-finite count (a NaN block's padding decodes to NaN) exclude it.
     x64 = x.to(torch.float64)
-    real = valid if valid is not None else torch.ones_like(x, dtype=torch.bool)
-    finite_x = torch.isfinite(x64)
+    magnitude = x64.abs()
     nonzero = (x64 != 0) & ~torch.isnan(x64)
-    finite_dq = torch.isfinite(b.dq)
-    measured = finite_x & finite_dq & real
-    err = torch.where(measured, x64 - b.dq, 0.0)
+    err = x64 - b.dq
+    measured = torch.isfinite(err)  # x and dq(x) both finite
+    err = torch.where(measured, err, 0.0)
     relative = measured & nonzero
-    rel = torch.where(relative, err.abs() / torch.where(relative, x64.abs(), 1.0), 0.0)
+    rel = torch.where(relative, err.abs() / torch.where(relative, magnitude, 1.0), 0.0)
+    nonfinite = ~torch.isfinite(b.dq)
+    if valid is not None:
+        nonfinite &= valid
+    count = valid.sum(1) if valid is not None else torch.full((x.shape[0],), x.shape[1], device=x.device)
     # A block's scale is meaningful when its amax is finite and non-zero (an all-zero block, a
     # padded one, scales nothing); with a tensor-wide scale, every block of a non-zero tensor.
     block_amax = b.amax if tensor_amax is None or recipe.name != "fp8-tensorwise" else tensor_amax
     scaled = (block_amax > 0) & torch.isfinite(block_amax) & torch.isfinite(b.decode) & (b.decode > 0)
     log2d = torch.where(scaled, torch.log2(torch.where(scaled, b.decode, 1.0)), 0.0)
     columns = [
-        real.sum(1), (nonzero & real).sum(1), (nonzero & finite_x & (b.dq == 0) & real).sum(1),
-        (b.overflow & real).sum(1), (~finite_dq & real).sum(1),
+        count, nonzero.sum(1), (nonzero & (b.dq == 0)).sum(1), b.overflow.sum(1), nonfinite.sum(1),
         torch.where(measured, x64 * x64, 0.0).sum(1), (err * err).sum(1), rel.sum(1), relative.sum(1),
         scaled, log2d, log2d * log2d, b.clamped & scaled,
     ]
     block_sums = torch.stack([c.to(torch.float64) for c in columns], 1)
-    magnitude = x64.abs()
     extremes = [
-        torch.where(torch.isnan(x64) | ~real, -math.inf, magnitude).amax(1),
-        -torch.where(finite_x & nonzero & real, magnitude, math.inf).amin(1),
+        torch.where(torch.isnan(x64), -math.inf, magnitude).amax(1),
+        -torch.where(nonzero, magnitude, math.inf).amin(1),
         torch.where(scaled, b.decode, -math.inf),
         -torch.where(scaled, b.decode, math.inf),
     ]
