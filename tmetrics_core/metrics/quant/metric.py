@@ -87,7 +87,7 @@ class QuantMetric(StatMetric):
         ``layer-activation-rms``: the canonical module name or the path in the model)."""
         if not super().accepts(site):
             return False
-        if site.kind != "activation":
+        if not site.kind.startswith("activation"):  # activations and their gradients come from modules
             return True
         path = dict(site.meta).get("module")
         return any(fnmatchcase(site.name, m) or (isinstance(path, str) and fnmatchcase(path, m)) for m in self.modules)
