@@ -166,7 +166,8 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     for i, mc in enumerate(config.metrics):
         try:
             metric = build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins,
-                                  sample=mc.sample)
+                                  sample=mc.sample, recipe=mc.recipe or None, format=mc.format,
+                                  scale_mode=mc.scale_mode)
         except ConfigError as exc:
             raise ConfigError(str(exc), path=f"metrics[{i}]") from exc
         metrics.append((metric, mc.interval))

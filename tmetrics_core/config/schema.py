@@ -137,6 +137,13 @@ class MetricConfig:
     sample: int | None = None
     """Elements sampled per tensor when comparing data-parallel replicas (``dp-replica-drift``);
     ``None``: the metric's default."""
+    recipe: tuple[str, ...] = ()
+    """Low-precision recipes compared in one pass (``layer-*-quant``; docs/low-precision.md); a
+    single string is one recipe. Empty: ``mxfp8``. Names are checked when the metric is built."""
+    format: str | None = None
+    """Element format of FP8 recipes (``e4m3`` or ``e5m2``) instead of the recipe's default."""
+    scale_mode: str | None = None
+    """MX scale rounding (``floor``, ``ceil``, ``even``, ``rceil``) for ``mxfp8``."""
 
     def __post_init__(self) -> None:
         _check_name(self.name, path="name", what="a metric name such as 'layer-grad-l2'")
@@ -147,6 +154,11 @@ class MetricConfig:
             _check_int(self.bins, path="bins", minimum=1, meaning="number of histogram bins")
         if self.sample is not None:
             _check_int(self.sample, path="sample", minimum=1, meaning="elements sampled per tensor")
+        recipes = (self.recipe,) if isinstance(self.recipe, str) else self.recipe
+        if not isinstance(recipes, (tuple, list)) or not all(isinstance(r, str) and r for r in recipes):
+            raise ConfigError(f"got {_describe(self.recipe)}; need a recipe name or a list of them "
+                              "(fp8-tensorwise, fp8-rowwise, fp8-block, mxfp8, nvfp4)", path="recipe")
+        object.__setattr__(self, "recipe", tuple(recipes))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

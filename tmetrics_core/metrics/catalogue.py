@@ -23,6 +23,8 @@ from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.activations import DEFAULT_MODULES, ModuleRms, OutputEntropy
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.drift import ReplicaDrift
+from tmetrics_core.metrics.outliers import ChannelKurtosis, OutlierRatio
+from tmetrics_core.metrics.quant.metric import QUANT_STATS, QuantMetric
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, MeanLineL2, NonFinite, Rms, ZeroFraction
 from tmetrics_core.metrics.router import (
     DeadExperts,
@@ -223,8 +225,40 @@ def _entries() -> list[CatalogueEntry]:
           "router_logits", "expert_bias"), ("layer", "global"),
           "mean, std, rms, range, max|b| of the expert bias; corr(b, scores / aux load / dispatched load)",
           "bias units / correlation", "bounded bias; negative correlation with scores", _ROUTER_ROWS),
-    ]
+    ] + _quant_entries()
     return entries
+
+
+_QUANT = ("Replica, Shard(d), Shard(None), Owned; FlatShard and shards that cut scale blocks only with "
+          "fp8-tensorwise; Partial materialized")
+
+
+def _quant_entries() -> list[CatalogueEntry]:
+    """``layer-{param,grad,activation}-quant`` (docs/low-precision.md). Cost per recipe and due
+    step: one read of each tensor and a float64 pass over its elements; tensorwise and nvfp4 on
+    a tensor cut across ranks add one MAX round and a copy of the local shard until it runs."""
+    out = []
+    for kind, word in (("param", "param"), ("grad", "grad"), ("activation", "activation")):
+        options = {"select", "recipe", "format", "scale_mode"} | ({"modules"} if kind == "activation" else set())
+        out.append(CatalogueEntry(
+            f"layer-{word}-quant", _made(QuantMetric, [kind], "layer"), (kind,), ("layer",),
+            f"per recipe (default mxfp8): {', '.join(QUANT_STATS)} of x vs dq(x) (stats <recipe>.<quantity>); "
+            "cost per recipe and due step: one read and ~30 float64 passes per element, plus a MAX round and a "
+            "shard copy for fp8-tensorwise/nvfp4 on sharded tensors (docs/low-precision.md)",
+            "fraction / dB / x units / binades", "underflow and overflow near 0; sqnr-db above 30 for fp8",
+            _QUANT, options=frozenset(options)))
+    channels = "token rows split (Shard(None)), features split (Shard(1)), Owned, Replica; not FlatShard"
+    out.append(CatalogueEntry(
+        "layer-activation-channel-kurtosis", _made(ChannelKurtosis, ["activation"], "tensor"), ("activation",),
+        ("tensor",), "Pearson kurtosis over features c of r_c = sqrt(mean_t y_tc^2), per chosen module",
+        "dimensionless", "near 1.8-3; tens and above mean outlier channels", channels,
+        options=frozenset({"select", "modules"})))
+    out.append(CatalogueEntry(
+        "layer-activation-outlier-ratio", _made(OutlierRatio, ["activation"], "tensor"), ("activation",),
+        ("tensor",), "max_c r_c / median_c r_c, r_c = sqrt(mean_t y_tc^2), per chosen module", "ratio",
+        "a few; 100 and above defeats per-tensor and per-row scales", channels,
+        options=frozenset({"select", "modules"})))
+    return out
 
 
 _ENTRIES: dict[str, CatalogueEntry] = {entry.name: entry for entry in _entries()}
@@ -259,7 +293,8 @@ def resolve_metric(name: str) -> str:
 
 def build_metric(name: str, *, select: str | Sequence[str] | None = None,
                  modules: str | Sequence[str] | None = None, bins: int | None = None,
-                 sample: int | None = None) -> TensorMetric:
+                 sample: int | None = None, recipe: str | Sequence[str] | None = None,
+                 format: str | None = None, scale_mode: str | None = None) -> TensorMetric:
     """Build the metric called ``name`` (canonical or alias); its ``name`` is canonical.
 
     Args:
@@ -267,6 +302,7 @@ def build_metric(name: str, *, select: str | Sequence[str] | None = None,
         modules: globs on module names (``layer-activation-rms`` only).
         bins: log-spaced bins per sign (histograms and the router-logit median).
         sample: element positions compared per tensor (``dp-replica-drift``).
+        recipe, format, scale_mode: low-precision recipes and their options (``layer-*-quant``).
 
     Raises:
         ConfigError: unknown name (``path="name"``, with close matches), or an option the metric
@@ -277,7 +313,8 @@ def build_metric(name: str, *, select: str | Sequence[str] | None = None,
     except KeyError as exc:
         raise ConfigError(str(exc.args[0]), path="name") from None
     entry = _ENTRIES[canonical]
-    given = {"select": select, "modules": modules, "bins": bins, "sample": sample}
+    given = {"select": select, "modules": modules, "bins": bins, "sample": sample, "recipe": recipe,
+             "format": format, "scale_mode": scale_mode}
     options = {k: v for k, v in given.items() if v not in (None, (), [], "")}
     for option in options:
         if option not in entry.options:
