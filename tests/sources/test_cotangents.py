@@ -1,0 +1,58 @@
+"""Cotangent metrics on one rank vs float64 autograd over the same global batch: gradient
+accumulation over 4 micro-batches, a GradScaler at 2^16, both activation-checkpointing
+flavours; each micro-batch's cotangent observed once per site."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.backward_model import BATCH, L, METRICS, Net, assert_close, batch, expected, loss_of, observed
+from tmetrics_core.metrics.catalogue import build_metric
+from tmetrics_core.sources.tokens import TokenObserver
+from tmetrics_core.tensor_metrics import TensorMetrics
+
+
+def _metrics(tm_kwargs=None, ckpt=None, micro=4, scaler=None, count=None):
+    model = Net(ckpt)
+    tm = TensorMetrics(model, metrics=[(build_metric(n, modules=["layers.*.mlp"] if "activation" in n else None), 1)
+                                       for n in METRICS], grad_scaler=scaler, **(tm_kwargs or {}))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens, targets = batch(1)
+    with tm.step(1):
+        for k in range(micro):
+            rows = slice(k * BATCH // micro, (k + 1) * BATCH // micro)
+            loss = loss_of(model(tokens[rows]), targets[rows]) / micro
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+    return observed(tm.last_records)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Cotangent observations by kind."""
+    calls: dict[str, int] = {}
+    original = TokenObserver.cotangent
+
+    def spy(self, module, name, grad, *, kind, shard_dim):
+        calls[kind] = calls.get(kind, 0) + 1
+        return original(self, module, name, grad, kind=kind, shard_dim=shard_dim)
+    monkeypatch.setattr(TokenObserver, "cotangent", spy)
+    return calls
+
+
+@pytest.mark.parametrize("ckpt", [None, "reentrant", "non-reentrant"])
+def test_accumulation_and_checkpointing_match_float64(ckpt, counted):
+    assert_close(_metrics(ckpt=ckpt), expected(1))
+    # micro-batches x sites: L block outputs, L block inputs, L mlp outputs, 1 head output
+    assert counted == {"residual_grad": 4 * L, "residual_input_grad": 4 * L, "activation_grad": 4 * L,
+                       "logits_grad": 4}
+
+
+def test_grad_scaler_divides_the_loss_scale(counted):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    assert_close(_metrics(micro=2, scaler=scaler), expected(1))
+    assert counted["residual_grad"] == 2 * L
