@@ -39,7 +39,7 @@ from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale
 from tmetrics_core.sources.modules import ModuleIndex
 
-__all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
+__all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "SEQUENCE_CHECKED", "TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
 
 TOKEN_KINDS = frozenset({
     "residual_accumulator", "residual_contribution", "logits", "activation",
@@ -55,6 +55,11 @@ log = logging.getLogger("tmetrics")
 RESIDUAL_KINDS = frozenset({"residual_accumulator", "residual_contribution", "residual_grad", "residual_input_grad"})
 """The residual stream's kinds: a block's output, its output less its input, and the
 cotangents of its output and input."""
+
+SEQUENCE_CHECKED = RESIDUAL_KINDS | {"activation_grad"}
+"""Kinds whose plain tensors may hold each tensor-parallel rank's part of the sequence
+(sequence parallelism) with nothing to say so: checked when first seen
+(:mod:`tmetrics_core.sources.sequence_split`)."""
 
 
 @dataclass
@@ -346,7 +351,7 @@ class TokenObserver:
             squares = rows and moments.sumsq_suffices(s for m, joint in readers if not joint
                                                       for s in getattr(m, "statistics", ()))
             self.known.routes[key] = Route(site, tuple(readers), rows, squares)
-        if site.key in self._fresh and site.key not in self._firsts and kind in RESIDUAL_KINDS:
+        if site.key in self._fresh and site.key not in self._firsts and kind in SEQUENCE_CHECKED:
             self._firsts[site.key] = torch.linalg.vector_norm(x if y is None else x - y, dtype=torch.float64).square()
         if not masked and self._from_rows(site, path, readers, x, y):
             return
