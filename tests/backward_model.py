@@ -5,15 +5,16 @@ The reference runs the whole global batch in one float64 process with the mean c
 over all its tokens; ``expected`` gives every record the cotangent metrics should write."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 V, D, F, L = 16, 8, 12, 3
 BATCH, SEQ = 8, 6
 
-METRICS = ("layer-residual-grad-l2", "layer-residual-grad-rms", "layer-residual-grad-absmax",
+METRICS = ("layer-residual-accumulator-l2", "layer-residual-grad-l2", "layer-residual-grad-rms", "layer-residual-grad-absmax",
            "layer-residual-grad-nonfinite", "layer-residual-grad-histogram", "layer-activation-grad-rms",
            "output-logits-grad-l2", "layer-backward-gain")
 
@@ -28,7 +29,9 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    """``ckpt``: None, ``"reentrant"`` or ``"non-reentrant"`` (torch.utils.checkpoint per block)."""
+    """``ckpt``: activation checkpointing of each block: None, ``"reentrant"`` or
+    ``"non-reentrant"`` (torch.utils.checkpoint), ``"wrapper"`` (torch's checkpoint_wrapper, as
+    torchtitan applies it), ``"selective"`` (matmul outputs saved, the rest recomputed)."""
 
     def __init__(self, ckpt: str | None = None) -> None:
         super().__init__()
@@ -37,12 +40,18 @@ class Net(torch.nn.Module):
         self.layers = torch.nn.ModuleList([Block() for _ in range(L)])
         self.head = torch.nn.Linear(D, V, bias=False)
         self.ckpt = ckpt
+        if ckpt == "wrapper":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            self.layers = torch.nn.ModuleList([checkpoint_wrapper(b) for b in self.layers])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
         for block in self.layers:
-            if self.ckpt is None:
+            if self.ckpt in (None, "wrapper"):
                 h = block(h)
+            elif self.ckpt == "selective":
+                h = checkpoint(block, h, use_reentrant=False, context_fn=functools.partial(
+                    create_selective_checkpoint_contexts, [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]))
             else:
                 h = checkpoint(block, h, use_reentrant=self.ckpt == "reentrant")
         return self.head(h)
@@ -80,6 +89,7 @@ def expected(step: int = 1) -> dict[tuple[str, int | None, str | None], float]:
     for i in range(L):
         g, gi, ga = outs[i].grad, ins[i].grad, acts[i].grad
         n = g.numel()
+        out[("layer-residual-accumulator-l2", i, None)] = outs[i].norm().item()  # the forward's, once
         out[("layer-residual-grad-l2", i, None)] = g.norm().item()
         out[("layer-residual-grad-rms", i, None)] = math.sqrt(g.square().sum().item() / n)
         out[("layer-residual-grad-absmax", i, None)] = g.abs().max().item()

@@ -1,6 +1,7 @@
 """Cotangent metrics on one rank vs float64 autograd over the same global batch: gradient
 accumulation over 4 micro-batches, a GradScaler at 2^16, both activation-checkpointing
-flavours; each micro-batch's cotangent observed once per site."""
+flavours, torch's checkpoint_wrapper and selective checkpointing; each micro-batch's cotangent
+observed once per site, and the forward's residual L2 once per micro-batch under recomputation."""
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,7 @@ def counted(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("ckpt", [None, "reentrant", "non-reentrant"])
+@pytest.mark.parametrize("ckpt", [None, "reentrant", "non-reentrant", "wrapper", "selective"])
 def test_accumulation_and_checkpointing_match_float64(ckpt, counted):
     assert_close(_metrics(ckpt=ckpt), expected(1))
     # micro-batches x sites: L block outputs, L block inputs, L mlp outputs, 1 head output
