@@ -151,7 +151,7 @@ def tap(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, 
     if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
         return
     if torch.compiler.is_compiling():
-        tensor.register_hook(functools.partial(_compiled_cotangent, id(module), name, kind, shard_dim, owner))
+        tensor.register_hook(functools.partial(_compiled_cotangent, id(module), name, kind, shard_dim, owner))  # type: ignore[no-untyped-call]  # torch leaves it untyped
         return
     observer = _grad_observer(owner)
     if observer is None or kind not in observer.kinds:
