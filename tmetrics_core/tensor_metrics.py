@@ -116,6 +116,9 @@ class TensorMetrics:
             metrics (``*-grad-*``) divide by its scale (and by the data-parallel averaging),
             so they read the cotangents of the loss the optimizer applies
             (:mod:`~tmetrics_core.sources.cotangents`).
+        grad_divisor: what the gradients are divided by after backward, besides the data-parallel
+            averaging: a ``torch.distributed.pipelining`` schedule with ``scale_grads=True`` (its
+            default) divides by its number of micro-batches; cotangent metrics divide by it too.
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
@@ -136,7 +139,8 @@ class TensorMetrics:
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None,
-                 log_rank: int = 0, read_results: ReadResults = "now", grad_scaler: Any = None) -> None:
+                 log_rank: int = 0, read_results: ReadResults = "now", grad_scaler: Any = None,
+                 grad_divisor: int = 1) -> None:
         if read_results not in READ_RESULTS:
             raise ConfigError(f"read_results={read_results!r}; need one of {', '.join(READ_RESULTS)}",
                               path="run.read_results")
@@ -164,7 +168,10 @@ class TensorMetrics:
         for fb in flat_buffers:  # several of a kind: dense and expert buffers, per dtype or bucket
             self.flat.setdefault(fb.kind, []).append(fb)
         self.tokens = TokenPlan(self.topology)
-        self._cotangent_divisor = data_parallel_divisor(self.topology)
+        if isinstance(grad_divisor, bool) or not isinstance(grad_divisor, int) or grad_divisor < 1:
+            raise ConfigError(f"grad_divisor={grad_divisor!r}; need an int >= 1 (a pipeline schedule's number of "
+                              "micro-batches when it scales the gradients, else 1)", path="grad_divisor")
+        self._cotangent_divisor = data_parallel_divisor(self.topology) * grad_divisor
         self._loss_scale = grad_scaler_scale(grad_scaler) if grad_scaler is not None else None
         self.last_records: list[MetricRecord] = []
         self.failures: list[MetricFailure] = []
