@@ -57,3 +57,17 @@ def test_grad_scaler_divides_the_loss_scale(counted):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
     assert_close(_metrics(micro=2, scaler=scaler), expected(1))
     assert counted["residual_grad"] == 2 * L
+
+
+def test_divisor_counts_each_data_parallel_rank_once():
+    """D is the product of the population axes' sizes, less an axis inside another (torchtitan's
+    ep inside fsdp); tp and pp do not average gradients."""
+    from tmetrics_core.sources.cotangents import CotangentScale, data_parallel_divisor
+    from tmetrics_core.topology import Axis, Topology
+
+    axes = [Axis("pp", 2, 0, None, (0, 8)), Axis("fsdp", 4, 0, None, (0, 1, 2, 3)), Axis("ep", 2, 0, None, (0, 1)),
+            Axis("tp", 2, 0, None, (0, 4))]
+    assert data_parallel_divisor(Topology(axes, global_rank=0, world_size=16)) == 4
+    scale = CotangentScale(4, lambda: torch.tensor(2.0 ** 16))
+    assert scale.factor(torch.zeros(1)).item() == 2.0 ** -18
+    assert CotangentScale(1, None).factor(torch.zeros(1)) is None
