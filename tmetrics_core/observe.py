@@ -30,8 +30,8 @@ from typing import Iterable, Iterator, Protocol
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["Observer", "fail", "fail_unless", "in_backward", "new_owner", "observe", "observing", "record", "record_residual",
-           "register_modules", "tap", "watched"]
+__all__ = ["Observer", "fail", "fail_unless", "in_backward", "new_owner", "observe", "observing", "record",
+           "record_residual", "register_modules", "tap", "watched"]
 
 
 class Observer(Protocol):
@@ -151,7 +151,8 @@ def tap(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, 
     if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
         return
     if torch.compiler.is_compiling():
-        tensor.register_hook(functools.partial(_compiled_cotangent, id(module), name, kind, shard_dim, owner))  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        hook = functools.partial(_compiled_cotangent, id(module), name, kind, shard_dim, owner)
+        tensor.register_hook(hook)  # type: ignore[no-untyped-call]  # torch leaves it untyped
         return
     observer = _grad_observer(owner)
     if observer is None or kind not in observer.kinds:
@@ -359,7 +360,8 @@ def _(ok: torch.Tensor, reason: str, kinds: str | None, owner: int | None) -> No
     return None
 
 
-for _op in ("tmetrics::observe", "tmetrics::observe_grad", "tmetrics::observe_residual", "tmetrics::fail", "tmetrics::fail_unless"):
+for _op in ("tmetrics::observe", "tmetrics::observe_grad", "tmetrics::observe_residual", "tmetrics::fail",
+            "tmetrics::fail_unless"):
     # An operator with no output and no mutated input would be dropped as dead code: an ordered
     # effect keeps it, in program order, in the forward graph.
     torch.library._register_effectful_op(_op, EffectType.ORDERED)

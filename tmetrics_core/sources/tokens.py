@@ -15,9 +15,9 @@ step's end) gets the metrics reading that site reported as failed, never values 
 tensor.
 Recomputation under activation checkpointing runs inside backward and is skipped, so each
 forward is observed exactly once. Cotangents (``*_grad`` kinds) take the same path from the
-tensor hooks :meth:`TokenObserver.tap` registers in the forward (see
-:mod:`tmetrics_core.sources.cotangents` for their scale and ``docs/backward.md``). A metric that raises here is recorded, never raised into
-the model; the executor then skips it on every rank.
+tensor hooks :meth:`TokenObserver.tap` registers in the forward (their scale:
+:mod:`tmetrics_core.sources.cotangents`; ``docs/backward.md``). A metric that raises here is
+recorded, never raised into the model; the executor then skips it on every rank.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale
 from tmetrics_core.sources.modules import ModuleIndex
 
-__all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "SEQUENCE_CHECKED", "TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
+__all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "SEQUENCE_CHECKED", "TOKEN_KINDS", "Route", "TokenObserver",
+           "TokenSites"]
 
 TOKEN_KINDS = frozenset({
     "residual_accumulator", "residual_contribution", "logits", "activation",
