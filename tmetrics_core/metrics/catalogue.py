@@ -56,8 +56,8 @@ _ROUTER_ROWS = ("token rows split (Shard(None)), Owned, Replica; not Shard(1) (n
                 "FlatShard; with seq_len, not split on cp, tp or pp (they cut sequences)")
 _TOPK = "token rows split (Shard(None)), Owned, Replica; not Shard(1) nor FlatShard"
 _DRIFT = "sites Replica on dp (others are not copies); Shard, FlatShard and Owned on other axes"
-_COTANGENT = ("cotangent of the loss the optimizer applies: the local one / (data-parallel averaging x loss "
-              "scale), micro-batches summed; equal on every topology of one global batch (docs/backward.md); ")
+_COTANGENT = ("; g is the cotangent of the loss the optimizer applies: the local one / (data-parallel averaging "
+              "x loss scale), micro-batches summed, so equal on every topology of one global batch (docs/backward.md)")
 _GRADS = ("DTensor cotangents of every placement (Partial reduced first, Replicate once, Shard and _StridedShard "
           "as in the forward), token rows split by data, sequence or pipeline, vocab split Shard(1)")
 
@@ -237,33 +237,35 @@ def _cotangent_entries() -> list[CatalogueEntry]:
     unit = "loss units per activation unit"
     return [
         e("layer-residual-grad-l2", _made(L2Norm, [g], "layer"), (g,), ("layer",),
-          _COTANGENT + "sqrt(sum over tokens and features of g^2), g = cotangent of the block output", unit,
+          "sqrt(sum over tokens and features of g^2), g at the block output" + _COTANGENT, unit,
           "smooth across steps; grows going down (lower layers) slowly; spikes flag instability", _GRADS),
         e("layer-residual-grad-rms", _made(Rms, [g], "layer"), (g,), ("layer",),
-          _COTANGENT + "sqrt(mean over tokens and features of g^2)", unit,
+          "sqrt(mean over tokens and features of g^2), g at the block output" + _COTANGENT, unit,
           "scales as 1/T (T tokens of the global batch) for a mean loss; within 10x across layers; steady", _GRADS),
         e("layer-residual-grad-absmax", _made(AbsMax, [g], "layer"), (g,), ("layer",),
-          _COTANGENT + "max |g| over the layer's tokens and features", unit,
+          "max |g| over the layer's tokens and features, g at the block output" + _COTANGENT, unit,
           "a few times to ~100x the RMS; far larger means a few tokens carry the gradient", _GRADS),
         e("layer-residual-grad-nonfinite", _made(NonFinite, [g], "layer"), (g,), ("layer",),
-          _COTANGENT + "#{g = NaN}, #{g = +Inf}, #{g = -Inf} (stats nan, posinf, neginf, total)", "count",
+          "#{g = NaN}, #{g = +Inf}, #{g = -Inf} (stats nan, posinf, neginf, total), g at the block output"
+          + _COTANGENT, "count",
           "all 0 (with a loss scaler: non-zero on the steps it skips)", _GRADS),
         e("layer-residual-grad-histogram", _made(HistogramMetric, [g], "layer"), (g,), ("layer",),
-          _COTANGENT + "counts of g in fixed signed log2 bins (bins per sign over 2^-40..2^24), zeros/NaN/Inf apart",
+          "counts of g (at the block output) in fixed signed log2 bins (bins per sign over 2^-40..2^24), "
+          "zeros/NaN/Inf apart" + _COTANGENT,
           "count", "a smooth bell in log-magnitude; mass near 2^-40 means the gradient underflows in low precision",
           _COUNTS, options=frozenset({"select", "bins"})),
         e("layer-activation-grad-rms",
           lambda **o: ModuleRms(source_kinds=("activation_grad",), scope="tensor", **o), ("activation_grad",),
-          ("tensor",), _COTANGENT + "sqrt(mean of g^2), g = cotangent of each chosen module's output (modules "
-          f"default {list(DEFAULT_MODULES)})", unit, "same order across layers; steady across steps", _GRADS,
+          ("tensor",), "sqrt(mean of g^2), g at each chosen module's output (modules "
+          f"default {list(DEFAULT_MODULES)})" + _COTANGENT, unit, "same order across layers; steady across steps", _GRADS,
           options=frozenset({"select", "modules"})),
         e("output-logits-grad-l2", _made(L2Norm, ["logits_grad"], "global"), ("logits_grad",), ("global",),
-          _COTANGENT + "sqrt(sum over tokens and vocabulary of g^2), g = dL/dz; for a mean cross-entropy "
-          "g_t = (softmax(z_t) - onehot(y_t)) / T", "loss units per logit",
+          "sqrt(sum over tokens and vocabulary of g^2), g = dL/dz at the output logits; for a mean "
+          "cross-entropy over T tokens g_t = (softmax(z_t) - onehot(y_t)) / T" + _COTANGENT, "loss units per logit",
           "below sqrt(2/T) (T tokens); falls as the model learns", _GRADS),
         e("layer-backward-gain", lambda **o: BackwardGain(source_kinds=(g, "residual_input_grad"), scope="layer", **o),
           (g, "residual_input_grad"), ("layer",),
-          _COTANGENT + "RMS(g_in) / RMS(g_out): cotangent RMS at the block's input over that at its output",
+          "RMS(g_in) / RMS(g_out): the RMS of g at the block's input over that at its output" + _COTANGENT,
           "ratio", "near 1 (pre-norm residual); >> 1 layer after layer explodes, << 1 vanishes", _GRADS),
     ]
 
