@@ -302,6 +302,8 @@ def _check_cotangent_modules(tm: TensorMetrics, metric: TensorMetric, present: d
     cotangent on any rank (:func:`_without_cotangent`), or a ``ConfigError`` that says how to
     fix it."""
     patterns = tm._token_modules.get(metric.name, ())
+    if not patterns:
+        return  # no module hooked: it reads tm.observe(..., grad=True) sites only
     if not present["modules"].get(metric.name):
         raise ConfigError(f"metric {metric.name!r}: modules {list(patterns)} match no module; give modules: globs "
                           "of canonical module names (layers.3.attn, layers.3.mlp; see `tmetrics names`) or the "

@@ -161,9 +161,10 @@ class TensorMetrics:
                                        share=lambda mine: share_holdings(mine, self.executor))
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
-        self._token_modules = {**self.modules, **{m.name: tuple(getattr(m, "modules", ())) for m, _ in self.metrics
-                                                  if "activation_grad" in m.source_kinds and m.name not in self.modules}}
-        """``modules`` with the default globs of cotangent metrics that were given none."""
+        defaults = {m.name: tuple(getattr(m, "modules", ())) for m, _ in self.metrics if "activation_grad" in m.source_kinds}
+        self._token_modules = {**self.modules, **{n: g for n, g in defaults.items() if g and n not in self.modules}}
+        """``modules`` with the default globs of cotangent metrics that were given none (a metric
+        without globs reads only ``tm.observe(..., grad=True)`` sites)."""
         self.flat: dict[str, list[FlatBuffer]] = {}
         for fb in flat_buffers:  # several of a kind: dense and expert buffers, per dtype or bucket
             self.flat.setdefault(fb.kind, []).append(fb)
