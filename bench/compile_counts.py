@@ -41,6 +41,9 @@ BUNDLE = (
 """The demo's bundle (``tmetrics_core/demo/default_config.yaml``) less the optimizer-state and
 histogram metrics, which read nothing inside the compiled forward."""
 
+BACKWARD = ("layer-residual-grad-rms", "layer-backward-gain", "output-logits-grad-l2", "layer-residual-grad-absmax")
+"""Cotangent metrics: tensor hooks registered in the compiled forward, observed in its backward."""
+
 CADENCES: dict[str, int | None] = {"every step": 1, "every 5": 5, "never": 10**9, "no tmetrics": None}
 CONFIG = dict(d_model=16, n_heads=2, d_ff=16, n_experts=4, top_k=2, seq_len=8)
 """The demo model's shape (``layers`` blocks, 2 by default)."""
@@ -68,10 +71,10 @@ class _Warnings(logging.Handler):
 
 
 def run(backend: str | None, interval: int | None, *, steps: int = 7, seed: int = 0, fullgraph: bool = True,
-        model_name: str = "demo", layers: int = 2, device: str = "cpu") -> Counts:
+        model_name: str = "demo", layers: int = 2, device: str = "cpu", bundle: tuple[str, ...] = BUNDLE) -> Counts:
     """Train the tiny ``model_name`` (``demo``, ``mixtral`` or ``tiny``, ``layers`` blocks) ``steps`` steps,
     compiled with ``backend`` (None: eager), with the bundle due every ``interval`` steps (None:
-    no tmetrics), on ``device``. Deprecation warnings are not counted (Python does not show them by default;
+    no tmetrics), on ``device`` (``bundle``: the metric names, :data:`BUNDLE` by default). Deprecation warnings are not counted (Python does not show them by default;
     inductor's first compile in a process raises some of its own)."""
     torch._dynamo.reset()
     counters.clear()
@@ -80,7 +83,7 @@ def run(backend: str | None, interval: int | None, *, steps: int = 7, seed: int 
     model = MODELS[model_name](layers, seed).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics = None if interval is None else TensorMetrics(
-        model, metrics=[(build_metric(name), interval) for name in BUNDLE], optimizer=optimizer)
+        model, metrics=[(build_metric(name), interval) for name in bundle], optimizer=optimizer)
     forward: Callable[[torch.Tensor], torch.Tensor] = model
     if backend is not None:
         inner = torch._dynamo.lookup_backend(backend)

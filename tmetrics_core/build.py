@@ -245,10 +245,11 @@ def check_against_model(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) ->
                               f"each but its expert parameters number {tm.manifest.num_experts} (global "
                               "ids); pass expert_offset= on each expert-parallel rank, or shard the stacked "
                               "expert tensors as DTensors", path=path)
-        if kinds & {"residual_accumulator", "residual_contribution"} and not present["blocks"]:
+        if kinds & {"residual_accumulator", "residual_contribution", "residual_grad", "residual_input_grad"} \
+                and not present["blocks"]:
             raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
                               "decoder.layers; none found in the model", path=path)
-        if "logits" in kinds and not present["head"]:
+        if kinds & {"logits", "logits_grad"} and not present["head"]:
             raise ConfigError(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
                               "output_layer as an nn.Linear); none found", path=path)
         patterns = tm.modules.get(metric.name, ())
@@ -258,6 +259,8 @@ def check_against_model(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) ->
                               "take canonical module names, the naming of select: less the leaf (layers.3.attn, "
                               "layers.3.mlp, layers.3.moe; see `tmetrics names`), or the model's module paths; "
                               f"nearest: {near!r}", path=path)
+        if "activation_grad" in kinds:
+            _check_cotangent_modules(tm, metric, present, path)
         chosen = [s for s in param_sites if metric.accepts(s)]
         if param_sites and not chosen:
             raise ConfigError(_nothing_chosen(metric, param_sites, tm.manifest), path=path)
@@ -270,10 +273,49 @@ def check_against_model(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) ->
     _check_keys(tm, key_rules)
 
 def _present_anywhere(tm: TensorMetrics) -> dict[str, Any]:
-    """Whether any rank has blocks, a head, and modules matching each metric's globs."""
-    blocks, head, *modules = tm.executor.any_ranks(
-        [bool(tm.index.blocks), tm.index.head is not None, *(bool(tm.index.matching(p)) for p in tm.modules.values())])
-    return {"blocks": blocks, "head": head, "modules": dict(zip(tm.modules, modules))}
+    """Whether any rank has blocks, a head, modules matching each metric's globs, and (for
+    cotangent metrics) matching modules whose outputs may have a cotangent."""
+    chosen = tm._token_modules
+    graded = [m.name for m, _ in tm.metrics if "activation_grad" in m.source_kinds and m.name in chosen]
+    blocks, head, *flags = tm.executor.any_ranks(
+        [bool(tm.index.blocks), tm.index.head is not None, *(bool(tm.index.matching(p)) for p in chosen.values()),
+         *(bool(_without_cotangent(tm.model, tm.index.matching(chosen[name]))) for name in graded)])
+    return {"blocks": blocks, "head": head, "modules": dict(zip(chosen, flags)),
+            "no_cotangent": {name: _without_cotangent(tm.model, tm.index.matching(chosen[name]))
+                             for name, some in zip(graded, flags[len(chosen):]) if some}}
+
+
+def _without_cotangent(model: torch.nn.Module, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[str]:
+    """The paths of ``modules`` whose output has no cotangent: no trainable parameter in the
+    module nor in a module registered before it (registration order stands for the order of
+    the forward; a tensor that nothing trainable precedes does not require grad)."""
+    trainable_before = False
+    ahead: dict[int, bool] = {}
+    for module in model.modules():
+        trainable_before = trainable_before or any(p.requires_grad for p in module.parameters(recurse=False))
+        ahead.setdefault(id(module), trainable_before)
+    return [path for path, module in modules
+            if not (ahead.get(id(module)) or any(p.requires_grad for p in module.parameters()))]
+
+
+def _check_cotangent_modules(tm: TensorMetrics, metric: TensorMetric, present: dict[str, Any], path: str) -> None:
+    """A cotangent metric's ``modules:`` globs pick modules on some rank, and none without a
+    cotangent on any rank (:func:`_without_cotangent`), or a ``ConfigError`` that says how to
+    fix it."""
+    patterns = tm._token_modules.get(metric.name, ())
+    if not patterns:
+        return  # no module hooked: it reads tm.observe(..., grad=True) sites only
+    if not present["modules"].get(metric.name):
+        raise ConfigError(f"metric {metric.name!r}: modules {list(patterns)} match no module; give modules: globs "
+                          "of canonical module names (layers.3.attn, layers.3.mlp; see `tmetrics names`) or the "
+                          "model's module paths", path=path)
+    if metric.name in present["no_cotangent"]:
+        here = present["no_cotangent"][metric.name]
+        raise ConfigError(f"metric {metric.name!r}: modules {list(patterns)} pick modules whose outputs have no "
+                          f"cotangent{': ' + ', '.join(here[:4]) if here else ' (on another rank)'}: no trainable "
+                          "parameter in them or in a module registered before them (frozen, or no grad path), so "
+                          "backward never reaches their outputs. Narrow modules: to modules after a trainable one, "
+                          "or unfreeze parameters before them", path=path)
 
 
 def _check_keys(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) -> None:

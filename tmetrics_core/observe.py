@@ -20,6 +20,7 @@ operators are tagged ``cudagraph_unsafe``: inductor does not capture them in a C
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from contextlib import contextmanager
@@ -29,8 +30,8 @@ from typing import Iterable, Iterator, Protocol
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["Observer", "fail", "fail_unless", "new_owner", "observe", "observing", "record", "record_residual", "register_modules",
-           "watched"]
+__all__ = ["Observer", "fail", "fail_unless", "in_backward", "new_owner", "observe", "observing", "record",
+           "record_residual", "register_modules", "tap", "watched"]
 
 
 class Observer(Protocol):
@@ -51,6 +52,16 @@ class Observer(Protocol):
                         accumulator: bool) -> None:
         """Observe a block's output ``h`` as the residual stream (when ``accumulator``) and
         ``h - x`` as its contribution (when ``x`` is given)."""
+        ...
+
+    def tap(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
+            shard_dim: int | None) -> None:
+        """Register a hook on ``tensor`` that observes its cotangent (see :func:`tap`)."""
+        ...
+
+    def cotangent(self, module: torch.nn.Module, name: str, grad: torch.Tensor, *, kind: str,
+                  shard_dim: int | None) -> None:
+        """Observe ``grad``, the cotangent of a tapped tensor, in backward."""
         ...
 
     def fail(self, reason: str, kinds: frozenset[str] | None = None) -> None:
@@ -91,7 +102,7 @@ def register_modules(modules: Iterable[torch.nn.Module]) -> None:
 
 
 def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
-            shard_dim: int | None = None) -> None:
+            shard_dim: int | None = None, grad: bool = False) -> None:
     """Expose ``tensor`` to the metrics of the current step as site ``<module path>.<name>``.
 
     Args:
@@ -114,6 +125,68 @@ def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: s
     compiled graph reuses its buffers), and the call is a custom operator in the graph.
     """
     record(module, name, tensor, kind=kind, shard_dim=shard_dim)
+    if grad:
+        tap(module, name, tensor, kind=f"{kind}_grad", shard_dim=shard_dim)
+
+
+def tap(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, shard_dim: int | None = None,
+        owner: int | None = None) -> None:
+    """Observe the cotangent of ``tensor`` as site ``<module path>.<name>`` of ``kind``
+    (``residual_grad``, ``logits_grad``, ``activation_grad``...) when backward reaches it.
+
+    Called in the forward, where ``tensor`` is made. On a step where a due metric watches
+    ``kind`` (eager), a tensor hook is registered on ``tensor`` that hands the cotangent to
+    that step's observer (captured, so the hook works on the autograd engine's device
+    threads too); elsewhere nothing happens after one context-variable read. A tensor that
+    does not require grad has no cotangent: nothing is registered (under reentrant activation
+    checkpointing the first forward runs without grad and the recomputation, whose graph
+    backward runs, registers the hook; a non-reentrant recomputation's graph is never run
+    backward, so its hooks never fire; a recomputation's inputs are detached leaves whose
+    originals the first forward tapped, and are left alone: either way each micro-batch's
+    cotangent is observed once).
+    Under ``torch.compile`` the hook is in the graph on every step, a
+    ``tmetrics::observe_grad`` operator in the compiled backward that drops the cotangent
+    after one lookup on a step with no due metric of ``kind``.
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+        return
+    if torch.compiler.is_compiling():
+        hook = functools.partial(_compiled_cotangent, id(module), name, kind, shard_dim, owner)
+        tensor.register_hook(hook)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        return
+    observer = _grad_observer(owner)
+    if observer is None or kind not in observer.kinds:
+        return
+    if tensor.grad_fn is None and torch._C._current_graph_task_id() != -1:
+        return  # a reentrant recomputation's detached input: the first forward tapped the tensor it copies
+    observer.tap(module, name, tensor, kind=kind, shard_dim=shard_dim)
+
+
+_IN_BACKWARD: dict[int, Observer] = {}
+"""Owner number -> its step's observer, for hooks that run in a backward on another thread
+(the autograd engine's device threads do not see the context variable)."""
+
+
+@contextmanager
+def in_backward(owner: int, observer: Observer) -> Iterator[None]:
+    """Let ``owner``'s cotangent hooks find ``observer`` inside a backward on any thread."""
+    _IN_BACKWARD[owner] = observer
+    try:
+        yield
+    finally:
+        _IN_BACKWARD.pop(owner, None)
+
+
+def _grad_observer(owner: int | None) -> Observer | None:
+    observer = _current(owner)
+    if observer is None and owner is not None and torch._C._current_graph_task_id() != -1:
+        observer = _IN_BACKWARD.get(owner)  # a recomputation (reentrant checkpointing) on a device thread
+    return observer if observer is not None and hasattr(observer, "tap") else None
+
+
+def _compiled_cotangent(module: int, name: str, kind: str, shard_dim: int | None, owner: int | None,
+                        grad: torch.Tensor) -> None:
+    torch.ops.tmetrics.observe_grad(grad, module, name, kind, shard_dim, owner)
 
 
 def record(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, shard_dim: int | None,
@@ -235,6 +308,15 @@ def _observe_op(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, n
     _record(_MODULES.get(module, _UNKNOWN), name, tensor, minus, kind, shard_dim, owner, compiled=True)
 
 
+@torch.library.custom_op("tmetrics::observe_grad", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _observe_grad_op(grad: torch.Tensor, module: int, name: str, kind: str, shard_dim: int | None,
+                     owner: int | None) -> None:
+    observer = _grad_observer(owner)
+    if observer is not None and kind in observer.kinds:
+        # a compiled backward may reuse the buffer: the observer reads it now or copies it
+        observer.cotangent(_MODULES.get(module, _UNKNOWN), name, grad, kind=kind, shard_dim=shard_dim)
+
+
 @torch.library.custom_op("tmetrics::observe_residual", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _observe_residual_op(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool,
                          owner: int | None) -> None:
@@ -258,6 +340,11 @@ def _(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, 
     return None
 
 
+@_observe_grad_op.register_fake
+def _(grad: torch.Tensor, module: int, name: str, kind: str, shard_dim: int | None, owner: int | None) -> None:
+    return None
+
+
 @_observe_residual_op.register_fake
 def _(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool, owner: int | None) -> None:
     return None
@@ -273,7 +360,8 @@ def _(ok: torch.Tensor, reason: str, kinds: str | None, owner: int | None) -> No
     return None
 
 
-for _op in ("tmetrics::observe", "tmetrics::observe_residual", "tmetrics::fail", "tmetrics::fail_unless"):
+for _op in ("tmetrics::observe", "tmetrics::observe_grad", "tmetrics::observe_residual", "tmetrics::fail",
+            "tmetrics::fail_unless"):
     # An operator with no output and no mutated input would be dropped as dead code: an ordered
     # effect keeps it, in program order, in the forward graph.
     torch.library._register_effectful_op(_op, EffectType.ORDERED)

@@ -50,7 +50,7 @@ from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.observe import _ACTIVE, fail, fail_unless, new_owner, record, record_residual
+from tmetrics_core.observe import _ACTIVE, fail, fail_unless, in_backward, new_owner, record, record_residual, tap
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.site import Site, SiteKey
@@ -60,6 +60,7 @@ from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
+from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale, data_parallel_divisor, grad_scaler_scale
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.sources.token_plan import TokenPlan
 
@@ -111,6 +112,13 @@ class TensorMetrics:
             accelerator once, at the end); ``"next-step"``, at the end of the next step scope (or
             at :meth:`close`), when the copy has landed: no wait in any step. Records keep their
             own step; :attr:`last_records` then holds the previous due step's.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any: cotangent
+            metrics (``*-grad-*``) divide by its scale (and by the data-parallel averaging),
+            so they read the cotangents of the loss the optimizer applies
+            (:mod:`~tmetrics_core.sources.cotangents`).
+        grad_divisor: what the gradients are divided by after backward, besides the data-parallel
+            averaging: a ``torch.distributed.pipelining`` schedule with ``scale_grads=True`` (its
+            default) divides by its number of micro-batches; cotangent metrics divide by it too.
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
@@ -131,7 +139,8 @@ class TensorMetrics:
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None,
-                 log_rank: int = 0, read_results: ReadResults = "now") -> None:
+                 log_rank: int = 0, read_results: ReadResults = "now", grad_scaler: Any = None,
+                 grad_divisor: int = 1) -> None:
         if read_results not in READ_RESULTS:
             raise ConfigError(f"read_results={read_results!r}; need one of {', '.join(READ_RESULTS)}",
                               path="run.read_results")
@@ -152,10 +161,19 @@ class TensorMetrics:
                                        share=lambda mine: share_holdings(mine, self.executor))
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
+        defaults = {m.name: tuple(getattr(m, "modules", ())) for m, _ in self.metrics if "activation_grad" in m.source_kinds}
+        self._token_modules = {**self.modules, **{n: g for n, g in defaults.items() if g and n not in self.modules}}
+        """``modules`` with the default globs of cotangent metrics that were given none (a metric
+        without globs reads only ``tm.observe(..., grad=True)`` sites)."""
         self.flat: dict[str, list[FlatBuffer]] = {}
         for fb in flat_buffers:  # several of a kind: dense and expert buffers, per dtype or bucket
             self.flat.setdefault(fb.kind, []).append(fb)
         self.tokens = TokenPlan(self.topology)
+        if isinstance(grad_divisor, bool) or not isinstance(grad_divisor, int) or grad_divisor < 1:
+            raise ConfigError(f"grad_divisor={grad_divisor!r}; need an int >= 1 (a pipeline schedule's number of "
+                              "micro-batches when it scales the gradients, else 1)", path="grad_divisor")
+        self._cotangent_divisor = data_parallel_divisor(self.topology) * grad_divisor
+        self._loss_scale = grad_scaler_scale(grad_scaler) if grad_scaler is not None else None
         self.last_records: list[MetricRecord] = []
         self.failures: list[MetricFailure] = []
         self._checked: set[str] = set()
@@ -265,12 +283,17 @@ class TensorMetrics:
         observer = reset = None
         if token_metrics:
             observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self._num_experts,
-                                     modules=self.modules, known=self._token_sites, owner=self._owner)
+                                     modules=self._token_modules, known=self._token_sites, owner=self._owner,
+                                     cotangent_scale=CotangentScale(self._cotangent_divisor, self._loss_scale))
             reset = _ACTIVE.set(observer)
         failed = False
         try:
             self._in_scope = True
-            yield self
+            if observer is not None and observer.kinds & GRAD_KINDS:
+                with in_backward(self._owner, observer):
+                    yield self
+            else:
+                yield self
         except BaseException:
             failed = True
             raise
@@ -303,7 +326,10 @@ class TensorMetrics:
                                      functools.partial(record_residual, owner=mine),
                                      residual="residual_accumulator" in kinds,
                                      contribution="residual_contribution" in kinds, logits="logits" in kinds,
-                                     patterns=patterns)
+                                     patterns=patterns, tap=functools.partial(tap, owner=mine),
+                                     grads=kinds & GRAD_KINDS,
+                                     grad_patterns=tuple(p for m in token_metrics if "activation_grad" in m.source_kinds
+                                                         for p in self._token_modules.get(m.name, ())))
         if self.routers and kinds & ROUTER_OUTPUT_KINDS:
             handles += install_routers(self.routers, functools.partial(record, owner=mine),
                                        functools.partial(fail, owner=mine), functools.partial(fail_unless, owner=mine),

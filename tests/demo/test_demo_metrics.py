@@ -1,5 +1,5 @@
 """The demo with tmetrics attached, end to end through ``run_demo`` and the jsonl sink:
-per-layer norms at step 1 are the same on every topology, and each ``--inject`` failure shows
+per-layer norms and cotangent statistics at step 1 are the same on every topology, and each ``--inject`` failure shows
 up in the metric that should show it."""
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ TOPOLOGIES = {
 }
 
 
+INVARIANT = ("layer-param-l2", "layer-grad-l2", "layer-residual-grad-rms", "layer-backward-gain")
+"""Step-1 records equal on every topology (cotangents: of the loss the optimizer applies)."""
+
+
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -44,7 +48,7 @@ def step1(tmp_path_factory) -> dict[str, dict[tuple, float]]:
     for name, flags in TOPOLOGIES.items():
         records = _demo(tmp, name, steps=1, **flags)
         out[name] = {(r["metric"], r["labels"].get("layer")): r["value"] for r in records
-                     if r["metric"] in ("layer-param-l2", "layer-grad-l2") and r["step"] == 1}
+                     if r["metric"] in INVARIANT and r["step"] == 1}
     return out
 
 
@@ -53,7 +57,7 @@ def step1(tmp_path_factory) -> dict[str, dict[tuple, float]]:
 def test_step1_norms_are_topology_invariant(step1, topology):
     ref = step1["single"]
     got = step1[topology]
-    assert len(ref) == 8  # 4 layers x 2 metrics
+    assert len(ref) == 16  # 4 layers x 4 metrics
     assert got.keys() == ref.keys()
     for key, value in ref.items():
         assert got[key] == pytest.approx(value, rel=1e-5), key

@@ -15,11 +15,15 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Sequence
 
+import math
+
+from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.norms import Rms
+from tmetrics_core.metrics.statistics import COUNT, SUMSQ
 from tmetrics_core.metrics.softmax import RowSoftmax, RowSoftmaxMetric
 from tmetrics_core.site import Site
 
-__all__ = ["DEFAULT_MODULES", "ModuleRms", "OutputEntropy"]
+__all__ = ["BackwardGain", "DEFAULT_MODULES", "ModuleRms", "OutputEntropy"]
 
 DEFAULT_MODULES = ("layers.*.attn", "layers.*.mlp", "layers.*.moe")
 """Module globs observed by ``layer-activation-rms`` when the config names none: the outputs
@@ -68,3 +72,29 @@ class ModuleRms(Rms):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, modules={list(self.modules)})"
+
+
+class BackwardGain(StatMetric):
+    """How much a block amplifies the gradient going down, per layer (dimensionless):
+    ``RMS(g_in) / RMS(g_out)``, with ``g_out`` the cotangent of the block's output (the
+    ``residual_grad`` site) and ``g_in`` that of its input (``residual_input_grad``), each RMS
+    over every element of every token, rank and micro-batch.
+
+    Near 1 in a healthy pre-norm residual network (the skip path carries the gradient through);
+    well above 1 layer after layer, the gradient explodes going down; well below 1, it
+    vanishes. NaN where ``g_out`` is 0; no record for a layer whose input has no cotangent
+    (the first block over a frozen embedding).
+    """
+
+    statistics = (SUMSQ, COUNT)
+    formula = "sqrt(sum g_in^2 / N_in) / sqrt(sum g_out^2 / N_out), g = cotangent at the block's input / output"
+
+    def finalize(self, stats):
+        if "residual_input_grad:count" not in stats or "residual_grad:count" not in stats:
+            return None
+        rms = {}
+        for kind in ("residual_input_grad", "residual_grad"):
+            n = stats[f"{kind}:count"][0]
+            rms[kind] = math.sqrt(stats[f"{kind}:sumsq"][0] / n) if n else math.nan
+        out = rms["residual_grad"]
+        return rms["residual_input_grad"] / out if out else math.nan

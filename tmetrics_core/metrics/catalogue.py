@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.metrics.activations import DEFAULT_MODULES, ModuleRms, OutputEntropy
+from tmetrics_core.metrics.activations import DEFAULT_MODULES, BackwardGain, ModuleRms, OutputEntropy
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.drift import ReplicaDrift
 from tmetrics_core.metrics.outliers import ChannelKurtosis, OutlierRatio
@@ -58,6 +58,10 @@ _ROUTER_ROWS = ("token rows split (Shard(None)), Owned, Replica; not Shard(1) (n
                 "FlatShard; with seq_len, not split on cp, tp or pp (they cut sequences)")
 _TOPK = "token rows split (Shard(None)), Owned, Replica; not Shard(1) nor FlatShard"
 _DRIFT = "sites Replica on dp (others are not copies); Shard, FlatShard and Owned on other axes"
+_COTANGENT = ("; g is the cotangent of the loss the optimizer applies: the local one / (data-parallel averaging "
+              "x loss scale), micro-batches summed, so equal on every topology of one global batch (docs/backward.md)")
+_GRADS = ("DTensor cotangents of every placement (Partial reduced first, Replicate once, Shard and _StridedShard "
+          "as in the forward), token rows split by data, sequence or pipeline, vocab split Shard(1)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +229,7 @@ def _entries() -> list[CatalogueEntry]:
           "router_logits", "expert_bias"), ("layer", "global"),
           "mean, std, rms, range, max|b| of the expert bias; corr(b, scores / aux load / dispatched load)",
           "bias units / correlation", "bounded bias; negative correlation with scores", _ROUTER_ROWS),
-    ] + _quant_entries()
+    ] + _quant_entries() + _cotangent_entries()
     return entries
 
 
@@ -259,6 +263,46 @@ def _quant_entries() -> list[CatalogueEntry]:
         "a few; 100 and above defeats per-tensor and per-row scales", channels,
         options=frozenset({"select", "modules"})))
     return out
+
+
+
+def _cotangent_entries() -> list[CatalogueEntry]:
+    e = CatalogueEntry
+    g = "residual_grad"
+    unit = "loss units per activation unit"
+    return [
+        e("layer-residual-grad-l2", _made(L2Norm, [g], "layer"), (g,), ("layer",),
+          "sqrt(sum over tokens and features of g^2), g at the block output" + _COTANGENT, unit,
+          "smooth across steps; grows going down (lower layers) slowly; spikes flag instability", _GRADS),
+        e("layer-residual-grad-rms", _made(Rms, [g], "layer"), (g,), ("layer",),
+          "sqrt(mean over tokens and features of g^2), g at the block output" + _COTANGENT, unit,
+          "scales as 1/T (T tokens of the global batch) for a mean loss; within 10x across layers; steady", _GRADS),
+        e("layer-residual-grad-absmax", _made(AbsMax, [g], "layer"), (g,), ("layer",),
+          "max |g| over the layer's tokens and features, g at the block output" + _COTANGENT, unit,
+          "a few times to ~100x the RMS; far larger means a few tokens carry the gradient", _GRADS),
+        e("layer-residual-grad-nonfinite", _made(NonFinite, [g], "layer"), (g,), ("layer",),
+          "#{g = NaN}, #{g = +Inf}, #{g = -Inf} (stats nan, posinf, neginf, total), g at the block output"
+          + _COTANGENT, "count",
+          "all 0 (with a loss scaler: non-zero on the steps it skips)", _GRADS),
+        e("layer-residual-grad-histogram", _made(HistogramMetric, [g], "layer"), (g,), ("layer",),
+          "counts of g (at the block output) in fixed signed log2 bins (bins per sign over 2^-40..2^24), "
+          "zeros/NaN/Inf apart" + _COTANGENT,
+          "count", "a smooth bell in log-magnitude; mass near 2^-40 means the gradient underflows in low precision",
+          _COUNTS, options=frozenset({"select", "bins"})),
+        e("layer-activation-grad-rms",
+          lambda **o: ModuleRms(source_kinds=("activation_grad",), scope="tensor", **o), ("activation_grad",),
+          ("tensor",), "sqrt(mean of g^2), g at each chosen module's output (modules "
+          f"default {list(DEFAULT_MODULES)})" + _COTANGENT, unit, "same order across layers; steady across steps", _GRADS,
+          options=frozenset({"select", "modules"})),
+        e("output-logits-grad-l2", _made(L2Norm, ["logits_grad"], "global"), ("logits_grad",), ("global",),
+          "sqrt(sum over tokens and vocabulary of g^2), g = dL/dz at the output logits; for a mean "
+          "cross-entropy over T tokens g_t = (softmax(z_t) - onehot(y_t)) / T" + _COTANGENT, "loss units per logit",
+          "below sqrt(2/T) (T tokens); falls as the model learns", _GRADS),
+        e("layer-backward-gain", lambda **o: BackwardGain(source_kinds=(g, "residual_input_grad"), scope="layer", **o),
+          (g, "residual_input_grad"), ("layer",),
+          "RMS(g_in) / RMS(g_out): the RMS of g at the block's input over that at its output" + _COTANGENT,
+          "ratio", "near 1 (pre-norm residual); >> 1 layer after layer explodes, << 1 vanishes", _GRADS),
+    ]
 
 
 _ENTRIES: dict[str, CatalogueEntry] = {entry.name: entry for entry in _entries()}

@@ -38,6 +38,10 @@ def what_feeds(kinds: Iterable[str], modules: Sequence[str] = ()) -> str:
     if "logits" in kinds:
         said.append("logits are the output of the head (head, lm_head, output or output_layer); it did not run in "
                     "the step scope")
+    if kinds & {"residual_grad", "residual_input_grad", "logits_grad", "activation_grad"}:
+        said.append("cotangent sites are observed when backward reaches a tensor a forward hook tapped in the step "
+                    "scope (blocks' outputs and inputs, the head's output, modules: globs, tm.observe(..., grad=True)); "
+                    "no backward reached one: backward() outside the step scope, or outputs that do not require grad")
     if "grad" in kinds:
         said.append("no parameter it selects had a gradient (.grad or .main_grad) when gradients were read: in the "
                     "optimizer's step pre-hook, or where metrics.observe_gradients() is called (after backward(), "

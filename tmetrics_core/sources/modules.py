@@ -6,7 +6,8 @@ tensors to ``tmetrics_core.observe``, which drops them after one context-variabl
 step where no due metric watches their kind, and compiles into the graph as a custom operator
 (see there). Blocks are found in the usual block lists (``layers``, ``h``,
 ``blocks``, ``decoder.layers``, wrapped or not); the head under ``head``, ``lm_head``,
-``output`` or ``output_layer``.
+``output`` or ``output_layer``. The same forward hooks tap the tensors whose cotangents a
+metric reads (``tmetrics_core.observe.tap``): a tensor hook on a due step only.
 """
 
 from __future__ import annotations
@@ -112,26 +113,35 @@ class ModuleIndex:
         return self.canonical.get(path, path)
 
     def install(self, record: Callable[..., None], record_residual: Callable[..., None], *, residual: bool,
-                contribution: bool, logits: bool, patterns: Sequence[str]) -> list[Any]:
+                contribution: bool, logits: bool, patterns: Sequence[str],
+                tap: Callable[..., None] | None = None, grads: frozenset[str] = frozenset(),
+                grad_patterns: Sequence[str] = ()) -> list[Any]:
         """Register the forward hooks the configured metrics need; returns their handles
         (routers are hooked by `tmetrics_core.sources.routers`).
         ``record(module, name, tensor, kind=, shard_dim=)`` receives each output;
         ``record_residual(module, h, x, accumulator=)`` a block's output ``h`` and, for the
-        contribution ``h - x``, its input ``x`` (None when not wanted or not of ``h``'s shape)."""
+        contribution ``h - x``, its input ``x`` (None when not wanted or not of ``h``'s shape);
+        ``tap(module, name, tensor, kind=, shard_dim=)`` each tensor whose cotangent of a kind
+        in ``grads`` is read (blocks' outputs and inputs, the head's output, and the outputs
+        of the modules ``grad_patterns`` pick), the tensor as the model made it (a DTensor
+        stays one: its cotangent's placements are reduced as the forward's)."""
         handles = []
-        if residual or contribution:
+        block_grads = grads & {"residual_grad", "residual_input_grad"} if tap is not None else frozenset()
+        if residual or contribution or block_grads:
             for _, _, block in self.blocks:
-                handles.append(block.register_forward_hook(_residual_hook(record_residual, residual, contribution),
-                                                           with_kwargs=True))
-        if logits and self.head is not None:
-            head = self.head[1]
-            vocab = _logical_out(head)
-            handles.append(head.register_forward_hook(
-                lambda m, args, out: record(m, "", _first(out), kind="logits",
-                                            shard_dim=1 if _first(out).shape[-1] < vocab else None)))
+                handles.append(block.register_forward_hook(
+                    _residual_hook(record_residual, residual, contribution, tap, block_grads), with_kwargs=True))
+        if (logits or "logits_grad" in grads) and self.head is not None:
+            vocab = _logical_out(self.head[1])
+            handles.append(self.head[1].register_forward_hook(_logits_hook(
+                record if logits else None, tap if "logits_grad" in grads else None, vocab)))
         for _, module in self.matching(patterns):
             handles.append(module.register_forward_hook(
                 lambda m, args, out: record(m, "", _first(out), kind="activation", shard_dim=None)))
+        if tap is not None and "activation_grad" in grads:
+            for _, module in self.matching(grad_patterns):
+                handles.append(module.register_forward_hook(
+                    lambda m, args, out: tap(m, "", _unwrapped(out), kind="activation_grad", shard_dim=None)))
         return handles
 
 
@@ -165,7 +175,8 @@ def _canonical_modules(model: torch.nn.Module, layer_offset: int) -> dict[str, s
     return out
 
 
-def _residual_hook(record_residual: Callable[..., None], residual: bool, contribution: bool):
+def _residual_hook(record_residual: Callable[..., None], residual: bool, contribution: bool,
+                   tap: Callable[..., None] | None, grads: frozenset[str]):
     """A block's input is its first positional argument, or its first tensor keyword argument
     when called by keyword (Megatron-Core calls ``layer(hidden_states=..., ...)``)."""
     def hook(module, args, kwargs, out):
@@ -176,6 +187,24 @@ def _residual_hook(record_residual: Callable[..., None], residual: bool, contrib
         x = given if fits else None
         if residual or x is not None:
             record_residual(module, h, x, accumulator=residual)
+        if tap is not None:
+            if "residual_grad" in grads:
+                tap(module, "", h, kind="residual_grad", shard_dim=None)
+            if "residual_input_grad" in grads and isinstance(given, torch.Tensor):
+                tap(module, "", given, kind="residual_input_grad", shard_dim=None)
+    return hook
+
+
+def _logits_hook(record: Callable[..., None] | None, tap: Callable[..., None] | None, vocab: int):
+    """The head's output: its local logits to ``record``, the tensor itself to ``tap``; split
+    on ``tp`` (``shard_dim`` 1) when this rank holds fewer than ``vocab`` columns."""
+    def hook(module, args, out):
+        local = _first(out)
+        shard_dim = 1 if local.shape[-1] < vocab else None
+        if record is not None:
+            record(module, "", local, kind="logits", shard_dim=shard_dim)
+        if tap is not None:
+            tap(module, "", _unwrapped(out), kind="logits_grad", shard_dim=shard_dim)
     return hook
 
 

@@ -7,7 +7,8 @@ of the sequence: the same shape on every rank, so nothing in the observation say
 ranks hold different tokens, and a site left ``Replica`` on ``tp`` is measured from one rank's
 tokens (an L2 norm 1/sqrt(tp) of the whole).
 
-So a residual site is checked when it first enters the token plan: the sum of squares of its
+So a residual site (and a module output's cotangent, :data:`SEQUENCE_CHECKED`) is checked
+when it first enters the token plan: the sum of squares of its
 first micro-batch is compared across every axis it is claimed ``Replica`` on (one
 ``all_reduce(MAX)`` of ``[v, -v]`` per such axis, for all new sites at once; then one host
 agreement over the world, so every rank decides alike). Where the ranks' values differ
@@ -28,7 +29,7 @@ import torch
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.placements import Shard
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.tokens import RESIDUAL_KINDS
+from tmetrics_core.sources.tokens import SEQUENCE_CHECKED
 from tmetrics_core.topology import Topology
 
 __all__ = ["SPREAD", "split_by_sequence"]
@@ -55,7 +56,7 @@ def split_by_sequence(sites: dict[SiteKey, Site], new: Sequence[SiteKey],
     Returns:
         ``(site key, axis)`` of each claim found not to hold.
     """
-    checked = [(k, axis) for k in new if sites[k].kind in RESIDUAL_KINDS
+    checked = [(k, axis) for k in new if sites[k].kind in SEQUENCE_CHECKED
                for axis in _replica_axes(sites[k], topology)]
     if not checked:
         return []

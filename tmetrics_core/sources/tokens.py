@@ -14,12 +14,15 @@ them in place after observing them: one that does (the tensor's version counter 
 step's end) gets the metrics reading that site reported as failed, never values of the changed
 tensor.
 Recomputation under activation checkpointing runs inside backward and is skipped, so each
-forward is observed exactly once. A metric that raises here is recorded, never raised into
-the model; the executor then skips it on every rank.
+forward is observed exactly once. Cotangents (``*_grad`` kinds) take the same path from the
+tensor hooks :meth:`TokenObserver.tap` registers in the forward (their scale:
+:mod:`tmetrics_core.sources.cotangents`; ``docs/backward.md``). A metric that raises here is
+recorded, never raised into the model; the executor then skips it on every rank.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -33,14 +36,16 @@ from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale
 from tmetrics_core.sources.modules import ModuleIndex
 
-__all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "TOKEN_KINDS", "Route", "TokenObserver", "TokenSites"]
+__all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "SEQUENCE_CHECKED", "TOKEN_KINDS", "Route", "TokenObserver",
+           "TokenSites"]
 
 TOKEN_KINDS = frozenset({
     "residual_accumulator", "residual_contribution", "logits", "activation",
     "router_logits", "router_topk", "router_scores",
-})
+}) | GRAD_KINDS
 """Site kinds whose rows are tokens."""
 
 OBSERVED_KINDS = TOKEN_KINDS | {"token_mask", "expert_bias"}
@@ -48,8 +53,14 @@ OBSERVED_KINDS = TOKEN_KINDS | {"token_mask", "expert_bias"}
 
 log = logging.getLogger("tmetrics")
 
-RESIDUAL_KINDS = frozenset({"residual_accumulator", "residual_contribution"})
-"""The residual stream's kinds: a block's output, and its output less its input."""
+RESIDUAL_KINDS = frozenset({"residual_accumulator", "residual_contribution", "residual_grad", "residual_input_grad"})
+"""The residual stream's kinds: a block's output, its output less its input, and the
+cotangents of its output and input."""
+
+SEQUENCE_CHECKED = RESIDUAL_KINDS | {"activation_grad"}
+"""Kinds whose plain tensors may hold each tensor-parallel rank's part of the sequence
+(sequence parallelism) with nothing to say so: checked when first seen
+(:mod:`tmetrics_core.sources.sequence_split`)."""
 
 
 @dataclass
@@ -130,7 +141,8 @@ class TokenObserver:
 
     def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
                  *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None,
-                 known: TokenSites | None = None, owner: int | None = None) -> None:
+                 known: TokenSites | None = None, owner: int | None = None,
+                 cotangent_scale: CotangentScale | None = None) -> None:
         self.metrics = list(metrics)
         self.owner = owner
         """Owner number of the ``TensorMetrics`` whose hooks feed this observer (``tmetrics_core.observe.record``)."""
@@ -158,6 +170,30 @@ class TokenObserver:
         self._views: list[tuple[Site, torch.Tensor, int]] = []
         self._row_buffer: torch.Tensor | None = None
         self._rows_used = 0
+        self.cotangent_scale = cotangent_scale or CotangentScale(1, None)
+        """What each cotangent is multiplied by (data-parallel averaging, loss scale)."""
+
+    def tap(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
+            shard_dim: int | None) -> None:
+        """Register a hook on ``tensor`` (in the forward of a due step) that observes its
+        cotangent as :meth:`cotangent` does, with the token mask of this micro-batch (a
+        pipeline schedule may run other micro-batches' forwards before this backward)."""
+        tensor.register_hook(functools.partial(self._hooked, module, name, kind, shard_dim, self._padding))
+
+    def _hooked(self, module: torch.nn.Module, name: str, kind: str, shard_dim: int | None,
+                padding: Padding | None, grad: torch.Tensor) -> None:
+        kept = self._padding
+        self._padding = padding
+        try:
+            self.cotangent(module, name, grad, kind=kind, shard_dim=shard_dim)
+        finally:
+            self._padding = kept
+
+    def cotangent(self, module: torch.nn.Module, name: str, grad: torch.Tensor, *, kind: str,
+                  shard_dim: int | None) -> None:
+        """Observe ``grad``, a cotangent of the local loss, as that of the loss the optimizer
+        applies (times :attr:`cotangent_scale`), with the step's other token observations."""
+        self._observe(module, name, grad, kind, shard_dim, None, self.cotangent_scale.factor(grad))
 
     def fail(self, reason: str, kinds: frozenset[str] | None = None) -> None:
         """Fail this step's metrics that read any of ``kinds`` (router outputs by default) with
@@ -190,11 +226,14 @@ class TokenObserver:
         self._observe(module, name, tensor, kind, shard_dim, minus)
 
     def _observe(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str, shard_dim: int | None,
-                 minus: torch.Tensor | None) -> None:
+                 minus: torch.Tensor | None, factor: float | torch.Tensor | None = None) -> None:
         """:meth:`record` (also the fallback of :meth:`record_residual`, which does not call the
-        public entry, so timing either entry never counts the other)."""
-        if torch._C._current_graph_task_id() != -1:
+        public entry, so timing either entry never counts the other); ``factor`` multiplies
+        the observation (a cotangent's scale)."""
+        if kind not in GRAD_KINDS and torch._C._current_graph_task_id() != -1:
             return  # recomputation inside backward (activation checkpointing)
+        if factor is not None and type(tensor) is torch.Tensor:
+            tensor, factor = tensor * factor, None
         # Plain tensors of a call seen before, no padding to strip: the route found then.
         if (type(tensor) is torch.Tensor and (minus is None or type(minus) is torch.Tensor) and tensor.dim() > 1
                 and (self._padding is None or kind not in TOKEN_KINDS)):
@@ -202,7 +241,7 @@ class TokenObserver:
             route = self.known.routes.get(key)
             if route is not None and self._follow(route, tensor, minus):
                 return
-        self._record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus)
+        self._record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus, factor=factor)
 
     def record_residual(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *,
                         accumulator: bool) -> None:
@@ -283,7 +322,7 @@ class TokenObserver:
 
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def _record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
-                shard_dim: int | None, minus: torch.Tensor | None) -> None:
+                shard_dim: int | None, minus: torch.Tensor | None, factor: float | torch.Tensor | None = None) -> None:
         """The general path of :meth:`record`: every tensor, padding, DTensors; finds the route."""
         if kind == "token_mask":
             # The kept rows' indices, found once per micro-batch (not a boolean index per
@@ -293,6 +332,8 @@ class TokenObserver:
             self._padding = None if kept.numel() == mask.numel() else Padding(kept, mask.numel())
             return
         x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
+        if factor is not None:  # a DTensor cotangent's scale, applied to its reduced local part
+            x = x * factor
         x = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
         y = _local_tokens(minus.detach(), None)[0].reshape(x.shape) if minus is not None else None
         # Only token rows are padded: an expert_bias [E] as long as the micro-batch is not.
@@ -311,7 +352,7 @@ class TokenObserver:
             squares = rows and moments.sumsq_suffices(s for m, joint in readers if not joint
                                                       for s in getattr(m, "statistics", ()))
             self.known.routes[key] = Route(site, tuple(readers), rows, squares)
-        if site.key in self._fresh and site.key not in self._firsts and kind in RESIDUAL_KINDS:
+        if site.key in self._fresh and site.key not in self._firsts and kind in SEQUENCE_CHECKED:
             self._firsts[site.key] = torch.linalg.vector_norm(x if y is None else x - y, dtype=torch.float64).square()
         if not masked and self._from_rows(site, path, readers, x, y):
             return
@@ -476,7 +517,7 @@ class TokenObserver:
             readers = []
             for metric in self.metrics:
                 patterns = self.modules.get(metric.name)
-                if not metric.accepts(site) or (site.kind == "activation" and patterns
+                if not metric.accepts(site) or (site.kind in _MODULE_KINDS and patterns
                                                 and not self.index.matches(path, patterns)):
                     continue
                 readers.append((metric, site.kind in ROUTER_KINDS or _joint(metric)))
@@ -530,6 +571,8 @@ class TokenObserver:
 
 
 _NO_AXES: frozenset[str] = frozenset()
+_MODULE_KINDS = frozenset({"activation", "activation_grad"})
+"""Kinds observed at modules that ``modules:`` globs pick."""
 _ROW_BUFFER = 192
 """Moments rows per chunk of a step's row buffer (a few KiB; rows of 64 blocks' residual pairs)."""
 
