@@ -238,12 +238,13 @@ _QUANT = ("Replica, Shard(d), Shard(None), Owned; FlatShard and shards that cut 
 
 
 def _quant_entries() -> list[CatalogueEntry]:
-    """``layer-{param,grad,activation}-quant`` (docs/low-precision.md). Cost per recipe and due
+    """``layer-{param,grad,activation,activation-grad}-quant`` (docs/low-precision.md). Cost per recipe and due
     step: one read of each tensor and a float64 pass over its elements; tensorwise and nvfp4 on
     a tensor cut across ranks add one MAX round and a copy of the local shard until it runs."""
     out = []
-    for kind, word in (("param", "param"), ("grad", "grad"), ("activation", "activation")):
-        options = {"select", "recipe", "format", "scale_mode"} | ({"modules"} if kind == "activation" else set())
+    for kind, word in (("param", "param"), ("grad", "grad"), ("activation", "activation"),
+                       ("activation_grad", "activation-grad")):
+        options = {"select", "recipe", "format", "scale_mode"} | ({"modules"} if kind.startswith("activation") else set())
         out.append(CatalogueEntry(
             f"layer-{word}-quant", _made(QuantMetric, [kind], "layer"), (kind,), ("layer",),
             f"per recipe (default mxfp8): {', '.join(QUANT_STATS)} of x vs dq(x) (stats <recipe>.<quantity>); "
