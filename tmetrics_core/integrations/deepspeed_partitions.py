@@ -152,9 +152,10 @@ def _stage3(optimizer: Any, dp_ranks: tuple[int, ...]) -> tuple[list[OwnedRanges
 
 class Zero3Updates:
     """The update of each rank's ZeRO 3 partitions over one optimizer step: :meth:`take` copies
-    the partitions (``ds_tensor``) before the step, on due steps that read updates only (one
-    batched copy); the first :meth:`fetch` after the step turns the copies into ``now - before``
-    in place (two batched kernels), read as ``FlatShard`` like the partitions themselves.
+    the partitions (``ds_tensor``) before the step into one float32 buffer, on due steps that read
+    updates only; the first :meth:`fetch` after the step subtracts it from the partitions then
+    (one concatenation, one subtraction), so a bf16 update is the exact difference of two bf16
+    weights, not rounded to bf16 again. Read as ``FlatShard`` like the partitions themselves.
 
     Attributes:
         params: the parameters this rank owns a part of, in a fixed order.
@@ -162,27 +163,32 @@ class Zero3Updates:
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = list(params)
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._copies: list[torch.Tensor] | None = None
-        self._differences = False
+        self._offsets: dict[int, int] = {}
+        at = 0
+        for p in self.params:
+            self._offsets[id(p)] = at
+            at += p.ds_tensor.numel()  # type: ignore[attr-defined]
+        self._before: torch.Tensor | None = None
+        self._difference: torch.Tensor | None = None
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.ds_tensor.view(-1) for p in self.params]).to(torch.float32)  # type: ignore[attr-defined]
 
     def take(self) -> None:
-        """Copy the partitions as they are before the step (``x * 1.0`` is exact for every value)."""
-        partitions = [p.ds_tensor for p in self.params]  # type: ignore[attr-defined]
-        self._copies = list(torch._foreach_mul(partitions, 1.0)) if partitions else []
-        self._differences = False
+        """Copy the partitions as they are before the step (float32 holds bf16/fp16 exactly)."""
+        self._before = self._flat() if self.params else None
+        self._difference = None
 
     def fetch(self, p: torch.nn.Parameter) -> tuple[torch.Tensor, int] | None:
-        """``(now - before of p's partition, 0)``, None without a copy from before this step."""
-        copies = self._copies
-        if copies is None:
-            return None
-        if not self._differences:
-            torch._foreach_sub_(copies, [q.ds_tensor for q in self.params])  # type: ignore[attr-defined]
-            torch._foreach_neg_(copies)
-            self._differences = True
-        return copies[self._index[id(p)]], 0
+        """``(now - before of the partitions, where p's lies)``; None without a copy from
+        before this step."""
+        if self._difference is None:
+            if self._before is None:
+                return None
+            self._difference = self._flat().sub_(self._before)
+            self._before = None
+        return self._difference, self._offsets[id(p)]
 
     def forget(self) -> None:
-        """Drop the copies (after the step's post phase)."""
-        self._copies, self._differences = None, False
+        """Drop the copy and the difference (after the step's post phase)."""
+        self._before = self._difference = None
