@@ -99,7 +99,8 @@ def found(model: Any, optimizer: Any = None) -> Found | None:
     optimizer with ``model=engine.module``: the same records), else None.
 
     Raises:
-        ConfigError: ``optimizer`` given with an engine and not the engine's.
+        ConfigError: ``optimizer`` given with an engine and not the engine's; ZeRO's optimizer
+            with a ``model`` none of whose parameters it steps (pass the engine).
     """
     engine_class = _engine_class()
     if engine_class is not None and isinstance(model, engine_class):
@@ -109,8 +110,8 @@ def found(model: Any, optimizer: Any = None) -> Found | None:
         return Found(model.module, model.optimizer, model, int(model.zero_optimization_stage()))
     stage = _zero_stage(optimizer) if optimizer is not None else 0
     if stage:
-        if engine_class is not None and isinstance(model, torch.nn.Module) and not any(
-                p is q for group in _groups(optimizer) for p in group for q in (next(model.parameters(), None),)):
+        stepped = {id(p) for group in _groups(optimizer) for p in group}
+        if not isinstance(model, torch.nn.Module) or not any(id(p) in stepped for p in model.parameters()):
             raise ConfigError(f"optimizer= is DeepSpeed's {type(optimizer).__name__} but model= is not the module "
                               "it optimizes; pass TensorMetrics.from_config(cfg, model=engine)", path="optimizer")
         return Found(model, optimizer, None, stage)
