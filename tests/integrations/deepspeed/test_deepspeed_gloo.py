@@ -28,7 +28,8 @@ CASES = [
     Case("zero2-module", 2, path="module"),
     Case("zero2-accumulate", 2, gas=2, clip=1.0),
     Case("zero2-offload", 2, extra={"offload_optimizer": {"device": "cpu"}}),
-    Case("zero3", 3, steps=3, interval=2, count_gathers=True),
+    Case("zero3", 3, steps=3, interval=2, count_gathers=True,  # and a forward-side metric under its fetch hooks
+         metrics=(*METRICS, "layer-residual-accumulator-l2")),
     Case("zero2-bf16", 2, bf16=True),
     Case("zero3-bf16", 3, bf16=True),
     Case("accelerate-zero2", 2, gas=2, clip=1.0, path="accelerate"),
@@ -46,7 +47,7 @@ def _expected_keys(case: Case) -> set[tuple]:
     stats = {"layer-optimizer-state-rms": ("exp_avg", "exp_avg_sq"),
              "layer-grad-nonfinite": ("nan", "posinf", "neginf", "total")}
     due = [s for s in range(1, case.steps + 1) if s == 1 or s % case.interval == 0]
-    return {(m, s, None if m.startswith("global") else layer, stat) for m in METRICS for s in due
+    return {(m, s, None if m.startswith("global") else layer, stat) for m in case.metrics for s in due
             for layer in range(BLOCKS) for stat in stats.get(m, (None,))}
 
 

@@ -305,8 +305,18 @@ def reference(case: Case, world: int) -> dict[Key, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     out: dict[Key, float] = {}
     named = list(model.named_parameters())
+    residual = [0.0] * BLOCKS  # sums of squares of each block's output over the step's tokens
+
+    def add(layer: int) -> Any:
+        def hook(module: Any, args: Any, output: torch.Tensor) -> None:
+            residual[layer] += float(output.detach().square().sum())
+        return hook
+
+    for layer, block in enumerate(model.layers):
+        block.register_forward_hook(add(layer))
     for step in range(1, case.steps + 1):
         optimizer.zero_grad()
+        residual[:] = [0.0] * BLOCKS
         for micro in range(case.gas):
             x, y = batch(step, micro, world)
             for r in range(world):
@@ -323,6 +333,7 @@ def reference(case: Case, world: int) -> dict[Key, float]:
         for layer in range(BLOCKS):
             mine = [n for n, _ in named if _layer(n) == layer]
             out[("layer-grad-l2", step, layer, None)] = _norm(grads[n] for n in mine)
+            out[("layer-residual-accumulator-l2", step, layer, None)] = residual[layer] ** 0.5
             out[("layer-param-l2", step, layer, None)] = _norm(before[n] for n in mine)
             out[("layer-update-ratio", step, layer, None)] = (
                 _norm(after[n] - before[n] for n in mine) / _norm(after[n] for n in mine))
@@ -356,7 +367,7 @@ def refusals(rank: int, world: int, run_dir: str) -> dict[str, str]:
         "hpz": lambda: _engine(Net(), {**ds_config(Case("hpz", 3, extra={"zero_hpz_partition_size": world}),
                                                      world)}),
         "pipeline": lambda: _engine(deepspeed.pipe.PipelineModule(
-            [torch.nn.Linear(D, D), torch.nn.Linear(D, D)], num_stages=world),
+            [torch.nn.Linear(D, D) for _ in range(world)], num_stages=world),
             {**ds_config(Case("pipe", 1), world), "train_batch_size": MICRO}),  # one data-parallel rank
     }
     out = {}
