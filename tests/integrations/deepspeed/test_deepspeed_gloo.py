@@ -92,6 +92,7 @@ def test_a_zero3_due_step_gathers_no_parameter(runs):
 def test_what_tmetrics_does_not_read_is_refused_by_name(runs):
     said = runs[0]["refusals"]
     assert "model=engine" in said["foreign-module"]
+    assert "from_config(cfg, model=engine)" in said["direct"]
     assert "fp16 with loss scaling" in said["fp16"] and "bf16" in said["fp16"]
     assert "DeepSpeed-MoE" in said["moe"]
     assert "zero_hpz_partition_size=2" in said["hpz"]

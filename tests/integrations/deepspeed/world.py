@@ -377,6 +377,13 @@ def refusals(rank: int, world: int, run_dir: str) -> dict[str, str]:
         out["foreign-module"] = "accepted"
     except ConfigError as exc:
         out["foreign-module"] = str(exc)
+    try:  # TensorMetrics built directly, as without an integration: only from_config reads ZeRO
+        from tmetrics_core.metrics.catalogue import build_metric
+
+        tm.TensorMetrics(engine.module, metrics=[(build_metric("layer-grad-l2"), 1)], optimizer=engine.optimizer)
+        out["direct"] = "accepted"
+    except ConfigError as exc:
+        out["direct"] = str(exc)
     for feature, build in builds.items():  # the pipeline last: its topology stays DeepSpeed's
         engine = build()
         try:
