@@ -8,8 +8,8 @@
                 engine.backward(engine(batch).loss)
                 engine.step()                            # steps the optimizer at the boundary only
 
-DeepSpeed is never imported here unless the user already did (:func:`engine_of` looks in
-``sys.modules``).
+DeepSpeed is never imported here unless the user already did (:func:`found` looks in
+``sys.modules``). ``model=engine.module, optimizer=engine.optimizer`` gives the same records.
 
 **From the engine**: the model (``engine.module``), the optimizer (DeepSpeed's own, adapted by
 :class:`DeepSpeedSteps`) and the topology: one axis ``dp``, the group ZeRO partitions over
@@ -25,12 +25,14 @@ all-gathered them). What each kind reads is in
 the model's weights (whole on every rank, a verified ``Replica``) and their update the change
 of those weights; under ZeRO 3 each rank reads its own partition (``ds_tensor``), so no due step
 gathers a parameter, and its update is the change of that partition (a copy of it is taken
-before the step on due steps that read updates). With bf16 the weights read are the bf16 ones the forward uses; Adam state
-is the fp32 state of DeepSpeed's master partitions.
+before the step on due steps that read updates). With bf16 the weights read are the bf16 ones
+the forward uses; Adam state is the fp32 state of DeepSpeed's master partitions. Without ZeRO
+(stage 0, fp32) the engine's client optimizer is hooked as usual and ``dp`` is a replica axis.
 
-**Refused** with a ``ConfigError`` naming the feature: ``model=engine.module`` with DeepSpeed's
-optimizer (pass the engine), the pipeline engine, DeepSpeed-MoE, ZeRO++ hierarchical partitions,
-Ulysses sequence parallelism, and fp16 with loss scaling.
+**Refused** with a ``ConfigError`` naming the feature (:func:`refuse`): ZeRO's optimizer with
+another module, the pipeline engine, DeepSpeed-MoE, ZeRO++ hierarchical partitions, Ulysses
+sequence parallelism, fp16 with loss scaling, and without ZeRO gradient clipping and DeepSpeed's
+fp16/bf16 wrappers.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def topology(run: Found) -> Topology:
 def refuse(run: Found) -> None:
     """Raise ``ConfigError`` for what tmetrics does not read, naming it and what to do: the
     pipeline engine, DeepSpeed-MoE, Ulysses sequence parallelism, ZeRO++ hierarchical
-    partitions, fp16 with loss scaling, and fp16/bf16 without ZeRO."""
+    partitions, fp16 with loss scaling, and without ZeRO: gradient clipping (it clips ``.grad``
+    before the step's hooks) and DeepSpeed's fp16/bf16 optimizer wrappers."""
     engine, optimizer = run.engine, run.optimizer
     if any(c.__name__ in ("PipelineEngine", "PipelineModule") and c.__module__.startswith("deepspeed.")
            for obj in (engine, run.model) for c in type(obj).__mro__):
@@ -165,6 +168,10 @@ def refuse(run: Found) -> None:
         raise ConfigError("DeepSpeed fp16 with loss scaling: its partitions hold scaled gradients and a step it "
                           "skips for overflow leaves no update; tmetrics does not read it yet. Use bf16 "
                           "(\"bf16\": {\"enabled\": true}) or fp32")
+    if run.stage == 0 and engine is not None and engine.gradient_clipping() > 0:
+        raise ConfigError("DeepSpeed without ZeRO clips the gradients in .grad before its optimizer step, where "
+                          "tmetrics reads them: the records would be of clipped gradients. Use ZeRO stage 1 or "
+                          "more, or leave gradient_clipping out")
     if run.stage == 0 and not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"DeepSpeed without ZeRO wraps the optimizer in {type(optimizer).__name__} "
                           "(fp16/bf16 without ZeRO); tmetrics reads ZeRO stages 1, 2 and 3 and the plain "

@@ -24,6 +24,7 @@ from tests.integrations.deepspeed.world import BLOCKS, METRICS, Case, run_cases 
 
 WORLD = 2
 CASES = [
+    Case("zero0", 0),  # no ZeRO: the client optimizer, gradients all-reduced into .grad
     Case("zero1", 1),
     Case("zero2-module", 2, path="module"),
     Case("zero2-accumulate", 2, gas=2, clip=1.0),
@@ -72,7 +73,7 @@ def test_bf16_records_equal_deepspeeds_own_tensors(runs, name):
                 if not math.isclose(v, reference[k], rel_tol=3e-2, abs_tol=1e-12)}
 
 
-@pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.parametrize("name", [c.name for c in CASES if c.stage > 0])  # without ZeRO it keeps no norm
 def test_global_grad_l2_equals_deepspeeds_own_norm(runs, name):
     case = BY_NAME[name]
     norms = runs[0][name]["norms"]
@@ -97,3 +98,4 @@ def test_what_tmetrics_does_not_read_is_refused_by_name(runs):
     assert "DeepSpeed-MoE" in said["moe"]
     assert "zero_hpz_partition_size=2" in said["hpz"]
     assert "PipelineEngine" in said["pipeline"]
+    assert "clipped gradients" in said["zero0-clip"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,7 +144,8 @@ def _train(case: Case, rank: int, world: int, run_dir: str) -> dict[str, Any]:
                 engine.step()
                 if before is not None:
                     _own_after(engine, step, before, own)
-        norms.append(float(engine.get_global_grad_norm()))
+        norm = engine.get_global_grad_norm()  # None without ZeRO: DeepSpeed keeps none
+        norms.append(float(norm) if norm is not None else math.nan)
         if gathers is not None:
             gathers.steps.append(gathers.count)
     metrics.close()
@@ -362,6 +364,7 @@ def refusals(rank: int, world: int, run_dir: str) -> dict[str, str]:
     cfg = {"run": {"name": "refused", "dir": run_dir}, "sinks": {}, "metrics": ["layer-grad-l2"]}
     base = Case("refused", 2)
     builds: dict[str, Any] = {
+        "zero0-clip": lambda: _engine(Net(), ds_config(Case("clip", 0, clip=1.0), world)),
         "fp16": lambda: _engine(Net(), {**ds_config(base, world), "fp16": {"enabled": True}}),
         "moe": lambda: _engine(_MoeNet(), ds_config(base, world)),
         "hpz": lambda: _engine(Net(), {**ds_config(Case("hpz", 3, extra={"zero_hpz_partition_size": world}),
