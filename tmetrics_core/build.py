@@ -154,14 +154,14 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=os.fspath(run_dir)))
     config = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(),
                          sink_names=[name for name, _ in available_sinks()])
-    run = _deepspeed(model, optimizer)
-    if run is not None and mesh is None and axes is None:
-        topology = run.topology()
+    deepspeed = _deepspeed(model, optimizer)  # its engine gives model, optimizer and topology
+    if deepspeed is not None and mesh is None and axes is None:
+        topology = deepspeed.topology()
     else:
         topology = topology_for(mesh, axes, model)
     speed = None
-    if run is not None:
-        speed = run.setup(topology)
+    if deepspeed is not None:
+        speed = deepspeed.setup(topology)
         model, optimizer = speed.model, speed.optimizer
         if speed.flat_buffers:
             kwargs.setdefault("flat_buffers", speed.flat_buffers)
@@ -343,7 +343,6 @@ def _megatron() -> Any:
     from tmetrics_core.integrations import megatron
 
     return megatron if megatron.active() else None
-
 
 
 def _deepspeed(model: Any, optimizer: Any) -> Any:

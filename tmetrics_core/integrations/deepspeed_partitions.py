@@ -117,7 +117,8 @@ def _stage3(optimizer: Any, dp_ranks: tuple[int, ...]) -> tuple[list[OwnedRanges
     params: list[torch.nn.Parameter] = [p for group in optimizer.fp16_groups for p in group]
     ranges: dict[int, tuple[int, int]] = {}
     for p in params:
-        _check_group(p.ds_process_group, dp_ranks, f"a parameter of shape {list(p.ds_shape)}")  # type: ignore[attr-defined]
+        shape = list(p.ds_shape)  # type: ignore[attr-defined]
+        _check_group(p.ds_process_group, dp_ranks, f"a parameter of shape {shape}")  # type: ignore[attr-defined]
         size = int(p.ds_tensor.ds_numel)  # type: ignore[attr-defined]
         rank = dist.get_rank(p.ds_process_group)  # type: ignore[attr-defined]
         numel = int(p.ds_numel)  # type: ignore[attr-defined]
