@@ -9,11 +9,13 @@ the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -152,7 +154,17 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=os.fspath(run_dir)))
     config = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(),
                          sink_names=[name for name, _ in available_sinks()])
-    topology = topology_for(mesh, axes, model)
+    deepspeed = _deepspeed(model, optimizer)  # its engine gives model, optimizer and topology
+    if deepspeed is not None and mesh is None and axes is None:
+        topology = deepspeed.topology()
+    else:
+        topology = topology_for(mesh, axes, model)
+    speed = None
+    if deepspeed is not None:
+        speed = deepspeed.setup(topology)
+        model, optimizer = speed.model, speed.optimizer
+        if speed.flat_buffers:
+            kwargs.setdefault("flat_buffers", speed.flat_buffers)
     megatron = _megatron()
     if megatron is not None:
         found = megatron.setup(model, optimizer, topology)
@@ -186,18 +198,21 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
                   metrics=tuple(m.name for m, _ in metrics))
     modules = {mc.name: mc.modules for mc in config.metrics if mc.modules}
     try:
-        tracker = cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
-                      check_plan=config.distributed.check_plan,
-                      verify_replicas=config.distributed.verify_replicas, placements=config.placements,
-                      timeout_s=config.distributed.collective_timeout_s, modules=modules,
-                      key_rules={sink.name: sink.key_rules for sink in built},
-                      log_rank=config.distributed.log_rank, read_results=config.run.read_results, **kwargs)
+        with speed.constructing() if speed is not None else contextlib.nullcontext():  # ZeRO 3: shapes
+            tracker = cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
+                          check_plan=config.distributed.check_plan,
+                          verify_replicas=config.distributed.verify_replicas, placements=config.placements,
+                          timeout_s=config.distributed.collective_timeout_s, modules=modules,
+                          key_rules={sink.name: sink.key_rules for sink in built},
+                          log_rank=config.distributed.log_rank, read_results=config.run.read_results, **kwargs)
     except BaseException:
         for handle in found.handles if megatron is not None else ():
             handle.remove()
         raise
     if megatron is not None:
         tracker._hooks.extend(found.handles)  # removed by close() with the optimizer hooks
+    if speed is not None:
+        tracker._hooks.extend(speed.attach(tracker))  # ZeRO 3: its partitions copied before due update steps
     return tracker
 
 
@@ -371,3 +386,13 @@ def _megatron() -> Any:
     from tmetrics_core.integrations import megatron
 
     return megatron if megatron.active() else None
+
+
+def _deepspeed(model: Any, optimizer: Any) -> Any:
+    """The DeepSpeed run behind ``model`` (its ``DeepSpeedEngine``) or ``optimizer`` (ZeRO's) when
+    DeepSpeed is imported, else None (imported lazily: integrations sit above this module)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    from tmetrics_core.integrations import deepspeed
+
+    return deepspeed.found(model, optimizer)

@@ -19,6 +19,11 @@ micro-batches that only accumulate). Gradients are read when the backward of the
 sets ``accelerator.sync_gradients`` ends, after DDP's all-reduce and before any clipping, so
 ``global-grad-l2`` equals the total norm ``accelerator.clip_grad_norm_`` returns.
 Steps are numbered 1, 2, ... by optimizer steps (``first_step=`` to resume).
+
+With a ``DeepSpeedPlugin`` the loop is the same: ``accelerator.backward`` runs DeepSpeed's step at
+the accumulation boundary, and the scope closes after it; gradients, state and updates are read
+from ZeRO's partitions (:mod:`tmetrics_core.integrations.deepspeed`), ``global-grad-l2`` equals
+DeepSpeed's own ``get_global_grad_norm()``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.backward import AfterBackward
+from tmetrics_core.integrations.deepspeed import DeepSpeedSteps
 from tmetrics_core.integrations.scope import OpenScope
 from tmetrics_core.records import RunStatus, status_on_exit
 from tmetrics_core.tensor_metrics import TensorMetrics
@@ -53,7 +59,7 @@ class Attached:
     """What :func:`attach` returns: the :class:`TensorMetrics` (``.metrics``) driven by the loop's
     own forward, backward and optimizer step; :meth:`close` (or leaving a ``with`` block) ends the run."""
 
-    def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any,
                  metrics: TensorMetrics, *, first_step: int) -> None:
         self.metrics = metrics
         self.next_step = first_step
@@ -61,7 +67,9 @@ class Attached:
         self._accelerator = accelerator
         self._hooks = [model.register_forward_pre_hook(self._before_forward),
                        optimizer.register_step_post_hook(self._after_step)]
-        self._backward = AfterBackward(model, when=self._ends_accumulation, then=metrics.observe_gradients)
+        # DeepSpeed reads its reduced partitions in its own step hooks (before it clips them).
+        self._backward = (AfterBackward(model, when=self._ends_accumulation, then=metrics.observe_gradients)
+                          if not isinstance(optimizer, DeepSpeedSteps) else None)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not self._scope.is_open and module.training and torch.is_grad_enabled():
@@ -84,7 +92,8 @@ class Attached:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self._backward.remove()
+        if self._backward is not None:
+            self._backward.remove()
         return self.metrics.close(status)
 
     def __enter__(self) -> "Attached":
@@ -117,4 +126,6 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, config: Any
     torch_optimizer = unwrap_optimizer(optimizer)
     metrics = TensorMetrics.from_config(config, model=inner, optimizer=torch_optimizer, mesh=mesh,
                                         axes=default_axes(mesh, axes), sinks=sinks, run_dir=run_dir)
-    return Attached(accelerator, inner, torch_optimizer, metrics, first_step=first_step)
+    # Under DeepSpeed the step is ZeRO's, inside accelerator.backward(): its adapter carries the hooks.
+    stepped = metrics.optimizer if isinstance(metrics.optimizer, DeepSpeedSteps) else torch_optimizer
+    return Attached(accelerator, inner, stepped, metrics, first_step=first_step)

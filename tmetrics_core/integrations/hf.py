@@ -19,6 +19,11 @@ the end of that backward (:class:`~tmetrics_core.integrations.backward.AfterBack
 Under DDP (the Trainer started torch.distributed) the topology is ``{"dp": WORLD}`` unless
 ``mesh=`` or ``axes=`` say otherwise.
 
+With ``TrainingArguments(deepspeed=...)`` nothing changes for the user: the Trainer's DeepSpeed
+optimizer leads to ZeRO's partitions (:mod:`tmetrics_core.integrations.deepspeed`), which are read
+in DeepSpeed's own step, before it clips; ``global-grad-l2`` equals the ``grad_norm`` the Trainer
+logs (DeepSpeed's ``get_global_grad_norm()``).
+
 ``report_to=True`` also writes the records into the tracker runs the Trainer itself reports to
 (its ``report_to``), instead of second runs: the MLflow run its ``MLflowCallback`` started (the
 ``mlflow`` sink's ``run_id`` option) and the W&B run its ``WandbCallback`` started (the ``wandb``
@@ -40,6 +45,7 @@ from tmetrics_core.errors import ConfigError
 from tmetrics_core.integrations.accelerate import unwrap_optimizer
 from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.backward import AfterBackward
+from tmetrics_core.integrations.deepspeed import DeepSpeedSteps
 from tmetrics_core.integrations.scope import OpenScope
 from tmetrics_core.tensor_metrics import TensorMetrics
 
@@ -91,7 +97,8 @@ class TMetricsCallback(TrainerCallback):
             return scope.is_open and (gradient_state is None or bool(gradient_state.sync_gradients))
 
         self.metrics, self._scope = metrics, scope
-        self._backward = AfterBackward(model, when=ends_accumulation, then=metrics.observe_gradients)
+        if not isinstance(metrics.optimizer, DeepSpeedSteps):  # DeepSpeed's step hooks read its partitions
+            self._backward = AfterBackward(model, when=ends_accumulation, then=metrics.observe_gradients)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._scope is not None:

@@ -22,8 +22,9 @@ from tmetrics_core.site import Site
 
 __all__ = ["FLAT_KINDS", "FlatBuffer", "FlatSource", "Memory", "Reader", "kept", "owned_part"]
 
-FLAT_KINDS = frozenset({"grad", "param", "exp_avg", "exp_avg_sq"})
-"""The source kinds a flat buffer may hold."""
+FLAT_KINDS = frozenset({"grad", "param", "exp_avg", "exp_avg_sq", "update"})
+"""The source kinds a flat buffer may hold (``update``: the change of a flat ``param`` over the
+optimizer step, for sharded weights the model does not hold whole, e.g. DeepSpeed ZeRO 3)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class FlatBuffer:
     """This rank's range of a flat buffer holding source ``kind`` of ``params``.
 
     Attributes:
-        kind: ``"grad"``, ``"param"`` (master weights), ``"exp_avg"`` or ``"exp_avg_sq"``.
+        kind: ``"grad"``, ``"param"`` (master weights), ``"exp_avg"``, ``"exp_avg_sq"`` or
+            ``"update"`` (see :data:`FLAT_KINDS`).
         axis: the axis the buffer is sharded over (``"dp"``).
         params: the parameters in buffer order (every rank passes the same list).
         buffer: 1-D tensor, this rank's elements; read at each due step (update it in place).

@@ -34,7 +34,8 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | OptimizerChain:
 
     Raises:
         ConfigError: nothing that leads to a torch optimizer (with the type found and what is
-            accepted).
+            accepted), or DeepSpeed's ZeRO optimizer (its torch optimizer steps flat partitions;
+            ``from_config(cfg, model=engine)`` reads them).
     """
     if not isinstance(optimizer, torch.optim.Optimizer) and all(
             callable(getattr(optimizer, hook, None)) for hook in ("register_step_pre_hook", "register_step_post_hook")):
@@ -44,6 +45,11 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | OptimizerChain:
 
 
 def _inner(obj: Any, depth: int, given: str) -> list[torch.optim.Optimizer]:
+    if any(c.__name__.startswith("DeepSpeedZeroOptimizer") for c in type(obj).__mro__):
+        # Its torch optimizer steps flat fp32 partitions, not the model's parameters.
+        raise ConfigError(f"optimizer= is DeepSpeed's {type(obj).__name__}: ZeRO keeps gradients, master weights and "
+                          "Adam state in partitions that only its integration reads. Build with "
+                          "TensorMetrics.from_config(cfg, model=engine)", path="optimizer")
     # Chained first: Megatron's ChainedOptimizer.optimizer asserts there is only one.
     chained = getattr(obj, "chained_optimizers", None) if depth < _DEPTH else None
     if chained:

@@ -1,0 +1,101 @@
+"""DeepSpeed 0.19.8 on its CPU accelerator, gloo, in one spawned world running every case (its
+import and engine set-up dominate the time): ZeRO 1, 2 and 3, ZeRO 2 with accumulation 2 and
+clipping, optimizer offload to the CPU, bf16 (ZeRO 2 and 3), ``model=engine.module`` with
+``engine.optimizer``, accelerate's ``attach`` with a ``DeepSpeedPlugin`` and the Trainer with
+``TrainingArguments(deepspeed=...)``. tmetrics is attached by the line a user writes; no
+placements, hooks or offsets come from the test.
+
+References: fp32 runs, a float64 single-process training of the same global batches by hand
+(rel 1e-5); bf16 runs, DeepSpeed's own tensors (``safe_get_full_grad`` and
+``safe_get_full_optimizer_state``, the bf16 weights) read by the test around each step (rel 1e-5),
+and the float64 reference within bf16's precision; every run, DeepSpeed's own
+``get_global_grad_norm()``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.integrations.deepspeed.world import BLOCKS, METRICS, Case, run_cases  # noqa: E402
+
+WORLD = 2
+CASES = [
+    Case("zero0", 0),  # no ZeRO: the client optimizer, gradients all-reduced into .grad
+    Case("zero1", 1),
+    Case("zero2-module", 2, path="module"),
+    Case("zero2-accumulate", 2, gas=2, clip=1.0),
+    Case("zero2-offload", 2, extra={"offload_optimizer": {"device": "cpu"}}),
+    Case("zero3", 3, steps=3, interval=2, count_gathers=True,  # and a forward-side metric under its fetch hooks
+         metrics=(*METRICS, "layer-residual-accumulator-l2")),
+    Case("zero2-bf16", 2, bf16=True),
+    Case("zero3-bf16", 3, bf16=True),
+    Case("accelerate-zero2", 2, gas=2, clip=1.0, path="accelerate"),
+    Case("trainer-zero2", 2, clip=1.0, path="trainer"),
+]
+BY_NAME = {c.name: c for c in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(run_cases, WORLD, CASES, str(tmp_path_factory.mktemp("deepspeed")), timeout=600)
+
+
+def _expected_keys(case: Case) -> set[tuple]:
+    stats = {"layer-optimizer-state-rms": ("exp_avg", "exp_avg_sq"),
+             "layer-grad-nonfinite": ("nan", "posinf", "neginf", "total")}
+    due = [s for s in range(1, case.steps + 1) if s == 1 or s % case.interval == 0]
+    return {(m, s, None if m.startswith("global") else layer, stat) for m in case.metrics for s in due
+            for layer in range(BLOCKS) for stat in stats.get(m, (None,))}
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES if not c.bf16])
+def test_every_record_equals_the_float64_reference(runs, name):
+    records, reference = runs[0][name]["records"], runs[0][name]["reference"]
+    assert set(records) == _expected_keys(BY_NAME[name])
+    wrong = {k: (v, reference[k]) for k, v in records.items()
+             if not math.isclose(v, reference[k], rel_tol=1e-5, abs_tol=1e-12)}
+    assert not wrong
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES if c.bf16])
+def test_bf16_records_equal_deepspeeds_own_tensors(runs, name):
+    records, own, reference = runs[0][name]["records"], runs[0][name]["own"], runs[0][name]["reference"]
+    assert set(records) == _expected_keys(BY_NAME[name])
+    compared = set(own) & set(records)
+    assert len(compared) == len(own) == 2 * (1 + BLOCKS * 5)  # grad (global, layers), param, update, 2 states
+    assert not {k: (records[k], own[k]) for k in compared if not math.isclose(records[k], own[k], rel_tol=1e-5)}
+    # bf16 weights and gradients: within bf16's precision of the float64 training
+    assert not {k: (v, reference[k]) for k, v in records.items()
+                if not math.isclose(v, reference[k], rel_tol=3e-2, abs_tol=1e-12)}
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES if c.stage > 0])  # without ZeRO it keeps no norm
+def test_global_grad_l2_equals_deepspeeds_own_norm(runs, name):
+    case = BY_NAME[name]
+    norms = runs[0][name]["norms"]
+    assert norms == runs[1][name]["norms"]
+    for step, norm in enumerate(norms, start=1):
+        if step == 1 or step % case.interval == 0:
+            assert runs[0][name]["records"][("global-grad-l2", step, None, None)] == pytest.approx(norm, rel=1e-6)
+
+
+def test_a_zero3_due_step_gathers_no_parameter(runs):
+    # Step 2 is due (every metric, the update ratio among them), step 3 is not: DeepSpeed's own
+    # forward and backward gather alike in both; tmetrics' reads of the partitions add nothing.
+    gathers = [r["zero3"]["gathers"] for r in runs]
+    assert all(g[1] == g[2] > 0 for g in gathers), gathers
+
+
+def test_what_tmetrics_does_not_read_is_refused_by_name(runs):
+    said = runs[0]["refusals"]
+    assert "model=engine" in said["foreign-module"]
+    assert "from_config(cfg, model=engine)" in said["direct"]
+    assert "fp16 with loss scaling" in said["fp16"] and "bf16" in said["fp16"]
+    assert "DeepSpeed-MoE" in said["moe"]
+    assert "zero_hpz_partition_size=2" in said["hpz"]
+    assert "PipelineEngine" in said["pipeline"]
+    assert "clipped gradients" in said["zero0-clip"]
