@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ from tmetrics_tb.layout import CONFIG_TAG, ScalarLayout
 
 __all__ = ["TensorBoardSink"]
 
-_OPTIONS = ("log_dir", "flush_secs", "expert_scalars")
+_OPTIONS = ("log_dir", "flush_secs", "expert_scalars", "prefix")
 _VECTOR_BINS = 30
 
 
@@ -61,7 +62,11 @@ class TensorBoardSink:
         flush_secs (float, optional): at most this many seconds between writes to disk
             (default 10); ``flush()`` writes at once.
         expert_scalars (bool, optional): also write every per-(layer, expert) value as its own
-            scalar series (default false: one layer x expert image per metric and step).
+            scalar series; default when layers x experts is at most 256 (always one layer x
+            expert image per metric and step).
+        prefix (str, optional): put before every tag; ``"tmetrics/"`` when ``log_dir`` is the
+            directory of the user's own ``SummaryWriter`` (``from_config(..., trackers=[writer])``),
+            so TensorBoard shows one run and tmetrics' tags never meet the owner's. Default none.
 
     Raises:
         ConfigError: an unknown option or an invalid value (path ``sinks.tensorboard.<option>``).
@@ -72,7 +77,7 @@ class TensorBoardSink:
     requires = ("tensorboard", "yaml", "matplotlib")
 
     def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, flush_secs: float = 10.0,
-                 expert_scalars: bool = False, **unknown: Any) -> None:
+                 expert_scalars: bool | None = None, prefix: str = "", **unknown: Any) -> None:
         if unknown:
             bad = sorted(unknown)[0]
             raise ConfigError(
@@ -82,13 +87,18 @@ class TensorBoardSink:
             raise ConfigError(f"got {log_dir!r}; need a directory path (a string)", path=f"sinks.{self.name}.log_dir")
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs > 0:
             raise ConfigError(f"got {flush_secs!r}; need a number of seconds > 0", path=f"sinks.{self.name}.flush_secs")
-        if not isinstance(expert_scalars, bool):
-            raise ConfigError(f"got {expert_scalars!r}; need true or false", path=f"sinks.{self.name}.expert_scalars")
+        if expert_scalars is not None and not isinstance(expert_scalars, bool):
+            raise ConfigError(f"got {expert_scalars!r}; need true or false (or leave it unset)",
+                              path=f"sinks.{self.name}.expert_scalars")
+        if not isinstance(prefix, str) or not re.fullmatch(r"[-/\w.]*", prefix, flags=re.ASCII):
+            raise ConfigError(f"got {prefix!r}; need a text of characters [-/\\w.] (e.g. 'tmetrics/')",
+                              path=f"sinks.{self.name}.prefix")
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.flush_secs = float(flush_secs)
         self._writer: EventFile | None = None
-        self._renderer = StepRenderer(TENSORBOARD_RULES, distributions=True, heatmaps=True, expert_scalars=expert_scalars)
-        self._layout = ScalarLayout()
+        self._renderer = StepRenderer(TENSORBOARD_RULES, distributions=True, heatmaps=True, expert_scalars=expert_scalars,
+                                      prefix=prefix)
+        self._layout = ScalarLayout(prefix=prefix)
         self._layout_dirty = False
         self._scalar_prefixes: dict[str, bytes] = {}
         self._last_step = 0
@@ -105,7 +115,7 @@ class TensorBoardSink:
             log_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir = log_dir
             self._renderer.open(run)
-            self._layout = ScalarLayout(layer_width=self._renderer.book.layer_width)
+            self._layout = ScalarLayout(layer_width=self._renderer.book.layer_width, prefix=self._renderer.book.prefix)
             self._writer = EventFile(log_dir, flush_secs=self.flush_secs)
         facts = {"name": run.name, "dir": run.dir, "tags": dict(run.tags), "metrics": list(run.metrics)}
         self._write_text("tmetrics/run", facts, step=0)

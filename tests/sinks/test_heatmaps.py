@@ -37,14 +37,14 @@ def _check_picture(png: bytes) -> None:
 def test_tensorboard_images(tmp_path: Path) -> None:
     from tmetrics_tb import TensorBoardSink
 
-    sink = TensorBoardSink()
+    sink = TensorBoardSink(expert_scalars=False)
     sink.open(_run(tmp_path))
     for step in STEPS:
         sink.write(grid_records(step), step)
     sink.close("finished")
     log = read_log(Path(tmp_path / "run" / "tb"))
     assert log.image_tags == {KEY, "layer-expert-tokens/layer_x_expert"}
-    assert not any("expert_0" in tag for tag in log.scalar_tags)  # no per-expert series by default
+    assert not any("expert_0" in tag for tag in log.scalar_tags)  # expert_scalars: false
     events = log.images(KEY)
     assert [(step, height, width) for step, height, width, _ in events] == [(s, LAYERS * 16, EXPERTS * 16) for s in STEPS]
     _check_picture(events[-1][3])
@@ -54,7 +54,7 @@ def test_mlflow_images(tmp_path: Path, mlflow_uri: str) -> None:
     from tests.sinks.readback_mlflow import histories, run_by_id
     from tmetrics_mlflow import MlflowSink
 
-    sink = MlflowSink(tracking_uri=mlflow_uri, experiment="grid")
+    sink = MlflowSink(tracking_uri=mlflow_uri, experiment="grid", expert_scalars=False)
     sink.open(_run(tmp_path))
     for step in STEPS:
         sink.write(grid_records(step), step)
@@ -72,7 +72,7 @@ def test_wandb_images(tmp_path: Path) -> None:
     from tests.sinks.readback_wandb import find_run_file, read_run
     from tmetrics_wandb import WandbSink
 
-    sink = WandbSink(mode="offline", heatmap_every=0)
+    sink = WandbSink(mode="offline", heatmap_every=0, expert_scalars=False)
     sink.open(_run(tmp_path))
     for step in STEPS:
         sink.write(grid_records(step), step)

@@ -55,10 +55,10 @@ def test_nonfinite_counts_and_histogram_summaries_are_written_once() -> None:
 
 
 def test_layer_by_expert_values_become_one_heatmap_per_metric() -> None:
-    out = renderer(distributions=True, heatmaps=True).render(grid_records())
+    out = renderer(distributions=True, heatmaps=True, expert_scalars=False).render(grid_records())
     assert [key for key, _ in out.heatmaps] == ["layer-router-expert-bias/layer_x_expert",
                                                 "layer-expert-tokens/layer_x_expert"]
-    assert not any("expert_0" in key for key, _ in out.scalars)  # no per-expert series by default
+    assert not any("expert_0" in key for key, _ in out.scalars)  # expert_scalars: false
     assert [key for key, _ in out.distributions] == [f"layer-expert-tokens/layer_{i:02d}" for i in range(LAYERS)]
     bias = out.heatmaps[0][1]
     assert bias.values.shape == (LAYERS, EXPERTS) and bias.present.all()
@@ -94,3 +94,15 @@ def test_heatmap_image_scales_cells_marks_nonfinite_and_absent() -> None:
 def test_negative_indices_are_refused() -> None:
     with pytest.raises(ValueError, match="indices must be >= 0"):
         renderer(distributions=True, heatmaps=True).render([MetricRecord("m", 1, 1.0, Labels(layer=-1, expert=0))])
+
+
+def test_per_expert_scalars_by_default_up_to_256_cells() -> None:
+    """Issue 35: a small grid (3 x 5 here) also keeps one series per expert, a line per expert in
+    each layer's chart; 256 layers x experts is the most, beyond it only the heatmaps."""
+    small = renderer(distributions=True, heatmaps=True).render(grid_records())
+    assert len(small.heatmaps) == 2
+    assert ("layer-router-expert-bias/layer_01/expert_003", 10.0) in small.scalars
+    for layers, experts, kept in ((16, 16, True), (16, 17, False), (1, 257, False)):
+        sized = StepRenderer(TENSORBOARD_RULES, distributions=True, heatmaps=True)
+        sized.open(RunInfo(name="r", dir=".", num_layers=layers, num_experts=experts))
+        assert sized.expert_scalars is kept, (layers, experts)

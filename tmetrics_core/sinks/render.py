@@ -31,10 +31,13 @@ import numpy as np
 from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_core.sinks.keys import KeyBook, KeyRules, index_widths
 
-__all__ = ["HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
+__all__ = ["EXPERT_SCALARS_UP_TO", "HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
 
 HEATMAP_STAT = "layer_x_expert"
 """The stat of a layer x expert heatmap's key (``<stat>-layer_x_expert`` under a stat)."""
+
+EXPERT_SCALARS_UP_TO = 256
+"""The most layers x experts for which per-expert scalars are kept by default beside the heatmaps."""
 
 _NONFINITE_RGB = (255, 0, 255)
 _ABSENT_RGB = (0, 0, 0)
@@ -125,24 +128,31 @@ class StepRenderer:
         distributions: the backend stores histograms (TensorBoard, W&B); else histograms become
             counts and vectors only their elements (MLflow).
         heatmaps: gather per-(layer, expert) scalars into layer x expert heatmaps.
-        expert_scalars: with ``heatmaps``, keep those scalars as well.
+        expert_scalars: with ``heatmaps``, keep those scalars as well; None (the default) keeps
+            them when the run's layers x experts is at most :data:`EXPERT_SCALARS_UP_TO` (one
+            readable chart per layer with a line per expert), decided at :meth:`open`.
+        prefix: put before every key (see :class:`~tmetrics_core.sinks.keys.KeyBook`).
     """
 
-    __slots__ = ("book", "distributions", "heatmaps", "expert_scalars", "_grid")
+    __slots__ = ("book", "distributions", "heatmaps", "expert_scalars", "_asked", "_grid")
 
     def __init__(self, rules: KeyRules, *, distributions: bool, heatmaps: bool = False,
-                 expert_scalars: bool = False) -> None:
-        self.book = KeyBook(rules)
+                 expert_scalars: bool | None = None, prefix: str = "") -> None:
+        self.book = KeyBook(rules, prefix=prefix)
         self.distributions = distributions
         self.heatmaps = heatmaps
-        self.expert_scalars = expert_scalars
+        self._asked = expert_scalars
+        self.expert_scalars = bool(expert_scalars)
         self._grid = (0, 0)
 
     def open(self, run: RunInfo) -> None:
         """Size the key indices and the heatmaps from the run's layer and expert counts."""
         layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
-        self.book = KeyBook(self.book.rules, layer_width=layer_width, expert_width=expert_width)
+        self.book = KeyBook(self.book.rules, layer_width=layer_width, expert_width=expert_width,
+                            prefix=self.book.prefix)
         self._grid = (run.num_layers, run.num_experts)
+        cells = run.num_layers * run.num_experts
+        self.expert_scalars = 0 < cells <= EXPERT_SCALARS_UP_TO if self._asked is None else self._asked
 
     def render(self, records: Sequence[MetricRecord]) -> Rendered:
         """The keyed items of ``records``.
