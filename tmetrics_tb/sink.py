@@ -1,6 +1,6 @@
 """``TensorBoardSink``: records as TensorBoard scalars, histograms, images and a custom-scalars layout.
 
-Everything goes into one event file in one directory (``<run.dir>/tb`` by default): no
+Everything goes into one event file in one directory (``<run.dir>/tb/<run name>`` by default): no
 ``add_scalars`` or ``add_hparams`` sub-runs. Each ``write`` is one event holding every value of
 the step, written by :class:`~tmetrics_tb.event_file.EventFile`: for 18k scalars about 20 ms
 of worker time against about 1 s for one ``SummaryWriter.add_scalar`` call per value.
@@ -58,7 +58,8 @@ class TensorBoardSink:
     """Writes records to a TensorBoard event file.
 
     Keyword args:
-        log_dir (str, optional): the event-file directory; defaults to ``<run.dir>/tb``.
+        log_dir (str, optional): the event-file directory; defaults to ``<run.dir>/tb/<run.name>``
+            (``tensorboard --logdir <run.dir>/tb`` then shows a run named after the run).
         flush_secs (float, optional): at most this many seconds between writes to disk
             (default 10); ``flush()`` writes at once.
         expert_scalars (bool, optional): also write every per-(layer, expert) value as its own
@@ -111,7 +112,8 @@ class TensorBoardSink:
             ImportError: the ``tensorboard`` package is missing (``pip install tmetrics[tb]``).
         """
         if self._writer is None:
-            log_dir = self.log_dir if self.log_dir is not None else Path(run.dir) / "tb"
+            # A directory named after the run: TensorBoard names the run by it (not ".").
+            log_dir = self.log_dir if self.log_dir is not None else Path(run.dir) / "tb" / TENSORBOARD_RULES.segment(run.name)
             log_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir = log_dir
             self._renderer.open(run)
@@ -255,10 +257,10 @@ def _layout_value(layout: ScalarLayout) -> Any:
 
 
 def _image_proto(heatmap: Heatmap) -> Any:
-    """TensorBoard's ``Summary.Image`` of a heatmap: an RGB PNG, layers as rows."""
+    """TensorBoard's ``Summary.Image`` of a heatmap: the RGB PNG of its figure (axes, colour bar)."""
     from tensorboard.compat.proto import summary_pb2
 
-    height, width = (side * heatmap.cell_pixels for side in heatmap.values.shape)
+    height, width, _ = heatmap.image().shape
     return summary_pb2.Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=heatmap.png())
 
 

@@ -117,6 +117,8 @@ def test_the_users_wandb_run_gets_the_layer_metrics_and_stays_open(tmp_path, mon
     axes = {m.name or m.glob_name: m.step_metric for m in data.metrics if m.step_metric}
     assert axes["tmetrics/layer-grad-l2/*"] == axes["tmetrics/global-grad-l2"] == axes["tmetrics/lr"] == "tmetrics/step"
     assert "*" not in axes  # the user's keys keep W&B's own step
+    summaries = {m.glob_name: (m.summary.last, m.summary.max) for m in data.metrics if m.glob_name}
+    assert summaries["tmetrics/layer-grad-l2/*"] == (True, True)  # panels compare runs by last and max
     assert data.config["tmetrics"]["run"]["name"] == "mine"
 
 
