@@ -25,6 +25,7 @@ Nothing here imports a tracker library: objects are recognized by their class's 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Iterable
 
@@ -64,6 +65,8 @@ def known_trackers(objects: Iterable[Any]) -> list[Any]:
     passed over with an INFO line (a CSV logger, a tracker of a service tmetrics has no sink for)."""
     known = []
     for tracker in objects:
+        if type(tracker).__name__ == "MLflowTracker" and getattr(tracker, "active_run", None) is None:
+            continue  # accelerate starts its MLflow run on the main process only; the others log nothing
         if _recognized(tracker):
             known.append(tracker)
         else:
@@ -88,8 +91,9 @@ def _sink_options(tracker: Any) -> tuple[str, dict[str, Any]]:
         return "tensorboard", {"log_dir": str(tracker.get_logdir()), "prefix": SHARED_PREFIX}
     if kind == "TensorBoardLogger" and module.startswith(("lightning", "pytorch_lightning")):
         return "tensorboard", {"log_dir": str(tracker.log_dir), "prefix": SHARED_PREFIX}
-    if kind == "TensorBoardTracker" and module.startswith("accelerate"):
-        return _sink_options(tracker.writer)
+    if kind == "TensorBoardTracker" and module.startswith("accelerate"):  # its writer exists on the main process only
+        return "tensorboard", {"log_dir": os.path.join(tracker.logging_dir_param, tracker.run_name),
+                               "prefix": SHARED_PREFIX}
     if kind == "MLFlowLogger" and module.startswith(("lightning", "pytorch_lightning")):
         return "mlflow", {"tracking_uri": tracker._tracking_uri, "run_id": tracker.run_id}
     if kind == "MLflowTracker" and module.startswith("accelerate"):
