@@ -196,12 +196,13 @@ class WandbSink:
         self._last_step = 0
 
     def open(self, run: RunInfo) -> None:
-        """Start the W&B run (a new run even if the process already has one). A retry after a
-        failed ``open`` reuses the run already started.
+        """Start the W&B run, or with ``reuse_run`` take the process's (``wandb.run``). A retry
+        after a failed ``open`` reuses the run already started.
 
         Raises:
             ImportError: ``wandb`` is missing (``pip install tmetrics[wandb]``).
             wandb.errors.UsageError: ``mode="online"`` without a usable API key.
+            RuntimeError: ``reuse_run`` and the process has no run.
         """
         import wandb
 
