@@ -40,13 +40,14 @@ from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS
 from tmetrics_core.records import Labels, RunInfo
 from tmetrics_core.config.redact import redact
 from tmetrics_core.sinks.registry import available_sinks, build_sinks
+from tmetrics_core.sinks.trackers import tracker_sinks
 
 if TYPE_CHECKING:
     from tmetrics_core.tensor_metrics import TensorMetrics
 
 _log = logging.getLogger("tmetrics")
 
-__all__ = ["build_from_config", "check_against_model", "topology_for"]
+__all__ = ["build_from_config", "check_against_model", "join_trackers", "topology_for"]
 
 
 def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None, model: Any = None) -> Topology:
@@ -123,6 +124,19 @@ def _with_overrides(config: Config, kwargs: dict[str, Any]) -> Config:
                           ) from exc
 
 
+def join_trackers(config: Config, trackers: Sequence[Any]) -> Config:
+    """``config`` with a sink writing into each tracker's run (:func:`~tmetrics_core.sinks.trackers.tracker_sinks`),
+    added to the configured sinks or set on the one of that name (its other options kept).
+
+    Raises:
+        ConfigError: see :func:`~tmetrics_core.sinks.trackers.tracker_sinks`.
+    """
+    sinks = {name: dict(options or {}) for name, options in config.sinks.items()}
+    for name, options in tracker_sinks(trackers).items():
+        sinks[name] = {**sinks.get(name, {}), **options}
+    return dataclasses.replace(config, sinks=sinks)
+
+
 def _check_keywords(cls: Any, kwargs: Mapping[str, Any]) -> None:
     """Refuse a keyword neither ``from_config`` nor ``cls`` takes, with the nearest one, before
     anything starts (it raised ``cls``'s own ``TypeError`` after the sinks had started).
@@ -131,7 +145,7 @@ def _check_keywords(cls: Any, kwargs: Mapping[str, Any]) -> None:
         ConfigError: the first unknown keyword.
     """
     known = set(inspect.signature(cls.__init__).parameters) - {"self", "model"}
-    known |= {"optimizer", "mesh", "axes", "sinks", "run_dir"}
+    known |= {"optimizer", "mesh", "axes", "sinks", "run_dir", "trackers"}
     for name in kwargs:
         if name not in known:
             near = difflib.get_close_matches(name, sorted(known - set(_BUILT)), n=1)
@@ -143,13 +157,16 @@ def _check_keywords(cls: Any, kwargs: Mapping[str, Any]) -> None:
 
 def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimizer: Any = None, mesh: Any = None,
                       axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
-                      run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> Any:
+                      run_dir: str | os.PathLike[str] | None = None, trackers: Sequence[Any] = (),
+                      **kwargs: Any) -> Any:
     """See :meth:`TensorMetrics.from_config`."""
     config = source if isinstance(source, Config) else load_config(source)
     _check_keywords(cls, kwargs)
     config = _with_overrides(config, kwargs)
     if sinks:
         config = override_sinks(config, sinks)
+    if trackers:
+        config = join_trackers(config, trackers)
     if run_dir is not None:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=os.fspath(run_dir)))
     config = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(),

@@ -53,6 +53,7 @@ from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.observe import _ACTIVE, fail, fail_unless, in_backward, new_owner, record, record_residual, tap
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
+from tmetrics_core.user_scalars import scalar_records
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer
@@ -183,6 +184,7 @@ class TensorMetrics:
         self._no_grad_said = False
         self._step: int | None = None
         self._first_step: int | None = None
+        self._last_entered: int | None = None  # the step of the latest scope, for log()
         self._last_due: int | None = None
         self._due: list[tuple[TensorMetric, int]] = []
         self._due_names: tuple[str, ...] = ()
@@ -238,6 +240,12 @@ class TensorMetrics:
         those the config builds (``metrics``, ``topology``, ``hub``, ``run``, ``modules``,
         ``key_rules``, ``placements``). Raises ``ConfigError`` for every invalid input, before
         any step runs and before any sink starts.
+
+        One run by default: a configured MLflow or W&B sink writes into the process's active run
+        (``mlflow.active_run()``, ``wandb.run``) under ``tmetrics/``, and leaves it open.
+        ``trackers`` (a ``SummaryWriter``, an MLflow or W&B run, Lightning loggers, accelerate
+        trackers) adds a sink writing into each of those runs (a ``SummaryWriter``: into its
+        directory); see :mod:`tmetrics_core.sinks.trackers`.
         """
         from tmetrics_core.build import build_from_config
 
@@ -275,6 +283,7 @@ class TensorMetrics:
         first = step if self._first_step is None else self._first_step
         due = [(m, i) for m, i in self.metrics if step % i == 0 or step == first]  # may raise: no state set yet
         self._first_step, self._step, self._due = first, step, due
+        self._last_entered = step
         if self._due:
             self._last_due = step
         self._unfed = set()
@@ -312,6 +321,30 @@ class TensorMetrics:
                 self._in_scope = False
                 if self._close_at_step_end is not None:
                     self._close_deferred(failed)
+
+    def log(self, values: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Send your own scalars (``{"loss": loss, "lr": lr}``) to every sink, beside the layer
+        metrics: the loss and the per-layer norms then sit in one run of each tracker.
+
+        Args:
+            values: name -> a Python number or a one-element tensor (read in one host copy per
+                call, see :mod:`tmetrics_core.user_scalars`); logged as given, not reduced
+                across ranks (the logging rank's values; other ranks do nothing).
+            step: the step; default the open step scope's, else the last scope entered.
+
+        Raises:
+            ConfigError: on the logging rank, a bad name or value, or a name the run's metrics
+                use (path ``log``).
+            TMetricsError: no step given before the first step scope, or after :meth:`close`.
+        """
+        self._check_open("log(...)")
+        step = self._step if step is None else step
+        if step is None:
+            step = self._last_entered
+        if step is None:
+            raise TMetricsError("metrics.log(...) before the first step scope: pass step=")
+        if self.hub is not None and not isinstance(self.hub, NullHub):  # no host copy on other ranks
+            self.hub.submit(scalar_records(values, step, reserved={m.name for m, _ in self.metrics}), step)
 
     def _observation_hooks(self) -> list[Any]:
         """The forward hooks of every token source a configured metric reads, installed once and

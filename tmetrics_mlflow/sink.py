@@ -20,8 +20,13 @@ What each record becomes is decided by :class:`~tmetrics_core.sinks.render.StepR
 
 The run gets the run's topology and model as tags (``RunInfo.tags``), the config as params
 (see :mod:`tmetrics_mlflow.params`) and as ``tmetrics/config.json``, the manifest as
-``tmetrics/manifest.json``; ``close`` ends it FINISHED, FAILED or KILLED. With ``run_id`` the
-sink writes into a run someone else started (and ends) instead: no tags, no status change.
+``tmetrics/manifest.json``; ``close`` ends it FINISHED, FAILED or KILLED.
+
+One run by default: when the process has an active MLflow run as the sink is built (the user's
+``mlflow.start_run()``, the Trainer's ``MLflowCallback``, accelerate's MLflow tracker), or
+``run_id`` names one, the sink writes into that run instead of starting its own: every key
+under ``tmetrics/`` (``tmetrics/layer-grad-l2/layer_03``), the config as params under
+``tmetrics.``, no tags, and ``close`` leaves the run's status to its owner.
 
 Alerts: the tags ``tmetrics.alerts`` (alerts opened so far), ``tmetrics.alert.first`` (the run's
 first alert, as :meth:`~tmetrics_core.alerts.alert.Alert.describe` writes it) and
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -47,9 +53,14 @@ from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.config.redact import redact
 from tmetrics_mlflow.params import flatten_params
 
-__all__ = ["MlflowSink", "check_tracking_uri"]
+__all__ = ["JOINED_PREFIX", "MlflowSink", "check_tracking_uri"]
 
-_OPTIONS = ("tracking_uri", "experiment", "run_name", "batch_size", "run_id", "expert_scalars")
+_log = logging.getLogger("tmetrics.mlflow")
+
+JOINED_PREFIX = "tmetrics/"
+"""Put before every key in a run the sink shares with its owner."""
+
+_OPTIONS = ("tracking_uri", "experiment", "run_name", "batch_size", "run_id", "reuse_run", "expert_scalars")
 _MAX_BATCH = 1000
 _MAX_PARAMS_PER_BATCH = 100
 _TAG_VALUE_LIMIT = 5000
@@ -99,14 +110,20 @@ class MlflowSink:
         run_name (str, optional): the MLflow run name; default the tmetrics run name.
         batch_size (int, optional): metrics per ``log_batch`` call, 1 to 1000 (default 1000).
         run_id (str, optional): log into this existing run (e.g. the one the Hugging Face
-            Trainer's ``report_to="mlflow"`` started, see ``TMetricsCallback(report_to=True)``)
-            instead of creating one; ``experiment`` and ``run_name`` are then unused, no tags are
-            set, and ``close`` leaves the run's status to its owner.
+            Trainer's ``report_to="mlflow"`` started, or a Lightning ``MLFlowLogger``'s) instead
+            of creating one; ``experiment`` and ``run_name`` are then unused, no tags are set,
+            keys go under ``tmetrics/``, and ``close`` leaves the run's status to its owner.
+        reuse_run (bool, optional): whether to write into the process's active MLflow run
+            (``mlflow.active_run()`` on the thread that builds the sink) as ``run_id`` would.
+            Default: when there is one and ``tracking_uri`` is unset or the same as
+            ``mlflow.get_tracking_uri()``; true: there must be one; false: a run of tmetrics' own.
         expert_scalars (bool, optional): also log every per-(layer, expert) value as its own
-            metric (default false: one layer x expert image per metric and step).
+            metric; default when layers x experts is at most 256 (always one layer x expert
+            image per metric and step).
 
     Raises:
-        ConfigError: an unknown option or an invalid value (path ``sinks.mlflow.<option>``).
+        ConfigError: an unknown option or an invalid value (path ``sinks.mlflow.<option>``);
+            ``reuse_run: true`` with no active run.
     """
 
     name = "mlflow"
@@ -121,7 +138,8 @@ class MlflowSink:
         run_name: str | None = None,
         batch_size: int = _MAX_BATCH,
         run_id: str | None = None,
-        expert_scalars: bool = False,
+        reuse_run: bool | None = None,
+        expert_scalars: bool | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -143,14 +161,42 @@ class MlflowSink:
         self.batch_size = batch_size
         if run_id is not None and not (isinstance(run_id, str) and run_id.strip()):
             raise ConfigError(f"got {run_id!r}; need the id of an existing MLflow run", path=f"sinks.{self.name}.run_id")
-        if not isinstance(expert_scalars, bool):
-            raise ConfigError(f"got {expert_scalars!r}; need true or false", path=f"sinks.{self.name}.expert_scalars")
+        for option, flag in (("reuse_run", reuse_run), ("expert_scalars", expert_scalars)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ConfigError(f"got {flag!r}; need true or false (or leave it unset)", path=f"sinks.{self.name}.{option}")
+        if run_id is None and reuse_run is not False:
+            run_id = self._active_run_id(required=reuse_run is True)
         self._client: Any = None
         self.run_id: str | None = run_id
         self._owns_run = run_id is None
-        self._renderer = StepRenderer(MLFLOW_RULES, distributions=False, heatmaps=True, expert_scalars=expert_scalars)
+        self._renderer = StepRenderer(MLFLOW_RULES, distributions=False, heatmaps=True, expert_scalars=expert_scalars,
+                                      prefix="" if self._owns_run else JOINED_PREFIX)
         self._alerts: list[dict[str, Any]] = []
         self._opened = 0
+
+    def _active_run_id(self, *, required: bool) -> str | None:
+        """The id of this thread's active MLflow run, when the sink should join it (setting
+        ``tracking_uri`` to the run's store); None when there is none or it lives in another store.
+        MLflow not imported means no run was started: it is not imported here."""
+        mlflow: Any = sys.modules.get("mlflow")
+        active = mlflow.active_run() if mlflow is not None else None
+        if active is None:
+            if required:
+                raise ConfigError("reuse_run: true, but no MLflow run is active on this thread; call "
+                                  "mlflow.start_run() before building tmetrics, or drop reuse_run",
+                                  path=f"sinks.{self.name}.reuse_run")
+            return None
+        current = mlflow.get_tracking_uri()
+        if self.tracking_uri is not None and self.tracking_uri != current:
+            if required:
+                raise ConfigError(f"reuse_run: true, but the active MLflow run lives in {current!r}, not in "
+                                  f"tracking_uri {self.tracking_uri!r}; drop one of the two",
+                                  path=f"sinks.{self.name}.reuse_run")
+            _log.info("MLflow: the active run %s lives in %s, not in the configured %s: tmetrics logs a run of its own",
+                      active.info.run_id, current, self.tracking_uri)
+            return None
+        self.tracking_uri = current
+        return str(active.info.run_id)
 
     def open(self, run: RunInfo) -> None:
         """Create (or reuse) the experiment, create the run with its tags and log the manifest.
@@ -194,7 +240,8 @@ class MlflowSink:
         from mlflow.entities import Param
 
         client, run_id = self._require_open()
-        params = [Param(key, value) for key, value in flatten_params(config).items()]
+        shared = config if self._owns_run else {"tmetrics": config}
+        params = [Param(key, value) for key, value in flatten_params(shared).items()]
         for start in range(0, len(params), _MAX_PARAMS_PER_BATCH):
             client.log_batch(run_id, params=params[start : start + _MAX_PARAMS_PER_BATCH], synchronous=True)
         client.log_text(run_id, json.dumps(redact(config), indent=2, default=str), "tmetrics/config.json")

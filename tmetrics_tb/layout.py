@@ -65,14 +65,16 @@ class ScalarLayout:
 
     Args:
         layer_width: the zero-padding width of layer indices in keys (for chart titles).
+        prefix: the text before every tag (the sink's ``prefix``).
     """
 
-    __slots__ = ("_categories", "_seen", "_layer_width")
+    __slots__ = ("_categories", "_seen", "_layer_width", "_prefix")
 
-    def __init__(self, *, layer_width: int = 2) -> None:
+    def __init__(self, *, layer_width: int = 2, prefix: str = "") -> None:
         self._categories: dict[str, dict[str, str]] = {}
         self._seen: set[tuple[str, Labels]] = set()
         self._layer_width = layer_width
+        self._prefix = _literal(prefix)
 
     @property
     def categories(self) -> dict[str, dict[str, str]]:
@@ -94,7 +96,7 @@ class ScalarLayout:
     def _chart(self, metric: str, labels: Labels) -> tuple[str, str, str]:
         layer, expert, tensor, stat = labels.layer, labels.expert, labels.tensor, labels.stat
         seg = TENSORBOARD_RULES.segment
-        head = _literal(seg(metric))
+        head = self._prefix + _literal(seg(metric))
         tail = "" if stat is None else "/" + _literal(seg(stat))
         suffix = "" if stat is None else f" {stat}"
         if tensor is not None:

@@ -1,6 +1,6 @@
 """``TensorBoardSink``: records as TensorBoard scalars, histograms, images and a custom-scalars layout.
 
-Everything goes into one event file in one directory (``<run.dir>/tb`` by default): no
+Everything goes into one event file in one directory (``<run.dir>/tb/<run name>`` by default): no
 ``add_scalars`` or ``add_hparams`` sub-runs. Each ``write`` is one event holding every value of
 the step, written by :class:`~tmetrics_tb.event_file.EventFile`: for 18k scalars about 20 ms
 of worker time against about 1 s for one ``SummaryWriter.add_scalar`` call per value.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ from tmetrics_tb.layout import CONFIG_TAG, ScalarLayout
 
 __all__ = ["TensorBoardSink"]
 
-_OPTIONS = ("log_dir", "flush_secs", "expert_scalars")
+_OPTIONS = ("log_dir", "flush_secs", "expert_scalars", "prefix")
 _VECTOR_BINS = 30
 
 
@@ -57,11 +58,16 @@ class TensorBoardSink:
     """Writes records to a TensorBoard event file.
 
     Keyword args:
-        log_dir (str, optional): the event-file directory; defaults to ``<run.dir>/tb``.
+        log_dir (str, optional): the event-file directory; defaults to ``<run.dir>/tb/<run.name>``
+            (``tensorboard --logdir <run.dir>/tb`` then shows a run named after the run).
         flush_secs (float, optional): at most this many seconds between writes to disk
             (default 10); ``flush()`` writes at once.
         expert_scalars (bool, optional): also write every per-(layer, expert) value as its own
-            scalar series (default false: one layer x expert image per metric and step).
+            scalar series; default when layers x experts is at most 256 (always one layer x
+            expert image per metric and step).
+        prefix (str, optional): put before every tag; ``"tmetrics/"`` when ``log_dir`` is the
+            directory of the user's own ``SummaryWriter`` (``from_config(..., trackers=[writer])``),
+            so TensorBoard shows one run and tmetrics' tags never meet the owner's. Default none.
 
     Raises:
         ConfigError: an unknown option or an invalid value (path ``sinks.tensorboard.<option>``).
@@ -72,7 +78,7 @@ class TensorBoardSink:
     requires = ("tensorboard", "yaml", "matplotlib")
 
     def __init__(self, *, log_dir: str | os.PathLike[str] | None = None, flush_secs: float = 10.0,
-                 expert_scalars: bool = False, **unknown: Any) -> None:
+                 expert_scalars: bool | None = None, prefix: str = "", **unknown: Any) -> None:
         if unknown:
             bad = sorted(unknown)[0]
             raise ConfigError(
@@ -82,13 +88,18 @@ class TensorBoardSink:
             raise ConfigError(f"got {log_dir!r}; need a directory path (a string)", path=f"sinks.{self.name}.log_dir")
         if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)) or not flush_secs > 0:
             raise ConfigError(f"got {flush_secs!r}; need a number of seconds > 0", path=f"sinks.{self.name}.flush_secs")
-        if not isinstance(expert_scalars, bool):
-            raise ConfigError(f"got {expert_scalars!r}; need true or false", path=f"sinks.{self.name}.expert_scalars")
+        if expert_scalars is not None and not isinstance(expert_scalars, bool):
+            raise ConfigError(f"got {expert_scalars!r}; need true or false (or leave it unset)",
+                              path=f"sinks.{self.name}.expert_scalars")
+        if not isinstance(prefix, str) or not re.fullmatch(r"[-/\w.]*", prefix, flags=re.ASCII):
+            raise ConfigError(f"got {prefix!r}; need a text of characters [-/\\w.] (e.g. 'tmetrics/')",
+                              path=f"sinks.{self.name}.prefix")
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.flush_secs = float(flush_secs)
         self._writer: EventFile | None = None
-        self._renderer = StepRenderer(TENSORBOARD_RULES, distributions=True, heatmaps=True, expert_scalars=expert_scalars)
-        self._layout = ScalarLayout()
+        self._renderer = StepRenderer(TENSORBOARD_RULES, distributions=True, heatmaps=True, expert_scalars=expert_scalars,
+                                      prefix=prefix)
+        self._layout = ScalarLayout(prefix=prefix)
         self._layout_dirty = False
         self._scalar_prefixes: dict[str, bytes] = {}
         self._last_step = 0
@@ -101,11 +112,12 @@ class TensorBoardSink:
             ImportError: the ``tensorboard`` package is missing (``pip install tmetrics[tb]``).
         """
         if self._writer is None:
-            log_dir = self.log_dir if self.log_dir is not None else Path(run.dir) / "tb"
+            # A directory named after the run: TensorBoard names the run by it (not ".").
+            log_dir = self.log_dir if self.log_dir is not None else Path(run.dir) / "tb" / TENSORBOARD_RULES.segment(run.name)
             log_dir.mkdir(parents=True, exist_ok=True)
             self.log_dir = log_dir
             self._renderer.open(run)
-            self._layout = ScalarLayout(layer_width=self._renderer.book.layer_width)
+            self._layout = ScalarLayout(layer_width=self._renderer.book.layer_width, prefix=self._renderer.book.prefix)
             self._writer = EventFile(log_dir, flush_secs=self.flush_secs)
         facts = {"name": run.name, "dir": run.dir, "tags": dict(run.tags), "metrics": list(run.metrics)}
         self._write_text("tmetrics/run", facts, step=0)
@@ -245,10 +257,10 @@ def _layout_value(layout: ScalarLayout) -> Any:
 
 
 def _image_proto(heatmap: Heatmap) -> Any:
-    """TensorBoard's ``Summary.Image`` of a heatmap: an RGB PNG, layers as rows."""
+    """TensorBoard's ``Summary.Image`` of a heatmap: the RGB PNG of its figure (axes, colour bar)."""
     from tensorboard.compat.proto import summary_pb2
 
-    height, width = (side * heatmap.cell_pixels for side in heatmap.values.shape)
+    height, width, _ = heatmap.image().shape
     return summary_pb2.Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=heatmap.png())
 
 

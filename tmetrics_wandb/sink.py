@@ -4,8 +4,20 @@ Keys are those of :mod:`tmetrics_core.sinks.keys` under :data:`~tmetrics_core.si
 makes a section of the text before the first ``/``, so each metric family is one section with
 one chart per layer (``layer-grad-l2/layer_03``).
 
+One run by default: when the process has a W&B run as the sink is built (``wandb.run``: the
+user's ``wandb.init``, the Trainer's ``WandbCallback``, Lightning's ``WandbLogger``, accelerate's
+tracker), the sink writes into it: every key under ``tmetrics/`` (one section beside the owner's;
+W&B's workspace setting "group by all segments" gives one per metric), the config under
+``tmetrics`` in the run config, each step merged into one of the owner's open rows
+(``commit=False``, so W&B's own step, which the owner may set with ``log(step=...)``, moves only
+with the owner's calls while training; at ``close``, steps still waiting for a row get rows of
+their own, see ``WandbSink._drain``), and ``close`` leaves the run open.
+
 The step is a logged field, ``tmetrics/step``, declared with ``define_metric`` and used as the
-x axis of every other key. W&B's own ``_step`` only counts ``log`` calls, so a late or repeated
+x axis of every other key (in a shared run, of tmetrics' keys only). Each metric family is
+declared as it first appears (``define_metric("<metric>/*", step_metric="tmetrics/step",
+summary="last,max")``), so its panels plot against the step and its runs compare by the last
+and the largest value. W&B's own ``_step`` only counts ``log`` calls, so a late or repeated
 step (a hub retry, a resumed run) is stored, never dropped as it would be with ``log(step=...)``.
 
 Values:
@@ -37,6 +49,7 @@ import logging
 import math
 import netrc
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal, Sequence, cast
 from urllib.parse import urlparse
@@ -48,7 +61,7 @@ from tmetrics_core.sinks.render import StepRenderer
 from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo, RunStatus
 from tmetrics_wandb.heatmap import LayerHeatmap
 
-__all__ = ["ALERTS_KEY", "STEP_KEY", "WandbSink"]
+__all__ = ["ALERTS_KEY", "JOINED_PREFIX", "STEP_KEY", "WandbSink"]
 
 _log = logging.getLogger("tmetrics.wandb")
 
@@ -58,11 +71,15 @@ STEP_KEY = "tmetrics/step"
 ALERTS_KEY = "tmetrics/alerts"
 """The key of the alerts table."""
 
+JOINED_PREFIX = "tmetrics/"
+"""Put before every key in a run the sink shares with its owner."""
+
 _OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every", "heatmap_metrics", "reuse_run",
             "expert_scalars")
 _MODES = ("online", "offline", "disabled")
 _Mode = Literal["online", "offline", "disabled"]
 _VECTOR_BINS = 30
+_MAX_WAITING = 100
 # Directories W&B would otherwise create under HOME; set (unless already set) below `dir`.
 _HOME_DIRS = {
     "WANDB_CACHE_DIR": "cache",
@@ -104,10 +121,13 @@ class WandbSink:
         reuse_run (bool, optional): log into the process's active run (``wandb.run``, e.g. the
             one the Hugging Face Trainer's ``report_to="wandb"`` started) instead of starting
             one; ``project``, ``entity``, ``mode``, ``dir``, ``name`` and ``tags`` are then
-            unused, only tmetrics' own keys get ``tmetrics/step`` as their x axis, the config
-            goes under ``tmetrics`` in the run config, and ``close`` leaves the run to its owner.
+            unused, keys go under ``tmetrics/`` and only they get ``tmetrics/step`` as their x
+            axis, the config goes under ``tmetrics`` in the run config, and ``close`` leaves the
+            run to its owner. Default: when the process has a run as the sink is built; true:
+            it must have one by ``open``; false: a run of tmetrics' own.
         expert_scalars (bool, optional): also log every per-(layer, expert) value as its own
-            scalar (default false: one layer x expert image per metric and step).
+            scalar; default when layers x experts is at most 256 (always one layer x expert
+            image per metric and step).
 
     Raises:
         ConfigError: an unknown option or an invalid value (path ``sinks.wandb.<option>``).
@@ -128,8 +148,8 @@ class WandbSink:
         tags: Sequence[str] = (),
         heatmap_every: int = 100,
         heatmap_metrics: Sequence[str] | None = None,
-        reuse_run: bool = False,
-        expert_scalars: bool = False,
+        reuse_run: bool | None = None,
+        expert_scalars: bool | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -155,13 +175,19 @@ class WandbSink:
         ):
             raise _option_error("heatmap_metrics", f"got {heatmap_metrics!r}; need a list of metric names")
         self.heatmap_metrics = None if heatmap_metrics is None else frozenset(heatmap_metrics)
-        if not isinstance(reuse_run, bool):
-            raise _option_error("reuse_run", f"got {reuse_run!r}; need true or false")
+        for option, flag in (("reuse_run", reuse_run), ("expert_scalars", expert_scalars)):
+            if flag is not None and not isinstance(flag, bool):
+                raise _option_error(option, f"got {flag!r}; need true or false (or leave it unset)")
+        if reuse_run is None:  # decided on the thread that builds the sink, before any worker starts
+            wandb = sys.modules.get("wandb")
+            reuse_run = wandb is not None and getattr(wandb, "run", None) is not None
         self.reuse_run = reuse_run
-        if not isinstance(expert_scalars, bool):
-            raise _option_error("expert_scalars", f"got {expert_scalars!r}; need true or false")
-        self._renderer = StepRenderer(WANDB_RULES, distributions=True, heatmaps=True, expert_scalars=expert_scalars)
-        self._metric_names: tuple[str, ...] = ()
+        self.prefix = JOINED_PREFIX if reuse_run else ""
+        self._renderer = StepRenderer(WANDB_RULES, distributions=True, heatmaps=True, expert_scalars=expert_scalars,
+                                      prefix=self.prefix)
+        self._declared: set[str] = set()
+        self._open_row: tuple[int, int] = (-1, -1)  # (W&B's step, tmetrics' step) of the last shared-run log
+        self._waiting: list[dict[str, Any]] = []  # shared run: steps waiting for an open row of their own
         self._run: Any = None
         self._alert_rows: list[list[Any]] = []
         self._set_env: list[str] = []
@@ -170,12 +196,13 @@ class WandbSink:
         self._last_step = 0
 
     def open(self, run: RunInfo) -> None:
-        """Start the W&B run (a new run even if the process already has one). A retry after a
-        failed ``open`` reuses the run already started.
+        """Start the W&B run, or with ``reuse_run`` take the process's (``wandb.run``). A retry
+        after a failed ``open`` reuses the run already started.
 
         Raises:
             ImportError: ``wandb`` is missing (``pip install tmetrics[wandb]``).
             wandb.errors.UsageError: ``mode="online"`` without a usable API key.
+            RuntimeError: ``reuse_run`` and the process has no run.
         """
         import wandb
 
@@ -187,7 +214,6 @@ class WandbSink:
             if wandb.run is None:
                 raise RuntimeError("reuse_run: no active W&B run in this process (wandb.run is None); start it "
                                    "before tmetrics opens its sinks, or drop reuse_run for a run of tmetrics' own")
-            self._metric_names = run.metrics
             self._run = wandb.run
             self._declare_step()
             return
@@ -222,10 +248,15 @@ class WandbSink:
         self._run.define_metric(STEP_KEY)
         if not self.reuse_run:
             self._run.define_metric("*", step_metric=STEP_KEY)
-            return
-        for metric in self._metric_names:  # a shared run: only tmetrics' keys, not the owner's
-            self._run.define_metric(metric, step_metric=STEP_KEY)
-            self._run.define_metric(f"{metric}/*", step_metric=STEP_KEY)
+        for metric in sorted(self._declared):  # again after a retried open
+            self._declare(metric)
+
+    def _declare(self, metric: str) -> None:
+        """A metric family's keys plot against ``tmetrics/step`` and summarize by their last and
+        largest values (in a shared run only tmetrics' keys, never the owner's)."""
+        head = self.prefix + WANDB_RULES.segment(metric)
+        self._run.define_metric(head, step_metric=STEP_KEY, summary="last,max")
+        self._run.define_metric(f"{head}/*", step_metric=STEP_KEY, summary="last,max")
 
     def log_config(self, config: dict[str, Any]) -> None:
         """Store ``config`` as the W&B run config (under ``tmetrics`` in a reused run; values may
@@ -242,6 +273,9 @@ class WandbSink:
         import wandb
 
         run = self._require_open()
+        for metric in {r.metric for r in records} - self._declared:
+            self._declare(metric)
+            self._declared.add(metric)
         rendered = self._renderer.render(records)
         data: dict[str, Any] = {STEP_KEY: step}
         data.update(rendered.scalars)
@@ -258,8 +292,36 @@ class WandbSink:
         if self.heatmap_every and step >= self._next_heatmap:
             data.update(self._heatmap_images(wandb))
             self._next_heatmap = step + self.heatmap_every
-        run.log(data)
+        self._log(run, data)
         self._last_step = max(self._last_step, step)
+
+    def _log(self, run: Any, data: dict[str, Any]) -> None:
+        """One ``log`` call, or in a shared run one step's data queued for the owner's open row
+        (see :meth:`_drain`)."""
+        if not self.reuse_run:
+            run.log(data)
+            return
+        if self._waiting and self._waiting[-1][STEP_KEY] == data[STEP_KEY]:
+            self._waiting[-1].update(data)
+        else:
+            self._waiting.append(data)
+        self._drain(run, final=len(self._waiting) > _MAX_WAITING)
+
+    def _drain(self, run: Any, *, final: bool) -> None:
+        """Log the queued steps into the owner's open rows (``commit=False``), one step per row:
+        W&B's step moves with the owner's ``log`` calls only, so an owner's ``log(step=s)`` is
+        not refused as too small. A step waits while tmetrics' previous step still sits in the
+        open row (the owner logs less often than tmetrics); with ``final`` (``close``, or more
+        than ``_MAX_WAITING`` steps waiting) tmetrics commits those rows itself, moving W&B's
+        step by one per row."""
+        while self._waiting:
+            step = self._waiting[0][STEP_KEY]
+            if run.step == self._open_row[0] and step != self._open_row[1]:
+                if not final:
+                    return
+                run.log({}, commit=True)
+            run.log(self._waiting.pop(0), commit=False)
+            self._open_row = (run.step, step)
 
     def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
         """Send a W&B alert per opening and log the alerts table (see the module docstring).
@@ -277,7 +339,7 @@ class WandbSink:
         self._alert_rows.extend([_cell(v) for v in a.row()] for a in alerts)
         # mixed types: a NaN value is the text "nan" in a column of numbers, a missing label None
         table = wandb.Table(columns=list(COLUMNS), data=self._alert_rows, allow_mixed_types=True)
-        run.log({STEP_KEY: step, ALERTS_KEY: table})
+        self._log(run, {STEP_KEY: step, ALERTS_KEY: table})
 
     def flush(self) -> None:
         """Nothing to do: each ``log`` call is handed to W&B's service process at once, which
@@ -293,7 +355,8 @@ class WandbSink:
 
         images = self._heatmap_images(wandb) if self.heatmap_every else {}
         if images:
-            self._run.log({STEP_KEY: self._last_step, **images})
+            self._log(self._run, {STEP_KEY: self._last_step, **images})
+        self._drain(self._run, final=True)
         if not self.reuse_run:
             self._run.finish(exit_code=0 if status == "finished" else 1)
         self._run = None

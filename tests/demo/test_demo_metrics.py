@@ -48,7 +48,7 @@ def step1(tmp_path_factory) -> dict[str, dict[tuple, float]]:
     for name, flags in TOPOLOGIES.items():
         records = _demo(tmp, name, steps=1, **flags)
         out[name] = {(r["metric"], r["labels"].get("layer")): r["value"] for r in records
-                     if r["metric"] in INVARIANT and r["step"] == 1}
+                     if r["metric"] in INVARIANT + ("loss", "lr") and r["step"] == 1}
     return out
 
 
@@ -57,7 +57,8 @@ def step1(tmp_path_factory) -> dict[str, dict[tuple, float]]:
 def test_step1_norms_are_topology_invariant(step1, topology):
     ref = step1["single"]
     got = step1[topology]
-    assert len(ref) == 16  # 4 layers x 4 metrics
+    assert len(ref) == 16 + 2  # 4 layers x 4 metrics, and the loop's loss and learning rate (metrics.log)
+    assert ref[("loss", None)] == pytest.approx(math.log(256), abs=0.1) and ref[("lr", None)] > 0
     assert got.keys() == ref.keys()
     for key, value in ref.items():
         assert got[key] == pytest.approx(value, rel=1e-5), key

@@ -104,6 +104,9 @@ class _Probe:
     def observe_gradients(self) -> None:
         self.events.append(f"gradients {self.current}")
 
+    def log(self, values: dict[str, float]) -> None:
+        self.events.append(f"log {sorted(values)} {self.current}")
+
     def close(self) -> None:
         self.events.append("close")
 
@@ -120,8 +123,8 @@ def test_metrics_hook_point_wraps_each_whole_step(corpus: ByteCorpus) -> None:
     built: list[_Probe] = []
     _trainer(corpus, metrics=_probe_factory(0, built), steps=3).run(progress=False)
     (probe,) = built
-    assert probe.events == ["enter 1", "gradients 1", "pre-step 1", "exit 1", "enter 2", "gradients 2", "pre-step 2",
-                            "exit 2", "enter 3", "gradients 3", "pre-step 3", "exit 3", "close"]
+    assert probe.events == [event for step in (1, 2, 3) for event in (
+        f"enter {step}", f"gradients {step}", f"pre-step {step}", f"log ['loss', 'lr'] {step}", f"exit {step}")] + ["close"]
     assert all(len(probe.topk[s]) == 1 for s in (1, 2, 3))  # one routing site per step in the layer
 
 

@@ -26,7 +26,9 @@ def _loop(rank: int, world_size: int, run_dir: str) -> dict:
     from tests.integrations.tiny import tiny_llama, token_rows
     from tmetrics_core.integrations.accelerate import attach
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, log_with="tensorboard",
+                              project_dir=f"{run_dir}-accelerate")
+    accelerator.init_trackers("mine")  # the loop's own TensorBoard run: tmetrics joins it (issue 35)
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(token_rows(4 * STEPS * world_size), batch_size=2)
@@ -41,11 +43,19 @@ def _loop(rank: int, world_size: int, run_dir: str) -> dict:
                 grads, params = grads64(inner), params64(inner)
                 norm = float(accelerator.clip_grad_norm_(model.parameters(), CLIP))
                 seen.append((norm, hand_norms(grads), hand_norms(params)[1]))
+                accelerator.log({"grad_norm": norm}, step=len(seen))
             optimizer.step()
             optimizer.zero_grad()
     attached.close()
+    accelerator.end_training()
+    joined = None
+    if rank == 0:
+        from tests.sinks.readback_tensorboard import read_log
+
+        board = read_log(f"{run_dir}-accelerate/mine")
+        joined = {tag: dict(board.scalars(tag)) for tag in ("grad_norm", "tmetrics/global-grad-l2")}
     return {"seen": seen, "lines": read_jsonl(run_dir) if rank == 0 else None,
-            "distributed": str(accelerator.distributed_type)}
+            "distributed": str(accelerator.distributed_type), "joined": joined}
 
 
 def test_accelerate_ddp_accumulation_and_clipping(tmp_path):
@@ -54,6 +64,10 @@ def test_accelerate_ddp_accumulation_and_clipping(tmp_path):
     assert ranks[0]["seen"] == ranks[1]["seen"]  # all-reduced gradients, replicated parameters
     steps = by_step(ranks[0]["lines"])
     assert sorted(steps) == list(range(1, STEPS + 1))
+    joined = ranks[0]["joined"]  # one TensorBoard run: the loop's grad_norm beside tmetrics' keys
+    assert sorted(joined["grad_norm"]) == sorted(joined["tmetrics/global-grad-l2"]) == list(range(1, STEPS + 1))
+    for step, value in joined["grad_norm"].items():
+        assert joined["tmetrics/global-grad-l2"][step] == pytest.approx(value, rel=1e-5)
     for step, (norm, (total, layer_grads), layer_params) in zip(range(1, STEPS + 1), ranks[0]["seen"]):
         got = steps[step]
         assert norm > 2 * CLIP  # clipped: post-clip norms would differ

@@ -26,7 +26,7 @@ MAX_GRAD_NORM = 0.05
 
 def _train(tmp_path, report_to="none"):
     model = tiny_llama()
-    callback = TMetricsCallback(config(tmp_path / "run"), report_to=report_to != "none")
+    callback = TMetricsCallback(config(tmp_path / "run"), report_to=True if report_to != "none" else None)
     args = TrainingArguments(str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_grad_norm=MAX_GRAD_NORM, learning_rate=1e-2,
                              logging_steps=1, report_to=report_to, save_strategy="no", use_cpu=True,
@@ -77,7 +77,7 @@ def test_report_to_writes_into_the_trainers_mlflow_run(tmp_path, monkeypatch):
     runs = client.search_runs([client.get_experiment_by_name("trainer").experiment_id])
     assert len(runs) == 1  # one run: the Trainer's, with tmetrics' records in it
     run_id = runs[0].info.run_id
-    ours = {m.step: m.value for m in client.get_metric_history(run_id, "global-grad-l2")}
+    ours = {m.step: m.value for m in client.get_metric_history(run_id, "tmetrics/global-grad-l2")}
     theirs = {m.step: m.value for m in client.get_metric_history(run_id, "grad_norm")}
     assert sorted(ours) == sorted(theirs) == sorted(logged) == list(range(1, STEPS + 1))
     for step in ours:
@@ -98,7 +98,7 @@ def test_report_to_writes_into_the_trainers_tensorboard_directory(tmp_path, monk
     _, logged = _train(tmp_path, report_to="tensorboard")
     assert len(list((tmp_path / "tb").glob("*tfevents*"))) == 2  # the Trainer's and tmetrics'
     tb = read_log(tmp_path / "tb")
-    ours = dict(tb.scalars("global-grad-l2"))
+    ours = dict(tb.scalars("tmetrics/global-grad-l2"))
     theirs = dict(tb.scalars("train/grad_norm"))
     assert sorted(ours) == sorted(theirs) == sorted(logged) == list(range(1, STEPS + 1))
     for step in ours:
@@ -123,12 +123,13 @@ def test_report_to_writes_into_the_trainers_wandb_run(tmp_path, monkeypatch):
     finally:
         wandb.finish()
     run = read_run(find_run_file(tmp_path / "wandb"))  # one run file: the Trainer's
-    ours = {row["tmetrics/step"]: row["global-grad-l2"] for row in run.history if "global-grad-l2" in row}
+    ours = {row["tmetrics/step"]: row["tmetrics/global-grad-l2"] for row in run.history
+            if "tmetrics/global-grad-l2" in row}
     theirs = {row["train/global_step"]: row["train/grad_norm"] for row in run.history if "train/grad_norm" in row}
     assert sorted(ours) == sorted(theirs) == sorted(logged) == list(range(1, STEPS + 1))
     for step in ours:
         assert ours[step] == pytest.approx(theirs[step], rel=1e-5)
     axes = {m.name or m.glob_name: m.step_metric for m in run.metrics if m.step_metric}
-    assert axes["global-grad-l2"] == axes["layer-grad-l2/*"] == "tmetrics/step"
+    assert axes["tmetrics/global-grad-l2"] == axes["tmetrics/layer-grad-l2/*"] == "tmetrics/step"
     assert axes["*"] == "train/global_step"  # the Trainer's own keys keep the Trainer's x axis
     assert run.config["tmetrics"]["metrics"]

@@ -33,7 +33,9 @@ def _fit(rank: int, world_size: int, run_dir: str) -> dict:
             self.net = tiny_llama()
 
         def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-            return self.net(**batch).loss
+            loss = self.net(**batch).loss
+            self.log("train_loss", loss)
+            return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -46,14 +48,23 @@ def _fit(rank: int, world_size: int, run_dir: str) -> dict:
             self.seen.append((grads64(pl_module), params64(pl_module)))
 
     reference = Reference()
+    # The loop's own TensorBoard run: tmetrics writes into it too (issue 35: one run by default).
+    logger = lightning.pytorch.loggers.TensorBoardLogger(f"{run_dir}-lightning", name="mine", version=0)
     trainer = lightning.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=STEPS,
-                                accumulate_grad_batches=2, gradient_clip_val=CLIP, logger=False,
+                                accumulate_grad_batches=2, gradient_clip_val=CLIP, logger=logger, log_every_n_steps=1,
                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                 callbacks=[reference, TMetricsCallback(config(run_dir))])
     loader = DataLoader(token_rows(4 * STEPS * world_size), batch_size=2)
     trainer.fit(Module(), loader)
     norms = [(hand_norms(g), hand_norms(p)[1]) for g, p in reference.seen]
-    return {"norms": norms, "lines": read_jsonl(run_dir) if rank == 0 else None, "global_step": trainer.global_step}
+    joined = None
+    if rank == 0:
+        from tests.sinks.readback_tensorboard import read_log
+
+        board = read_log(logger.log_dir)
+        joined = {"tags": sorted(board.scalar_tags), "ours": dict(board.scalars("tmetrics/global-grad-l2"))}
+    return {"norms": norms, "lines": read_jsonl(run_dir) if rank == 0 else None, "global_step": trainer.global_step,
+            "joined": joined}
 
 
 def test_lightning_ddp_accumulation_and_clipping(tmp_path):
@@ -70,3 +81,5 @@ def test_lightning_ddp_accumulation_and_clipping(tmp_path):
             assert got[("layer-grad-l2", layer)] == pytest.approx(layer_grads[layer], rel=1e-6)
             assert got[("layer-param-l2", layer)] == pytest.approx(layer_params[layer], rel=1e-6)
         assert len(got) == 1 + 2 + 2
+        assert ranks[0]["joined"]["ours"][step] == pytest.approx(total, rel=1e-6)
+    assert "train_loss" in ranks[0]["joined"]["tags"]  # the module's own scalar, in the same TensorBoard run

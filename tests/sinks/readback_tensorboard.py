@@ -55,6 +55,11 @@ class TensorBoardLog:
 
 
 def read_log(log_dir: str | Path) -> TensorBoardLog:
+    """The run in ``log_dir``, or in its one sub-directory holding event files (the sink's default
+    ``<run.dir>/tb/<run name>`` read as ``<run.dir>/tb``)."""
+    runs = sorted({p.parent for p in Path(log_dir).rglob("*tfevents*")})
+    if not list(Path(log_dir).glob("*tfevents*")) and len(runs) == 1:
+        log_dir = runs[0]
     accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0, "images": 0})
     accumulator.Reload()
     return TensorBoardLog(accumulator)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
@@ -55,10 +56,10 @@ def test_nonfinite_counts_and_histogram_summaries_are_written_once() -> None:
 
 
 def test_layer_by_expert_values_become_one_heatmap_per_metric() -> None:
-    out = renderer(distributions=True, heatmaps=True).render(grid_records())
+    out = renderer(distributions=True, heatmaps=True, expert_scalars=False).render(grid_records())
     assert [key for key, _ in out.heatmaps] == ["layer-router-expert-bias/layer_x_expert",
                                                 "layer-expert-tokens/layer_x_expert"]
-    assert not any("expert_0" in key for key, _ in out.scalars)  # no per-expert series by default
+    assert not any("expert_0" in key for key, _ in out.scalars)  # expert_scalars: false
     assert [key for key, _ in out.distributions] == [f"layer-expert-tokens/layer_{i:02d}" for i in range(LAYERS)]
     bias = out.heatmaps[0][1]
     assert bias.values.shape == (LAYERS, EXPERTS) and bias.present.all()
@@ -72,25 +73,41 @@ def test_layer_by_expert_values_become_one_heatmap_per_metric() -> None:
     assert dict(kept.scalars)["layer-expert-tokens/layer_01/expert_003"] == 100.0
 
 
-def test_heatmap_image_scales_cells_marks_nonfinite_and_absent() -> None:
+def test_heatmap_figure_has_axes_colour_bar_title_and_marks_dead_experts() -> None:
+    """Issue 35: the picture names its axes and ticks, shows its colour range, the metric and the
+    step, grows with the grid, and marks experts that got no token."""
+    from PIL import Image
+
+    from tests.sinks.test_heatmaps import colour_bar_column
+
     values = np.array([[1.0, 2.0, np.nan], [0.0, 5.0, 3.0]])
     present = np.array([[True, True, True], [True, True, False]])
-    heatmap = Heatmap("m", Labels(), values, present)
-    p = heatmap.cell_pixels
-    assert p == 16
+    heatmap = Heatmap("layer-expert-tokens", Labels(), values, present, step=40)
     image = heatmap.image()
-    assert image.shape == (2 * p, 3 * p, 3) and image.dtype == np.uint8
-    cells = image[::p, ::p]
-    assert tuple(cells[0, 2]) == (255, 0, 255) and tuple(cells[1, 2]) == (0, 0, 0)
-    luminance = cells @ np.array([0.2126, 0.7152, 0.0722])
-    luminance[0, 2] = luminance[1, 2] = -1
-    assert np.unravel_index(np.argmax(luminance), luminance.shape) == (1, 1)
-    assert luminance[1, 0] == min(luminance[0, 0], luminance[0, 1], luminance[1, 0], luminance[1, 1])
-    assert "2 layers (rows) x 3 experts (columns), min 0 max 5" in heatmap.caption()
-    big = Heatmap("m", Labels(), np.zeros((64, 512)), np.ones((64, 512), dtype=bool))
-    assert big.cell_pixels == 1 and big.image().shape == (64, 512, 3)
+    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
+    assert colour_bar_column(image.astype(int)) is not None
+    text = dict(Image.open(io.BytesIO(heatmap.png())).text)  # type: ignore[attr-defined]
+    assert text["Title"] == "layer-expert-tokens, step 40"
+    assert text["Description"] == ("2 layers (y axis, ticks 0..1) x 3 experts (x axis, ticks 0..2); colour bar viridis "
+                                   "from 0 to 5; magenta NaN or infinite, black no value; dead experts marked: 1")
+    assert (np.abs(image.astype(int) - (255, 0, 0)) < 40).all(axis=2).sum() > 20  # the red x of the dead expert
+    assert "step 40: 2 layers (rows) x 3 experts (columns), min 0 max 5" in heatmap.caption()
+    big = Heatmap("m", Labels(), np.zeros((64, 256)), np.ones((64, 256), dtype=bool)).image()
+    assert big.shape[0] > 2 * image.shape[0] and big.shape[1] > 2 * image.shape[1]
 
 
 def test_negative_indices_are_refused() -> None:
     with pytest.raises(ValueError, match="indices must be >= 0"):
         renderer(distributions=True, heatmaps=True).render([MetricRecord("m", 1, 1.0, Labels(layer=-1, expert=0))])
+
+
+def test_per_expert_scalars_by_default_up_to_256_cells() -> None:
+    """Issue 35: a small grid (3 x 5 here) also keeps one series per expert, a line per expert in
+    each layer's chart; 256 layers x experts is the most, beyond it only the heatmaps."""
+    small = renderer(distributions=True, heatmaps=True).render(grid_records())
+    assert len(small.heatmaps) == 2
+    assert ("layer-router-expert-bias/layer_01/expert_003", 10.0) in small.scalars
+    for layers, experts, kept in ((16, 16, True), (16, 17, False), (1, 257, False)):
+        sized = StepRenderer(TENSORBOARD_RULES, distributions=True, heatmaps=True)
+        sized.open(RunInfo(name="r", dir=".", num_layers=layers, num_experts=experts))
+        assert sized.expert_scalars is kept, (layers, experts)

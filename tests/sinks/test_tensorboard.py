@@ -28,7 +28,7 @@ def _write_run(run: RunInfo, steps=STEPS) -> TensorBoardSink:
 
 def test_roundtrip_scalars_every_step_and_value(run_info: RunInfo) -> None:
     _write_run(run_info)
-    log_dir = Path(run_info.dir) / "tb"
+    log_dir = Path(run_info.dir) / "tb" / "demo-run"  # named after the run: TensorBoard's run name
     # One directory, no sub-runs (add_scalars / add_hparams would create some).
     assert [p for p in log_dir.iterdir() if p.is_dir()] == []
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
@@ -211,7 +211,7 @@ def test_float32_edges_and_open_retry(run_info: RunInfo) -> None:
     values = {"a": 1e39, "b": -1e39, "c": 3, "d": 0.1, "e": -math.inf}
     sink.write([MetricRecord("tensor-param-l2", 4, v, labels=Labels(tensor=t)) for t, v in values.items()], 4)
     sink.close("finished")
-    log_dir = Path(run_info.dir) / "tb"
+    log_dir = Path(run_info.dir) / "tb" / "demo-run"
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1
     log = read_log(log_dir)
     got = {tag.split("/")[1]: log.scalars(tag) for tag in log.scalar_tags}

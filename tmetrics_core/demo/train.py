@@ -20,7 +20,7 @@ import math
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Mapping, Protocol
 
 import torch.distributed as dist
 from torch import nn
@@ -155,6 +155,10 @@ class StepMetrics(Protocol):
         """Read gradients now, before clipping (so gradient norms are the unclipped ones)."""
         ...
 
+    def log(self, values: Mapping[str, float]) -> None:
+        """The loop's own scalars (loss, learning rate) at the current step, beside the metrics."""
+        ...
+
     def close(self) -> None:
         """Flush and release everything; called once after the last step."""
         ...
@@ -174,6 +178,9 @@ class NullMetrics:
         return contextlib.nullcontext()
 
     def observe_gradients(self) -> None:
+        return None
+
+    def log(self, values: Mapping[str, float]) -> None:
         return None
 
     def close(self) -> None:
@@ -283,6 +290,7 @@ class Trainer:
         with self.metrics.step(step):
             loss = self.forward_backward(step)
             norm, skipped = self.update(step)
+            self.metrics.log({"loss": loss, "lr": self.config.lr_at(step)})  # beside the layer metrics
         return StepResult(step, loss, norm, skipped, time.perf_counter() - start)
 
     def run(self, *, progress: bool = True) -> list[StepResult]:

@@ -18,7 +18,9 @@ step and closes right after the torch optimizer's ``step()`` ran (accelerate ski
 micro-batches that only accumulate). Gradients are read when the backward of the micro-batch that
 sets ``accelerator.sync_gradients`` ends, after DDP's all-reduce and before any clipping, so
 ``global-grad-l2`` equals the total norm ``accelerator.clip_grad_norm_`` returns.
-Steps are numbered 1, 2, ... by optimizer steps (``first_step=`` to resume).
+Steps are numbered 1, 2, ... by optimizer steps (``first_step=`` to resume). One run by default:
+the records also go into the runs of ``accelerator.trackers`` (after ``init_trackers``:
+TensorBoard, MLflow, W&B), under ``tmetrics/`` (see :mod:`tmetrics_core.sinks.trackers`).
 
 With a ``DeepSpeedPlugin`` the loop is the same: ``accelerator.backward`` runs DeepSpeed's step at
 the accumulation boundary, and the scope closes after it; gradients, state and updates are read
@@ -38,6 +40,7 @@ from tmetrics_core.integrations.backward import AfterBackward
 from tmetrics_core.integrations.deepspeed import DeepSpeedSteps
 from tmetrics_core.integrations.scope import OpenScope
 from tmetrics_core.records import RunStatus, status_on_exit
+from tmetrics_core.sinks.trackers import known_trackers
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = ["Attached", "attach", "unwrap_optimizer"]
@@ -125,7 +128,8 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, config: Any
     inner = accelerator.unwrap_model(model)
     torch_optimizer = unwrap_optimizer(optimizer)
     metrics = TensorMetrics.from_config(config, model=inner, optimizer=torch_optimizer, mesh=mesh,
-                                        axes=default_axes(mesh, axes), sinks=sinks, run_dir=run_dir)
+                                        axes=default_axes(mesh, axes), sinks=sinks, run_dir=run_dir,
+                                        trackers=known_trackers(getattr(accelerator, "trackers", ())))
     # Under DeepSpeed the step is ZeRO's, inside accelerator.backward(): its adapter carries the hooks.
     stepped = metrics.optimizer if isinstance(metrics.optimizer, DeepSpeedSteps) else torch_optimizer
     return Attached(accelerator, inner, stepped, metrics, first_step=first_step)

@@ -24,17 +24,20 @@ optimizer leads to ZeRO's partitions (:mod:`tmetrics_core.integrations.deepspeed
 in DeepSpeed's own step, before it clips; ``global-grad-l2`` equals the ``grad_norm`` the Trainer
 logs (DeepSpeed's ``get_global_grad_norm()``).
 
-``report_to=True`` also writes the records into the tracker runs the Trainer itself reports to
-(its ``report_to``), instead of second runs: the MLflow run its ``MLflowCallback`` started (the
-``mlflow`` sink's ``run_id`` option) and the W&B run its ``WandbCallback`` started (the ``wandb``
-sink's ``reuse_run``), and the TensorBoard directory its ``TensorBoardCallback`` writes when
-``TENSORBOARD_LOGGING_DIR`` names it (the ``tensorboard`` sink's ``log_dir``; TensorBoard shows
-the two event files as one run). Other trackers are refused.
+One run by default: the records also go into the tracker runs the Trainer itself reports to
+(its ``report_to``), under ``tmetrics/``, instead of second runs: the MLflow run its
+``MLflowCallback`` started (the ``mlflow`` sink's ``run_id`` option) and the W&B run its
+``WandbCallback`` started (the ``wandb`` sink's ``reuse_run``), and the TensorBoard directory its
+``TensorBoardCallback`` writes when ``TENSORBOARD_LOGGING_DIR`` names it (the ``tensorboard``
+sink's ``log_dir``; TensorBoard shows the two event files as one run). By default a tracker
+tmetrics cannot join is passed over with an INFO line; ``report_to=True`` refuses it instead,
+``report_to=False`` joins none (the configured sinks only).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Mapping, Sequence
 
@@ -47,9 +50,12 @@ from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.backward import AfterBackward
 from tmetrics_core.integrations.deepspeed import DeepSpeedSteps
 from tmetrics_core.integrations.scope import OpenScope
+from tmetrics_core.sinks.trackers import SHARED_PREFIX
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = ["TMetricsCallback"]
+
+_log = logging.getLogger("tmetrics")
 
 
 class TMetricsCallback(TrainerCallback):
@@ -59,7 +65,8 @@ class TMetricsCallback(TrainerCallback):
         config: as :meth:`TensorMetrics.from_config` takes it (path, dict or ``Config``).
         mesh, axes: the topology; by default ``{"dp": WORLD}`` when the Trainer runs DDP.
         sinks, run_dir: overrides, as in :meth:`TensorMetrics.from_config`.
-        report_to: also write into the Trainer's own tracker run (see the module docstring).
+        report_to: write into the Trainer's own tracker runs (see the module docstring): None
+            (default) those tmetrics can join, True all of them or a ConfigError, False none.
 
     Attributes:
         metrics: the :class:`TensorMetrics` of the latest ``train()`` (None before the first).
@@ -71,7 +78,7 @@ class TMetricsCallback(TrainerCallback):
 
     def __init__(self, config: Any, *, mesh: Any = None, axes: Mapping[str, Any] | None = None,
                  sinks: str | Sequence[str] | None = None, run_dir: str | os.PathLike[str] | None = None,
-                 report_to: bool = False) -> None:
+                 report_to: bool | None = None) -> None:
         self.config = config
         self.report_to = report_to
         self.metrics: TensorMetrics | None = None
@@ -86,8 +93,8 @@ class TMetricsCallback(TrainerCallback):
         options = dict(self._options)
         options["axes"] = default_axes(options["mesh"], options["axes"])
         config = self.config
-        if self.report_to:  # the sinks override first, so it cannot drop the Trainer's trackers
-            config = _join_trainer_runs(config, options.pop("sinks"), args.report_to)
+        if self.report_to is not False:  # the sinks override first, so it cannot drop the Trainer's trackers
+            config = _join_trainer_runs(config, options.pop("sinks"), args.report_to, strict=bool(self.report_to))
         metrics = TensorMetrics.from_config(config, model=model, optimizer=unwrap_optimizer(optimizer),
                                             **options)
         scope = OpenScope(metrics)
@@ -125,45 +132,53 @@ class TMetricsCallback(TrainerCallback):
 
 
 def _join_trainer_runs(source: Any, sinks_override: str | Sequence[str] | None,
-                       report_to: Sequence[str] | str | None) -> Config:
+                       report_to: Sequence[str] | str | None, *, strict: bool) -> Config:
     """The config (its sinks overridden by ``sinks_override`` when given) with a sink for each
     tracker in the Trainer's ``report_to``, set to write into the run the Trainer's callback
-    started (which ran ``on_train_begin`` before this one)."""
+    started (which ran ``on_train_begin`` before this one). Not ``strict``: a tracker that
+    cannot be joined is passed over with an INFO line instead of a ConfigError."""
     config = source if isinstance(source, Config) else load_config(source)
     if sinks_override:
         config = override_sinks(config, sinks_override)
     names = [report_to] if isinstance(report_to, str) else list(report_to or ())
     names = [n for n in names if n != "none"]
+
+    def cannot(message: str) -> None:
+        if strict:
+            raise ConfigError(message, path="report_to")
+        _log.info("tmetrics: %s", message)
+
     unsupported = [n for n in names if n not in ("mlflow", "wandb", "tensorboard")]
     if unsupported:
-        raise ConfigError(f"the Trainer reports to {unsupported}, whose runs tmetrics cannot join (only mlflow, wandb, "
-                          "tensorboard); "
-                          "pass report_to=False and configure those trackers under sinks: (a run of their own)",
-                          path="report_to")
+        cannot(f"the Trainer reports to {unsupported}, whose runs tmetrics cannot join (only mlflow, wandb, "
+               "tensorboard); pass report_to=False and configure those trackers under sinks: (a run of their own)")
     sinks = dict(config.sinks)
     if "mlflow" in names:
         import mlflow
 
         active = mlflow.active_run()
         if active is None:
-            raise ConfigError("the Trainer reports to MLflow but no MLflow run is active at on_train_begin; "
-                              "keep transformers' MLflowCallback in the Trainer's callbacks", path="report_to")
-        sinks["mlflow"] = {**(sinks.get("mlflow") or {}), "tracking_uri": mlflow.get_tracking_uri(),
-                           "run_id": active.info.run_id}
+            cannot("the Trainer reports to MLflow but no MLflow run is active at on_train_begin; "
+                   "keep transformers' MLflowCallback in the Trainer's callbacks")
+        else:
+            sinks["mlflow"] = {**(sinks.get("mlflow") or {}), "tracking_uri": mlflow.get_tracking_uri(),
+                               "run_id": active.info.run_id}
     if "wandb" in names:
         import wandb
 
         if wandb.run is None:
-            raise ConfigError("the Trainer reports to W&B but no W&B run is active at on_train_begin; keep "
-                              "transformers' WandbCallback in the Trainer's callbacks", path="report_to")
-        heatmaps = {k: v for k, v in (sinks.get("wandb") or {}).items() if k.startswith("heatmap")}
-        sinks["wandb"] = {**heatmaps, "reuse_run": True}
+            cannot("the Trainer reports to W&B but no W&B run is active at on_train_begin; keep "
+                   "transformers' WandbCallback in the Trainer's callbacks")
+        else:
+            heatmaps = {k: v for k, v in (sinks.get("wandb") or {}).items() if k.startswith("heatmap")}
+            sinks["wandb"] = {**heatmaps, "reuse_run": True}
     if "tensorboard" in names:
         # Without the variable the Trainer's directory name holds the second it was made in.
         log_dir = os.environ.get("TENSORBOARD_LOGGING_DIR")
         if not log_dir:
-            raise ConfigError("the Trainer reports to TensorBoard in a directory named by the time it started; set "
-                              "TENSORBOARD_LOGGING_DIR so tmetrics can write into the same directory",
-                              path="report_to")
-        sinks["tensorboard"] = {**(sinks.get("tensorboard") or {}), "log_dir": os.path.expanduser(log_dir)}
+            cannot("the Trainer reports to TensorBoard in a directory named by the time it started; set "
+                   "TENSORBOARD_LOGGING_DIR so tmetrics can write into the same directory")
+        else:
+            sinks["tensorboard"] = {**(sinks.get("tensorboard") or {}), "log_dir": os.path.expanduser(log_dir),
+                                    "prefix": SHARED_PREFIX}
     return dataclasses.replace(config, sinks=sinks)

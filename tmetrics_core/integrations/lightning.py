@@ -16,7 +16,9 @@ clipping and the update: tmetrics' step pre-hook is run from there, not when ``s
 entered), and closes at ``on_train_batch_end`` of the micro-batch that stepped (or tried to: a
 step that mixed precision skips is reported as a step without an update).
 Under ``strategy="ddp"`` the topology is ``{"dp": WORLD}`` unless ``mesh=`` or ``axes=`` say
-otherwise. One optimizer per run. A LightningModule that keeps its network in one attribute is
+otherwise. One optimizer per run. One run by default: the records also go into the runs of the
+Trainer's loggers (TensorBoard, MLflow, W&B), under ``tmetrics/`` (see
+:mod:`tmetrics_core.sinks.trackers`). A LightningModule that keeps its network in one attribute is
 measured as that network (:func:`measured_model`), so its tensors get canonical names.
 """
 
@@ -33,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.scope import OpenScope
+from tmetrics_core.sinks.trackers import known_trackers
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = ["TMetricsCallback", "measured_model"]
@@ -104,7 +107,8 @@ class TMetricsCallback(Callback):
         options = dict(self._options)
         options["axes"] = default_axes(options["mesh"], options["axes"])
         metrics = TensorMetrics.from_config(self.config, model=measured_model(pl_module),
-                                            optimizer=cast(torch.optim.Optimizer, view), **options)
+                                            optimizer=cast(torch.optim.Optimizer, view),
+                                            trackers=known_trackers(trainer.loggers), **options)
         self.metrics, self._view, self._scope = metrics, view, OpenScope(metrics)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

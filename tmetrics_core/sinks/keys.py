@@ -133,7 +133,8 @@ def _index(prefix: str, value: int, width: int) -> str:
     return f"{prefix}_{value:0{width}d}"
 
 
-def _render(metric: str, labels: Labels, rules: KeyRules, layer_width: int, expert_width: int) -> str:
+def _render(metric: str, labels: Labels, rules: KeyRules, layer_width: int, expert_width: int,
+            prefix: str = "") -> str:
     segments = [rules.segment(metric)]
     if labels.tensor is not None:
         segments.append(rules.segment(labels.tensor))
@@ -143,7 +144,7 @@ def _render(metric: str, labels: Labels, rules: KeyRules, layer_width: int, expe
         segments.append(_index("expert", labels.expert, expert_width))
     if labels.stat is not None:
         segments.append(rules.segment(labels.stat))
-    key = _SEPARATOR.join(segments)
+    key = prefix + _SEPARATOR.join(segments)
     if len(key) <= rules.max_len:
         return key
     # Too long: keep the head, append a hash of the labels so distinct labels stay distinct.
@@ -166,12 +167,16 @@ class KeyBook:
     Args:
         rules: the backend's :class:`KeyRules`.
         layer_width, expert_width: zero-padding widths, see :func:`index_widths`.
+        prefix: put before every key (``"tmetrics/"`` in a tracker run tmetrics shares with its
+            owner, so its keys never meet the owner's); counted in ``rules.max_len``.
     """
 
-    __slots__ = ("rules", "layer_width", "expert_width", "_key_of", "_series_of")
+    __slots__ = ("rules", "layer_width", "expert_width", "prefix", "_key_of", "_series_of")
 
-    def __init__(self, rules: KeyRules = PLAIN_RULES, *, layer_width: int = 2, expert_width: int = 3) -> None:
+    def __init__(self, rules: KeyRules = PLAIN_RULES, *, layer_width: int = 2, expert_width: int = 3,
+                 prefix: str = "") -> None:
         self.rules = rules
+        self.prefix = prefix
         self.layer_width = layer_width
         self.expert_width = expert_width
         self._key_of: dict[tuple[str, Labels], str] = {}
@@ -196,7 +201,7 @@ class KeyBook:
         key = self._key_of.get(series)
         if key is not None:
             return key
-        key = _render(metric, labels, self.rules, self.layer_width, self.expert_width)
+        key = _render(metric, labels, self.rules, self.layer_width, self.expert_width, self.prefix)
         other = self._series_of.get(key)
         if other is not None:
             raise ConfigError(

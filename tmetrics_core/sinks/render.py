@@ -21,7 +21,6 @@ metric and step instead of 16k series.
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -31,15 +30,14 @@ import numpy as np
 from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_core.sinks.keys import KeyBook, KeyRules, index_widths
 
-__all__ = ["HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
+__all__ = ["EXPERT_SCALARS_UP_TO", "HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
 
 HEATMAP_STAT = "layer_x_expert"
 """The stat of a layer x expert heatmap's key (``<stat>-layer_x_expert`` under a stat)."""
 
-_NONFINITE_RGB = (255, 0, 255)
-_ABSENT_RGB = (0, 0, 0)
-_TARGET_PIXELS = 256
-_MAX_CELL_PIXELS = 16
+EXPERT_SCALARS_UP_TO = 256
+"""The most layers x experts for which per-expert scalars are kept by default beside the heatmaps."""
+
 
 
 @dataclass
@@ -49,18 +47,20 @@ class Heatmap:
     ``values`` is a float64 array of shape ``(num_layers, num_experts)``: row ``i`` is layer
     ``i``, column ``j`` expert ``j`` (global indices); ``present`` (bool, same shape) says which
     cells have a value. ``metric`` and ``labels`` (tensor and stat of the series, no layer or
-    expert) name what is drawn.
+    expert) name what is drawn; ``step`` is the training step of the values.
     """
 
     metric: str
     labels: Labels
     values: np.ndarray
     present: np.ndarray
+    step: int = 0
+    _drawn: tuple[np.ndarray, bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
-    def cell_pixels(self) -> int:
-        """Pixels per cell side in :meth:`image`: about 256 pixels along the longer side, 1 to 16."""
-        return max(1, min(_MAX_CELL_PIXELS, _TARGET_PIXELS // max(self.values.shape, default=1)))
+    def title(self) -> str:
+        """The metric, with the stat of the series when it has one."""
+        return self.metric if self.labels.stat is None else f"{self.metric} {self.labels.stat}"
 
     def bounds(self) -> tuple[float, float] | None:
         """``(min, max)`` of the finite values, or None when there is none."""
@@ -68,44 +68,29 @@ class Heatmap:
         return (float(finite.min()), float(finite.max())) if finite.size else None
 
     def caption(self) -> str:
-        """``layer-router-expert-bias: 4 layers x 8 experts, min -1 max 2.5 (viridis, ...)``."""
+        """``layer-router-expert-bias, step 5: 4 layers x 8 experts, min -1 max 2.5 (viridis, ...)``."""
         bounds = self.bounds()
         rows, columns = self.values.shape
         scale = "no finite value" if bounds is None else f"min {bounds[0]:.4g} max {bounds[1]:.4g}"
-        title = self.metric if self.labels.stat is None else f"{self.metric} {self.labels.stat}"
-        return (f"{title}: {rows} layers (rows) x {columns} experts (columns), {scale} "
+        return (f"{self.title}, step {self.step}: {rows} layers (rows) x {columns} experts (columns), {scale} "
                 f"(viridis, linear; magenta: NaN or infinite; black: no value)")
 
     def image(self) -> np.ndarray:
-        """The heatmap as an RGB ``uint8`` array of shape ``(num_layers * p, num_experts * p, 3)``
-        with ``p`` = :attr:`cell_pixels`: layer 0 the top row of cells, expert 0 the left column.
-
-        Colours: matplotlib's ``viridis`` on a linear scale from the smallest to the largest
-        finite value (dark blue to yellow; the brightest cell holds the largest value; one
-        value alone is the middle colour); NaN and infinite cells magenta, cells without a value
-        black.
-        """
-        from matplotlib import colormaps
-
-        bounds = self.bounds()
-        finite = self.present & np.isfinite(self.values)
-        if bounds is None or bounds[1] == bounds[0]:
-            scaled = np.full(self.values.shape, 0.5)
-        else:
-            scaled = (np.where(finite, self.values, bounds[0]) - bounds[0]) / (bounds[1] - bounds[0])
-        rgb = colormaps["viridis"](scaled, bytes=True)[..., :3]
-        rgb[self.present & ~finite] = _NONFINITE_RGB
-        rgb[~self.present] = _ABSENT_RGB
-        p = self.cell_pixels
-        return np.ascontiguousarray(rgb.repeat(p, axis=0).repeat(p, axis=1))
+        """The heatmap as a figure, an RGB ``uint8`` array ``(height, width, 3)``: layer 0 the top
+        row, expert 0 the left column, axes, colour bar and title as
+        :func:`~tmetrics_core.sinks.heatmap_figure.draw` draws them (drawn once per object)."""
+        return self._draw()[0]
 
     def png(self) -> bytes:
-        """:meth:`image` encoded as PNG."""
-        from matplotlib.image import imsave
+        """:meth:`image` as PNG, with ``Title`` and ``Description`` text chunks."""
+        return self._draw()[1]
 
-        buffer = io.BytesIO()
-        imsave(buffer, self.image(), format="png")
-        return buffer.getvalue()
+    def _draw(self) -> tuple[np.ndarray, bytes]:
+        if self._drawn is None:
+            from tmetrics_core.sinks.heatmap_figure import draw
+
+            self._drawn = draw(self.metric, self.title, self.step, self.values, self.present)
+        return self._drawn
 
 
 @dataclass
@@ -125,24 +110,31 @@ class StepRenderer:
         distributions: the backend stores histograms (TensorBoard, W&B); else histograms become
             counts and vectors only their elements (MLflow).
         heatmaps: gather per-(layer, expert) scalars into layer x expert heatmaps.
-        expert_scalars: with ``heatmaps``, keep those scalars as well.
+        expert_scalars: with ``heatmaps``, keep those scalars as well; None (the default) keeps
+            them when the run's layers x experts is at most :data:`EXPERT_SCALARS_UP_TO` (one
+            readable chart per layer with a line per expert), decided at :meth:`open`.
+        prefix: put before every key (see :class:`~tmetrics_core.sinks.keys.KeyBook`).
     """
 
-    __slots__ = ("book", "distributions", "heatmaps", "expert_scalars", "_grid")
+    __slots__ = ("book", "distributions", "heatmaps", "expert_scalars", "_asked", "_grid")
 
     def __init__(self, rules: KeyRules, *, distributions: bool, heatmaps: bool = False,
-                 expert_scalars: bool = False) -> None:
-        self.book = KeyBook(rules)
+                 expert_scalars: bool | None = None, prefix: str = "") -> None:
+        self.book = KeyBook(rules, prefix=prefix)
         self.distributions = distributions
         self.heatmaps = heatmaps
-        self.expert_scalars = expert_scalars
+        self._asked = expert_scalars
+        self.expert_scalars = bool(expert_scalars)
         self._grid = (0, 0)
 
     def open(self, run: RunInfo) -> None:
         """Size the key indices and the heatmaps from the run's layer and expert counts."""
         layer_width, expert_width = index_widths(run.num_layers, run.num_experts)
-        self.book = KeyBook(self.book.rules, layer_width=layer_width, expert_width=expert_width)
+        self.book = KeyBook(self.book.rules, layer_width=layer_width, expert_width=expert_width,
+                            prefix=self.book.prefix)
         self._grid = (run.num_layers, run.num_experts)
+        cells = run.num_layers * run.num_experts
+        self.expert_scalars = 0 < cells <= EXPERT_SCALARS_UP_TO if self._asked is None else self._asked
 
     def render(self, records: Sequence[MetricRecord]) -> Rendered:
         """The keyed items of ``records``.
@@ -177,9 +169,10 @@ class StepRenderer:
                 continue
             if nonfinite:
                 out.scalars.append((add(metric, labels.substat("nonfinite")), float(nonfinite)))
+        step = max((r.step for r in records), default=0)  # one step's records
         for (name, grid_stat), items in cells.items():
             grid = Labels(stat=grid_stat)
-            out.heatmaps.append((add(name, grid.substat(HEATMAP_STAT)), self._heatmap(name, grid, items)))
+            out.heatmaps.append((add(name, grid.substat(HEATMAP_STAT)), self._heatmap(name, grid, items, step)))
         return out
 
     def _scalar(self, out: Rendered, cells: dict[tuple[str, str | None], list[tuple[int, int, float]]],
@@ -193,7 +186,7 @@ class StepRenderer:
                 return
         out.scalars.append((self.book.add(metric, labels), value))
 
-    def _heatmap(self, metric: str, labels: Labels, items: list[tuple[int, int, float]]) -> Heatmap:
+    def _heatmap(self, metric: str, labels: Labels, items: list[tuple[int, int, float]], step: int) -> Heatmap:
         rows = max(self._grid[0], 1 + max(layer for layer, _, _ in items))
         columns = max(self._grid[1], 1 + max(expert for _, expert, _ in items))
         values = np.full((rows, columns), np.nan)
@@ -201,4 +194,4 @@ class StepRenderer:
         for layer, expert, value in items:
             values[layer, expert] = value
             present[layer, expert] = True
-        return Heatmap(metric, labels, values, present)
+        return Heatmap(metric, labels, values, present, step)
