@@ -29,8 +29,10 @@ from typing import Iterable, Iterator, Protocol
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["Observer", "fail", "fail_unless", "new_owner", "observe", "observing", "record", "record_residual", "register_modules",
-           "watched"]
+from tmetrics_core.attention_spec import AttentionSpec
+
+__all__ = ["Observer", "fail", "fail_unless", "new_owner", "observe", "observing", "record", "record_attention",
+           "record_residual", "register_modules", "watched"]
 
 
 class Observer(Protocol):
@@ -90,8 +92,8 @@ def register_modules(modules: Iterable[torch.nn.Module]) -> None:
         _MODULES[id(module)] = module
 
 
-def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
-            shard_dim: int | None = None) -> None:
+def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
+            kind: str, shard_dim: int | None = None, attention: AttentionSpec | None = None) -> None:
     """Expose ``tensor`` to the metrics of the current step as site ``<module path>.<name>``.
 
     Args:
@@ -112,7 +114,20 @@ def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: s
     instead); a change is detected by the tensor's version counter and fails the metrics that
     read the site, on every rank. Under ``torch.compile`` they are copied on due steps (a
     compiled graph reuses its buffers), and the call is a custom operator in the graph.
+
+    ``kind="attn_qk"`` takes ``tensor=(q, k)``: queries ``[B, Hq, Tq, D]`` after RoPE and keys
+    ``[B, Hkv, Tk, D]`` of one attention layer, with ``attention`` (an
+    :class:`~tmetrics_core.attention_spec.AttentionSpec`: scale, causal, window, padding,
+    packing, soft cap; None: unmasked, ``D ** -0.5``) and ``shard_dim=1`` when the heads are
+    split over ``tp``. The attention metrics (``layer-attn-*``) read them on due steps without
+    forming the ``[T x T]`` attention matrix.
     """
+    if kind == "attn_qk":
+        if not isinstance(tensor, tuple) or len(tensor) != 2:
+            raise TypeError(f"tm.observe(..., kind='attn_qk') takes (q, k) as its tensor; got {type(tensor).__name__}")
+        record_attention(module, name, tensor[0], tensor[1], spec=attention, shard_dim=shard_dim)
+        return
+    assert isinstance(tensor, torch.Tensor), "a tuple is taken only with kind='attn_qk'"
     record(module, name, tensor, kind=kind, shard_dim=shard_dim)
 
 
@@ -126,6 +141,16 @@ def record(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: st
         torch.ops.tmetrics.observe(tensor, minus, id(module), name, kind, shard_dim, owner)
     else:
         _record(module, name, tensor, minus, kind, shard_dim, owner, compiled=False)
+
+
+def record_attention(module: torch.nn.Module, name: str, q: torch.Tensor, k: torch.Tensor, *,
+                     spec: AttentionSpec | None, shard_dim: int | None = None, owner: int | None = None) -> None:
+    """An attention layer's queries and keys (see :func:`observe`) to an observer that has due
+    attention metrics; nothing else is done on other steps (one context-variable read)."""
+    observer = _current(owner)
+    if observer is None or "attn_qk" not in observer.kinds:
+        return
+    observer.record_attention(module, name, q, k, spec=spec, shard_dim=shard_dim)  # type: ignore[attr-defined]
 
 
 def record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *, accumulator: bool,
