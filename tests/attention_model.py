@@ -16,8 +16,10 @@ class Attention(torch.nn.Module):
     when ``head_split``); scores are scaled by ``logit_scale`` (to stress the log-sum-exp)."""
 
     def __init__(self, *, heads: int = HEADS, kv_heads: int = KV_HEADS, head_split: bool = False,
-                 logit_scale: float = 1.0) -> None:
+                 logit_scale: float = 1.0, key_range: tuple[int, int] | None = None) -> None:
         super().__init__()
+        self.key_range = key_range
+        """Keep only these key positions (a rank of a key split: ``AttentionSpec.k_positions``)."""
         self.heads, self.kv_heads, self.head_split = heads, kv_heads, head_split
         self.q = torch.nn.Linear(WIDTH, heads * HEAD_DIM, bias=False)
         self.k = torch.nn.Linear(WIDTH, kv_heads * HEAD_DIM, bias=False)
@@ -29,11 +31,11 @@ class Attention(torch.nn.Module):
         q = self.q(h).view(b, t, self.heads, HEAD_DIM).transpose(1, 2) * self.logit_scale
         k = self.k(h).view(b, t, self.kv_heads, HEAD_DIM).transpose(1, 2)
         q, k = q.bfloat16().float(), k.bfloat16().float()  # bf16 values: float64 scores exact
+        if self.key_range is not None:
+            k = k[:, :, self.key_range[0]:self.key_range[1]]
         self.seen.append((q.detach(), k.detach()))
         tm.observe(self, "qk", (q, k), kind="attn_qk", attention=spec, shard_dim=1 if self.head_split else None)
-        scale = spec.scale if spec.scale is not None else HEAD_DIM ** -0.5
-        w = (q @ k.repeat_interleave(self.heads // self.kv_heads, 1).transpose(-1, -2)) * scale
-        return h + w.softmax(-1).mean(dim=(1, 3))[..., None]
+        return torch.tanh(h)  # the next layer's input does not depend on how heads are split
 
 
 class Block(torch.nn.Module):
@@ -54,6 +56,16 @@ class AttentionModel(torch.nn.Module):
         for block in self.layers:
             h = block(h, spec)
         return h
+
+
+def shard_heads(full: AttentionModel, part: AttentionModel, rank: int, size: int) -> None:
+    """Copy ``full``'s weights into ``part``, whose layers hold tensor-parallel rank ``rank``'s
+    share of the query and key heads (Megatron's column-parallel split of the projections)."""
+    with torch.no_grad():
+        for whole, mine in zip(full.layers, part.layers):
+            for name in ("q", "k"):
+                w = getattr(whole.attn, name).weight
+                getattr(mine.attn, name).weight.copy_(w.chunk(size, dim=0)[rank])
 
 
 def attention_metrics(model: torch.nn.Module, **kwargs) -> tm.TensorMetrics:

@@ -176,8 +176,8 @@ class _AttentionMetric:
             keys = (axis,) if axis is not None and topology.axes[axis].size > 1 else ()
             if index == 1:  # the MAX of m came back: send the rescaled parts
                 top = results[_key("m", site)].reshape(v.m.shape)
-                v = _Queries(top, v.s, v.t, v.u, v.counted, v.first)
-                parts = rescaled(v, top)  # type: ignore[arg-type]
+                parts = rescaled(v, top)  # type: ignore[arg-type]  # (m, s, t, u) as QueryParts
+                v = _Queries(top, v.s, v.t, v.u, v.counted, v.first)  # s, t, u replaced next round
                 requests.append(_request("stu", site, keys, "sum", parts.reshape(-1), uniform=False))
             elif index == 2:  # complete queries: per-head sums, then over the other axes
                 s, t, u = results[_key("stu", site)].reshape(3, *v.m.shape).unbind(0)
