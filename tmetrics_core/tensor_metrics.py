@@ -50,7 +50,7 @@ from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.observe import _ACTIVE, fail, fail_unless, new_owner, record, record_residual
+from tmetrics_core.observe import _ACTIVE, fail, fail_unless, new_owner, record, record_attention, record_residual
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.site import Site, SiteKey
@@ -308,6 +308,12 @@ class TensorMetrics:
             handles += install_routers(self.routers, functools.partial(record, owner=mine),
                                        functools.partial(fail, owner=mine), functools.partial(fail_unless, owner=mine),
                                        kinds)
+        if "attn_qk" in kinds:
+            # Hugging Face attention through its attention table (transformers imported lazily);
+            # raises ConfigError for an implementation it cannot reach.
+            from tmetrics_core.integrations.hf_attention import install as install_hf_attention
+
+            handles += install_hf_attention(self.model, functools.partial(record_attention, owner=mine))
         return handles
 
     def observe_gradients(self) -> None:
