@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -61,7 +61,7 @@ def install(model: torch.nn.Module, record: Callable[..., None]) -> list[Any]:
     from transformers.modeling_utils import AttentionInterface
 
     ours: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet(model.modules())
-    table = AttentionInterface._global_mapping
+    table = cast("dict[str, Callable]", AttentionInterface._global_mapping)  # typed by transformers as functions
     handles = []
     for impl, owner in found.items():
         original = table.get(impl)

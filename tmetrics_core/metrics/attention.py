@@ -94,7 +94,7 @@ def query_parts(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> QueryP
     for q0 in range(0, tq, q_block):
         q1 = min(tq, q0 + q_block)
         qs = q[:, :, q0:q1].to(torch.float64).reshape(batch, kv_heads, group, q1 - q0, dim)
-        acc = (m[..., q0:q1], s[..., q0:q1], t[..., q0:q1], u[..., q0:q1])
+        acc: tuple[torch.Tensor, ...] = (m[..., q0:q1], s[..., q0:q1], t[..., q0:q1], u[..., q0:q1])
         for k0 in range(0, tk, k_block):
             k1 = min(tk, k0 + k_block)
             ks = k[:, :, k0:k1].to(torch.float64).unsqueeze(2)  # [B, Hkv, 1, kb, D]
@@ -230,7 +230,7 @@ def _block_parts(x: torch.Tensor, at_sink: torch.Tensor) -> tuple[torch.Tensor, 
 
 def _merge(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     top = torch.maximum(a[0], b[0])
-    ra, rb = _rescale(*a, top), _rescale(*b, top)
+    ra, rb = _rescale(a[0], a[1], a[2], a[3], top), _rescale(b[0], b[1], b[2], b[3], top)
     return (top, *(ra + rb).unbind(0))
 
 

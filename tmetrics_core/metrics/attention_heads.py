@@ -139,8 +139,9 @@ class _AttentionMetric:
             elif isinstance(x, _Heads):
                 out[key] = _Heads(torch.maximum(x.top, y.top), x.sums + y.sums)
             else:
-                out[key] = _Queries(*(torch.cat([p, r], dim=1) for p, r in zip(
-                    (x.m, x.s, x.t, x.u, x.counted), (y.m, y.s, y.t, y.u, y.counted))), x.first)
+                m, s, t, u, counted = (torch.cat([p, r], dim=1) for p, r in zip(
+                    (x.m, x.s, x.t, x.u, x.counted), (y.m, y.s, y.t, y.u, y.counted)))
+                out[key] = _Queries(m, s, t, u, counted, x.first)
         return out
 
     def start(self, state: Mapping[SiteKey, Any], sites: Mapping[SiteKey, Site], topology: Topology) -> Round:
