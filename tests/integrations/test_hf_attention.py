@@ -89,3 +89,12 @@ def test_sdpa_equals_eager_and_stays_sdpa(name, monkeypatch):
         torch.testing.assert_close(torch.tensor(eager[("layer-attn-sink", layer, "heads")], dtype=torch.float64),
                                    want["sink"], rtol=1e-5, atol=1e-12)
         assert eager[("layer-attn-logit-max", layer, "heads")] == tuple(want["max"].tolist())
+
+
+def test_an_unreachable_implementation_is_refused_at_start_up():
+    from tmetrics_core.errors import ConfigError
+
+    model = _model("llama", "sdpa")
+    model.config._attn_implementation = "custom_kernel"  # as a model whose attention no table entry reaches
+    with pytest.raises(ConfigError, match=r"custom_kernel.*tm.observe\(self, 'qk', \(q, k\), kind='attn_qk'"):
+        attention_metrics(model)

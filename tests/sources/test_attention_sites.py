@@ -95,3 +95,13 @@ def test_head_with_no_query_is_nan_not_zero():
     assert got[("layer-attn-sink", 0, "heads")] == (1.0,) * HEADS
     assert all(math.isfinite(v) for v in got[("layer-attn-logit-max", 0, "heads")])
     metrics.close()
+
+
+def test_a_model_that_never_observes_attention_is_told_how(caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH))  # attention out of reach: no tm.observe call
+    metrics = attention_metrics(model)
+    with caplog.at_level("WARNING", logger="tmetrics"), metrics.step(1):
+        model(torch.randn(B, T, WIDTH))
+    assert not metrics.last_records
+    assert "tm.observe(self, 'qk', (q, k), kind='attn_qk'" in caplog.text
+    metrics.close()

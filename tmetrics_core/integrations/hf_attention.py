@@ -62,10 +62,12 @@ def install(model: torch.nn.Module, record: Callable[..., None]) -> list[Any]:
 
     ours: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet(model.modules())
     table = cast("dict[str, Callable]", AttentionInterface._global_mapping)  # typed by transformers as functions
-    handles = []
+    handles: list[_Handle] = []
     for impl, owner in found.items():
         original = table.get(impl)
         if original is None and (impl != "eager" or _eager_of(owner) is None):
+            for handle in handles:  # nothing stays wrapped when start-up fails
+                handle.remove()
             raise ConfigError(
                 f"the attention metrics cannot observe {type(owner).__name__}'s attention implementation {impl!r}: it "
                 "is not in transformers' ALL_ATTENTION_FUNCTIONS. Use attn_implementation='sdpa' (or 'eager', "

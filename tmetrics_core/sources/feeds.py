@@ -38,6 +38,10 @@ def what_feeds(kinds: Iterable[str], modules: Sequence[str] = ()) -> str:
     if "logits" in kinds:
         said.append("logits are the output of the head (head, lm_head, output or output_layer); it did not run in "
                     "the step scope")
+    if "attn_qk" in kinds:
+        said.append("attn_qk sites are the queries and keys of Hugging Face attention (wrapped in its attention "
+                    "table) or of tm.observe(self, 'qk', (q, k), kind='attn_qk', attention=tm.AttentionSpec(...)) "
+                    "calls in an attention's forward, with q and k after RoPE; none ran in the step scope")
     if "grad" in kinds:
         said.append("no parameter it selects had a gradient (.grad or .main_grad) when gradients were read: in the "
                     "optimizer's step pre-hook, or where metrics.observe_gradients() is called (after backward(), "
