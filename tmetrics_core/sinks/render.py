@@ -16,7 +16,9 @@ With ``heatmaps``, the scalars that carry both a layer and an expert label (and 
 gathered per metric and stat into one :class:`Heatmap`, rows layers, columns experts, key stat
 ``layer_x_expert`` (``layer-router-expert-bias/layer_x_expert``); those scalars are then left
 out unless ``expert_scalars`` keeps them. A model with 64 layers and 256 experts is one image per
-metric and step instead of 16k series.
+metric and step instead of 16k series. Vectors over attention heads (stat ``heads``, one per
+layer) likewise become one layer x head heatmap per metric, key stat ``layer_x_head``
+(``layer-attn-entropy/layer_x_head``), their per-head scalars kept only with ``expert_scalars``.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ from typing import Sequence
 
 import numpy as np
 
-from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
+from tmetrics_core.records import HEADS_STAT, Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_core.sinks.keys import KeyBook, KeyRules, index_widths
 
-__all__ = ["HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
+__all__ = ["HEAD_HEATMAP_STAT", "HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
 
 HEATMAP_STAT = "layer_x_expert"
 """The stat of a layer x expert heatmap's key (``<stat>-layer_x_expert`` under a stat)."""
+
+HEAD_HEATMAP_STAT = "layer_x_head"
+"""The stat of a layer x attention-head heatmap's key."""
 
 _NONFINITE_RGB = (255, 0, 255)
 _ABSENT_RGB = (0, 0, 0)
@@ -56,6 +61,8 @@ class Heatmap:
     labels: Labels
     values: np.ndarray
     present: np.ndarray
+    columns: str = "experts"
+    """What the columns are: ``experts`` or ``heads`` (global attention heads)."""
 
     @property
     def cell_pixels(self) -> int:
@@ -73,7 +80,7 @@ class Heatmap:
         rows, columns = self.values.shape
         scale = "no finite value" if bounds is None else f"min {bounds[0]:.4g} max {bounds[1]:.4g}"
         title = self.metric if self.labels.stat is None else f"{self.metric} {self.labels.stat}"
-        return (f"{title}: {rows} layers (rows) x {columns} experts (columns), {scale} "
+        return (f"{title}: {rows} layers (rows) x {columns} {self.columns} (columns), {scale} "
                 f"(viridis, linear; magenta: NaN or infinite; black: no value)")
 
     def image(self) -> np.ndarray:
@@ -154,6 +161,7 @@ class StepRenderer:
         out = Rendered()
         add = self.book.add
         cells: dict[tuple[str, str | None], list[tuple[int, int, float]]] = {}
+        heads: dict[str, list[tuple[int, int, float]]] = {}
         for record in records:
             metric, labels, value = record.metric, record.labels, record.value
             if isinstance(value, Histogram):
@@ -168,6 +176,10 @@ class StepRenderer:
                 nonfinite = sum(1 for v in value if not math.isfinite(v))
                 if self.distributions:
                     out.distributions.append((add(metric, labels), value))
+                if self.heatmaps and labels.stat == HEADS_STAT and labels.layer is not None:
+                    heads.setdefault(metric, []).extend((labels.layer, i, v) for i, v in enumerate(value))
+                    if not self.expert_scalars:
+                        continue
                 for element_labels, element in record.elements():
                     self._scalar(out, cells, metric, element_labels, element)
                 if not self.distributions:
@@ -180,6 +192,9 @@ class StepRenderer:
         for (name, grid_stat), items in cells.items():
             grid = Labels(stat=grid_stat)
             out.heatmaps.append((add(name, grid.substat(HEATMAP_STAT)), self._heatmap(name, grid, items)))
+        for name, items in heads.items():
+            out.heatmaps.append((add(name, Labels(stat=HEAD_HEATMAP_STAT)),
+                                 self._heatmap(name, Labels(), items, "heads")))
         return out
 
     def _scalar(self, out: Rendered, cells: dict[tuple[str, str | None], list[tuple[int, int, float]]],
@@ -193,12 +208,14 @@ class StepRenderer:
                 return
         out.scalars.append((self.book.add(metric, labels), value))
 
-    def _heatmap(self, metric: str, labels: Labels, items: list[tuple[int, int, float]]) -> Heatmap:
+    def _heatmap(self, metric: str, labels: Labels, items: list[tuple[int, int, float]],
+                 columns_are: str = "experts") -> Heatmap:
         rows = max(self._grid[0], 1 + max(layer for layer, _, _ in items))
-        columns = max(self._grid[1], 1 + max(expert for _, expert, _ in items))
+        known = self._grid[1] if columns_are == "experts" else 0
+        columns = max(known, 1 + max(column for _, column, _ in items))
         values = np.full((rows, columns), np.nan)
         present = np.zeros((rows, columns), dtype=bool)
         for layer, expert, value in items:
             values[layer, expert] = value
             present[layer, expert] = True
-        return Heatmap(metric, labels, values, present)
+        return Heatmap(metric, labels, values, present, columns_are)
