@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-
-
 from tests.sinks.readback_tensorboard import read_log
 from tmetrics_core.records import Labels, MetricRecord, RunInfo
 from tmetrics_core.sinks.keys import TENSORBOARD_RULES
