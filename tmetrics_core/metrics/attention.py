@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -78,41 +79,49 @@ def query_parts(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> QueryP
     k_pos = spec.k_positions.to(device) if spec.k_positions is not None else torch.arange(tk, device=device)
     shape = (batch, kv_heads, group, tq)
     m = torch.full(shape, -math.inf, dtype=torch.float64, device=device)
-    s, t, u = (torch.zeros(shape, dtype=torch.float64, device=device) for _ in range(3))
+    s, t = (torch.zeros(shape, dtype=torch.float64, device=device) for _ in range(2))
     counted = torch.ones(shape, dtype=torch.bool, device=device)
-    if spec.mask is not None:
-        explicit = _grouped(spec.mask.to(device), kv_heads, group)
+    structure = None if spec.mask is not None else _Structure(spec, q_pos, k_pos, batch)
+    if structure is None:
+        explicit = _grouped(cast(torch.Tensor, spec.mask).to(device), kv_heads, group)
         sink = _first_visible(explicit)
     else:
         explicit = None
-        structure = _Structure(spec, q_pos, k_pos, batch)
-        sink = structure.sink[:, None, None, :]
+        sink = structure.sink_index()[:, None, None, :]
         counted = counted & structure.q_valid[:, None, None, :]
     if tq == 0 or tk == 0:
-        return _parts(m, s, t, u, counted)
-    q_block, k_block = _blocks(batch * heads, tq, tk)
+        return _parts(m, s, t, torch.zeros_like(s), counted)
+    # Default positions: a causal query block sees no key after its last query, a window no key
+    # before its first query's window (the blocks skipped hold only invisible scores).
+    ranged = structure is not None and spec.q_positions is None and spec.k_positions is None
+    q_block, k_block = _blocks(batch * heads, tq, tk, square=ranged and (spec.causal or spec.window is not None))
     for q0 in range(0, tq, q_block):
         q1 = min(tq, q0 + q_block)
+        first, last = 0, tk
+        if ranged and spec.causal:
+            last = min(tk, q1)
+        if ranged and spec.window is not None:
+            first = max(0, q0 - spec.window + 1)
         qs = q[:, :, q0:q1].to(torch.float64).reshape(batch, kv_heads, group, q1 - q0, dim)
-        acc: tuple[torch.Tensor, ...] = (m[..., q0:q1], s[..., q0:q1], t[..., q0:q1], u[..., q0:q1])
-        for k0 in range(0, tk, k_block):
-            k1 = min(tk, k0 + k_block)
+        acc: tuple[torch.Tensor, ...] = (m[..., q0:q1], s[..., q0:q1], t[..., q0:q1])
+        for k0 in range(first - first % k_block, last, k_block):
+            k1 = min(last, k0 + k_block)
             ks = k[:, :, k0:k1].to(torch.float64).unsqueeze(2)  # [B, Hkv, 1, kb, D]
             x = (qs @ ks.transpose(-1, -2)) * scale  # [B, Hkv, g, qb, kb]
             if spec.softcap is not None:
                 x = torch.tanh(x / spec.softcap) * spec.softcap
             if explicit is not None:
                 block = explicit[..., q0:q1, k0:k1]
-                if block.dtype == torch.bool:
-                    x = x.masked_fill(~block, -math.inf)
-                else:
-                    x = x + block.to(torch.float64)
-                at_sink = torch.arange(k0, k1, device=device) == sink[..., q0:q1, None]
-            else:
-                x = x.masked_fill(~structure.visible(q0, q1, k0, k1), -math.inf)
-                at_sink = k_pos[k0:k1] == sink[..., q0:q1, None]
-            acc = _merge(acc, _block_parts(x, at_sink))
-        m[..., q0:q1], s[..., q0:q1], t[..., q0:q1], u[..., q0:q1] = acc
+                x = torch.where(block, x, -math.inf) if block.dtype == torch.bool else x + block.to(torch.float64)
+            elif structure is not None:
+                visible = structure.visible(q0, q1, k0, k1)
+                if visible is not None:
+                    x = torch.where(visible, x, -math.inf)
+            acc = _merge(acc, _block_parts(x))
+        m[..., q0:q1], s[..., q0:q1], t[..., q0:q1] = acc
+    x_sink = _sink_scores(q, k, sink, scale, spec, explicit)
+    some = (s > 0) & torch.isfinite(x_sink)
+    u = torch.where(some, torch.exp(torch.where(some, x_sink - m, 0.0)), 0.0)
     return _parts(m, s, t, u, counted)
 
 
@@ -120,7 +129,7 @@ def rescaled(parts: QueryParts, top: torch.Tensor) -> torch.Tensor:
     """``[3, B, Hq, Tq]``: ``s``, ``t``, ``u`` of ``parts`` referred to the maximum ``top``
     (the MAX of ``m`` over the ranks holding other keys of the same queries); their SUM over
     those ranks is the merged ``s``, ``t``, ``u`` (module docstring)."""
-    return _rescale(parts.m, parts.s, parts.t, parts.u, top)
+    return _rescale(parts.m, parts.s, parts.t, top, parts.u)
 
 
 def head_summary(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, u: torch.Tensor,
@@ -144,18 +153,17 @@ def head_summary(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, u: torch.Ten
 
 
 class _Structure:
-    """The visibility of keys to queries from causal, window, padding and segments, formed
-    per block (``[B, 1, 1, qb, kb]``), and each query's sink key (global position)."""
+    """The visibility of keys to queries from causal, window, padding and segments, formed per
+    block (``[B or 1, 1, 1, qb, kb]``), and each query's sink key: its segment's first real token.
+    ``k_positions`` must be increasing (a rank's keys in sequence order)."""
 
     def __init__(self, spec: AttentionSpec, q_pos: torch.Tensor, k_pos: torch.Tensor, batch: int) -> None:
         self.spec, self.q_pos, self.k_pos = spec, q_pos, k_pos
         device = q_pos.device
-        if spec.token_mask is None and spec.segment_ids is None:
+        self.masked = spec.token_mask is not None or spec.segment_ids is not None
+        if not self.masked:
             # One sequence per row, all real: every query counts and its sink is position 0.
             self.q_valid = torch.ones(batch, q_pos.numel(), dtype=torch.bool, device=device)
-            self.k_valid = torch.ones(batch, k_pos.numel(), dtype=torch.bool, device=device)
-            self.q_seg = torch.zeros(batch, q_pos.numel(), dtype=torch.int64, device=device)
-            self.k_seg = torch.zeros(batch, k_pos.numel(), dtype=torch.int64, device=device)
             self.sink = torch.zeros(batch, q_pos.numel(), dtype=torch.int64, device=device)
             return
         given = spec.token_mask if spec.token_mask is not None else spec.segment_ids
@@ -168,15 +176,33 @@ class _Structure:
         self.q_seg, self.k_seg = segments[:, q_pos], segments[:, k_pos]
         self.sink = _segment_starts(valid, segments)[:, q_pos]
 
-    def visible(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    def visible(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+        """Bool ``[B or 1, 1, 1, qb, kb]``: key ``k0 + j`` visible to query ``q0 + i``; None when
+        every key is."""
         spec = self.spec
         qp, kp = self.q_pos[q0:q1, None], self.k_pos[None, k0:k1]
-        ok = self.k_valid[:, None, k0:k1] & (self.q_seg[:, q0:q1, None] == self.k_seg[:, None, k0:k1])
+        ok = None
+        if self.masked:
+            ok = self.k_valid[:, None, k0:k1] & (self.q_seg[:, q0:q1, None] == self.k_seg[:, None, k0:k1])
         if spec.causal:
-            ok = ok & (kp <= qp)
+            ok = (kp <= qp) if ok is None else ok & (kp <= qp)
         if spec.window is not None:
-            ok = ok & (qp - kp < spec.window)
-        return ok[:, None, None]
+            ok = (qp - kp < spec.window) if ok is None else ok & (qp - kp < spec.window)
+        if ok is None:
+            return None
+        return (ok if ok.dim() == 3 else ok.unsqueeze(0))[:, None, None]
+
+    def sink_index(self) -> torch.Tensor:
+        """``[B, Tq]``: the local index of each query's sink key, ``-1`` where this rank does not
+        hold it or the query cannot see it (outside its window, after it under causal)."""
+        k_pos, q_pos, sink = self.k_pos, self.q_pos, self.sink
+        index = torch.searchsorted(k_pos, sink).clamp(max=max(k_pos.numel() - 1, 0))
+        held = (k_pos[index] == sink) if k_pos.numel() else torch.zeros_like(sink, dtype=torch.bool)
+        if self.spec.causal:
+            held = held & (sink <= q_pos)
+        if self.spec.window is not None:
+            held = held & (q_pos - sink < self.spec.window)
+        return torch.where(held, index, -1)
 
 
 def _segment_starts(valid: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
@@ -208,40 +234,58 @@ def _first_visible(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(visible.any(dim=-1), first, torch.full_like(first, -1))
 
 
-def _blocks(heads: int, tq: int, tk: int) -> tuple[int, int]:
-    """Query and key block lengths: whole key rows while they fit, then square blocks."""
-    k_block = max(1, min(tk, _BLOCK_ELEMENTS // max(1, heads)))
-    q_block = max(1, min(tq, _BLOCK_ELEMENTS // max(1, heads * k_block)))
+def _blocks(heads: int, tq: int, tk: int, *, square: bool) -> tuple[int, int]:
+    """Query and key block lengths of about ``_BLOCK_ELEMENTS`` scores: whole key rows while
+    they fit, else square blocks (and square ones where blocks of invisible keys are skipped)."""
+    per_head = max(1, _BLOCK_ELEMENTS // max(1, heads))
+    k_block = max(1, min(tk, math.isqrt(per_head) if square else per_head))
+    q_block = max(1, min(tq, per_head // k_block))
     return q_block, k_block
 
 
-def _block_parts(x: torch.Tensor, at_sink: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(m, s, t, u)`` of one block of scores ``[..., qb, kb]`` (``-inf``: invisible)."""
+def _block_parts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(m, s, t)`` of one block of scores ``[..., qb, kb]`` (``-inf``: invisible)."""
     m = x.amax(dim=-1)
-    finite = torch.isfinite(m)
-    shifted = x - torch.where(finite, m, torch.zeros_like(m)).unsqueeze(-1)
-    e = torch.exp(shifted)  # 0 where invisible
-    seen = e > 0
-    s = e.sum(dim=-1)
-    t = torch.where(seen, e * shifted, torch.zeros_like(e)).sum(dim=-1)
-    u = torch.where(at_sink, e, torch.zeros_like(e)).sum(dim=-1)
-    return m, s, t, u
+    e = torch.exp(x - torch.where(torch.isfinite(m), m, 0.0).unsqueeze(-1))  # 0 where invisible
+    # e log e = e (x - m), and 0 where e is 0: one pass, no 0 * -inf.
+    return m, e.sum(dim=-1), -torch.special.entr(e).sum(dim=-1)
 
 
 def _merge(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     top = torch.maximum(a[0], b[0])
-    ra, rb = _rescale(a[0], a[1], a[2], a[3], top), _rescale(b[0], b[1], b[2], b[3], top)
+    ra, rb = _rescale(a[0], a[1], a[2], top), _rescale(b[0], b[1], b[2], top)
     return (top, *(ra + rb).unbind(0))
 
 
-def _rescale(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, u: torch.Tensor,
-             top: torch.Tensor) -> torch.Tensor:
-    """``[3, ...]``: ``(s a, (t + s d) a, u a)`` with ``d = m - top``, ``a = exp(d)``; nothing
-    (zeros) where this part saw no key (``s == 0``)."""
+def _rescale(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, top: torch.Tensor, *linear: torch.Tensor
+             ) -> torch.Tensor:
+    """``[2 + len(linear), ...]``: ``(s a, (t + s d) a, *(l a))`` with ``d = m - top``,
+    ``a = exp(d)``; zeros where this part saw no key (``s == 0``)."""
     some = s > 0
-    d = torch.where(some, m - torch.where(torch.isfinite(top), top, m), torch.zeros_like(m))
-    a = torch.where(some, torch.exp(d), torch.zeros_like(m))
-    return torch.stack([s * a, (t + s * d) * a, u * a])
+    d = torch.where(some, m - torch.where(some, top, 0.0), 0.0)
+    a = torch.where(some, torch.exp(d), 0.0)
+    return torch.stack([s * a, (t + s * d) * a, *(x * a for x in linear)])
+
+
+def _sink_scores(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, scale: float, spec: AttentionSpec,
+                 explicit: torch.Tensor | None) -> torch.Tensor:
+    """``[B, Hkv, g, Tq]``: each query's score with its sink key (local index ``sink``,
+    broadcastable to that shape; ``-1``: not held here or not visible), ``-inf`` where none."""
+    batch, heads, tq, dim = q.shape
+    kv_heads, tk = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    shape = (batch, kv_heads, group, tq)
+    index = sink.expand(shape)
+    held = index >= 0
+    safe = index.clamp(min=0)
+    keys = k.to(torch.float64).unsqueeze(2).expand(batch, kv_heads, group, tk, dim)
+    chosen = keys.gather(3, safe.unsqueeze(-1).expand(*shape, dim))
+    x = (q.to(torch.float64).reshape(batch, kv_heads, group, tq, dim) * chosen).sum(dim=-1) * scale
+    if spec.softcap is not None:
+        x = torch.tanh(x / spec.softcap) * spec.softcap
+    if explicit is not None and explicit.dtype != torch.bool:
+        x = x + explicit.expand(*shape, tk).gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(torch.float64)
+    return torch.where(held, x, -math.inf)
 
 
 def _parts(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor, u: torch.Tensor, counted: torch.Tensor) -> QueryParts:
