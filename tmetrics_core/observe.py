@@ -8,7 +8,7 @@ call returns after one context-variable read and one set lookup, so sites can st
 production code.
 
 Under ``torch.compile`` each call is one ``tmetrics::observe`` (``tmetrics::observe_residual``,
-``tmetrics::fail``, ``tmetrics::fail_unless``) custom operator in the user's graph: opaque to dynamo (no graph break, no
+``tmetrics::observe_attention``, ``tmetrics::fail``, ``tmetrics::fail_unless``) custom operator in the user's graph: opaque to dynamo (no graph break, no
 guard on whether a metric is due, so no recompile when the cadence changes), kept by AOT
 autograd and inductor as an ordered side effect, and run eagerly at its place in the compiled
 forward, where it does exactly what the uncompiled call does. The module travels as its
@@ -147,6 +147,17 @@ def record_attention(module: torch.nn.Module, name: str, q: torch.Tensor, k: tor
                      spec: AttentionSpec | None, shard_dim: int | None = None, owner: int | None = None) -> None:
     """An attention layer's queries and keys (see :func:`observe`) to an observer that has due
     attention metrics; nothing else is done on other steps (one context-variable read)."""
+    if torch.compiler.is_compiling():
+        spec = spec if spec is not None else AttentionSpec()
+        torch.ops.tmetrics.observe_attention(
+            q, k, spec.token_mask, spec.segment_ids, spec.mask, spec.q_positions, spec.k_positions, id(module), name,
+            shard_dim, spec.scale, spec.causal, spec.window, spec.softcap, spec.key_split, owner)
+    else:
+        _record_attention(module, name, q, k, spec, shard_dim, owner)
+
+
+def _record_attention(module: torch.nn.Module, name: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec | None,
+                      shard_dim: int | None, owner: int | None) -> None:
     observer = _current(owner)
     if observer is None or "attn_qk" not in observer.kinds:
         return
@@ -266,6 +277,27 @@ def _observe_residual_op(h: torch.Tensor, x: torch.Tensor | None, module: int, a
     _record_residual(_MODULES.get(module, _UNKNOWN), h, x, accumulator, owner)
 
 
+@torch.library.custom_op("tmetrics::observe_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _observe_attention_op(q: torch.Tensor, k: torch.Tensor, token_mask: torch.Tensor | None,
+                          segment_ids: torch.Tensor | None, mask: torch.Tensor | None, q_positions: torch.Tensor | None,
+                          k_positions: torch.Tensor | None, module: int, name: str, shard_dim: int | None,
+                          scale: float | None, causal: bool, window: int | None, softcap: float | None,
+                          key_split: str | None, owner: int | None) -> None:
+    # The spec travels as its fields (an operator takes no dataclass) and is rebuilt here.
+    spec = AttentionSpec(scale=scale, causal=causal, window=window, softcap=softcap, token_mask=token_mask,
+                         segment_ids=segment_ids, mask=mask, q_positions=q_positions, k_positions=k_positions,
+                         key_split=key_split)
+    _record_attention(_MODULES.get(module, _UNKNOWN), name, q, k, spec, shard_dim, owner)
+
+
+@_observe_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, token_mask: torch.Tensor | None, segment_ids: torch.Tensor | None,
+      mask: torch.Tensor | None, q_positions: torch.Tensor | None, k_positions: torch.Tensor | None, module: int,
+      name: str, shard_dim: int | None, scale: float | None, causal: bool, window: int | None, softcap: float | None,
+      key_split: str | None, owner: int | None) -> None:
+    return None
+
+
 @torch.library.custom_op("tmetrics::fail", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _fail_op(reason: str, kinds: str | None, owner: int | None) -> None:
     # kinds comma-joined: a custom operator takes no list of strings
@@ -298,7 +330,8 @@ def _(ok: torch.Tensor, reason: str, kinds: str | None, owner: int | None) -> No
     return None
 
 
-for _op in ("tmetrics::observe", "tmetrics::observe_residual", "tmetrics::fail", "tmetrics::fail_unless"):
+for _op in ("tmetrics::observe", "tmetrics::observe_residual", "tmetrics::observe_attention", "tmetrics::fail",
+            "tmetrics::fail_unless"):
     # An operator with no output and no mutated input would be dropped as dead code: an ordered
     # effect keeps it, in program order, in the forward graph.
     torch.library._register_effectful_op(_op, EffectType.ORDERED)
