@@ -91,7 +91,7 @@ def test_observed_attention_compiles_into_one_graph_without_recompiles():
 def test_hf_sdpa_attention_compiles_without_break():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                       attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config).eval()
