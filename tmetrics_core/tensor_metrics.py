@@ -54,6 +54,7 @@ from tmetrics_core.observe import _ACTIVE, fail, fail_unless, new_owner, record,
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.attention import install_inner_attention
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.optimizers import unwrap_optimizer
@@ -314,6 +315,9 @@ class TensorMetrics:
             from tmetrics_core.integrations.hf_attention import install as install_hf_attention
 
             handles += install_hf_attention(self.model, functools.partial(record_attention, owner=mine))
+            tp = self.topology.axes.get("tp")
+            handles += install_inner_attention(self.model, functools.partial(record_attention, owner=mine),
+                                               heads_split=tp is not None and tp.size > 1)
         return handles
 
     def observe_gradients(self) -> None:

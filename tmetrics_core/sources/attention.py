@@ -10,15 +10,21 @@ Placements of a site: ``Shard(0)`` on ``tp`` when the heads are split there (``s
 the head dim of ``q [B, H, T, D]``), ``Shard(None)`` on the axes whose ranks hold other queries
 (the population axes), none on the ``key_split`` axis (its ranks hold the same queries and other
 keys); the token plan adds ``Owned`` for a pipeline stage's layers.
+
+Inner-attention modules of known frameworks (torchtitan's SDPA wrapper) are observed with no user
+code by a forward pre-hook (:func:`install_inner_attention`); their classes are declared as data
+(:data:`INNER_ATTENTION`), no framework is imported.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from tmetrics_core.attention_spec import AttentionSpec
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.observe import watched
 from tmetrics_core.metrics.attention_heads import KIND, AttentionObservation
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site
@@ -26,7 +32,7 @@ from tmetrics_core.site import Site
 if TYPE_CHECKING:
     from tmetrics_core.sources.tokens import TokenObserver
 
-__all__ = ["observe_attention"]
+__all__ = ["INNER_ATTENTION", "install_inner_attention", "observe_attention"]
 
 
 @torch.no_grad()
@@ -90,3 +96,46 @@ def _site(observer: "TokenObserver", full: str, path: str, q: torch.Tensor, shar
             family=observer.index.family_of(path), meta=meta)
     observer.sites[site.key] = site
     return site
+
+
+INNER_ATTENTION = {("torchtitan", "ScaledDotProductAttention"): "sdpa", ("torchtitan", "FlexAttention"): "refused",
+                   ("torchtitan", "VarlenAttention"): "refused"}
+"""``(top package, class name)`` of inner-attention modules found with no user code: ``sdpa`` ones
+take ``(q [B, L, Hq, D], k [B, L, Hkv, D], v, *, scale=None, is_causal=True)`` and hold no other
+mask (torchtitan's ``ScaledDotProductAttention``); ``refused`` ones apply masks tmetrics cannot
+read from their arguments (block masks, packed lengths)."""
+
+
+def install_inner_attention(model: torch.nn.Module, record: Callable[..., None], *, heads_split: bool) -> list[Any]:
+    """Forward pre-hooks on the recognised inner-attention modules of ``model`` handing their
+    queries and keys to ``record`` (``tmetrics_core.observe.record_attention``) on due steps;
+    ``heads_split``: the heads are split over ``tp`` (torchtitan's tensor parallelism). Returns
+    the handles.
+
+    Raises:
+        ConfigError: a recognised module whose masks cannot be read (torchtitan's FlexAttention
+            and VarlenAttention): never a table with some layers missing.
+    """
+    handles = []
+    for path, module in model.named_modules():
+        cls = type(module)
+        how = INNER_ATTENTION.get((cls.__module__.partition(".")[0], cls.__name__))
+        if how == "refused":
+            raise ConfigError(
+                f"the attention metrics cannot read the mask of {cls.__module__}.{cls.__name__} at {path!r} (block "
+                "masks or packed lengths). Use its SDPA inner attention, or call tm.observe(self, 'qk', (q, k), "
+                "kind='attn_qk', attention=tm.AttentionSpec(causal=True, segment_ids=...)) in the attention's "
+                "forward, with q and k after RoPE")
+        if how == "sdpa":
+            handles.append(module.register_forward_pre_hook(_sdpa_hook(record, heads_split), with_kwargs=True))
+    return handles
+
+
+def _sdpa_hook(record: Callable[..., None], heads_split: bool) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not watched("attn_qk"):
+            return
+        q, k = args[0], args[1]
+        spec = AttentionSpec(scale=kwargs.get("scale"), causal=bool(kwargs.get("is_causal", True)))
+        record(module, "qk", q.transpose(1, 2), k.transpose(1, 2), spec=spec, shard_dim=1 if heads_split else None)
+    return hook
