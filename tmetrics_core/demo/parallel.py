@@ -108,6 +108,7 @@ def _apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
             plan.update({f"{prefix}.{name}": ColwiseParallel() for name in col})
             plan[f"{prefix}.{row}"] = RowwiseParallel()
         parallelize_module(block, tp_mesh, plan)
+        block.attn.heads_split = True  # q, k hold this rank's heads: their attn_qk sites say so
 
 
 def _apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> list[str]:
