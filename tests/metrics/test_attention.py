@@ -146,3 +146,23 @@ def test_spec_refuses_bad_fields():
 
 def _fields(p: attention.QueryParts):
     return p.m, p.s, p.t, p.u, p.counted
+
+
+def test_key_split_placeholder_rounds_stay_neutral():
+    """A rank that does not hold a key-split layer (another pipeline stage) runs the same three
+    rounds with neutral values and empty per-query parts."""
+    from tmetrics_core.metrics.attention_heads import AttentionEntropy
+    from tmetrics_core.site import Site
+    from tmetrics_core.topology import Topology
+
+    site = Site(name="layers.0.attn.qk", kind="attn_qk", logical_shape=(HQ,), layer=0, meta=(("key_split", "cp"),))
+    metric, topology = AttentionEntropy(), Topology.single_process()
+    state = metric.prepare([site], [None], topology, {})
+    first = metric.start(state, {site.key: site}, topology)
+    results = {r.key: r.value for r in first.requests}
+    second = metric.resume(first.continuation, results)
+    third = metric.resume(second.continuation, {r.key: r.value for r in second.requests})
+    done = metric.resume(third.continuation, {r.key: r.value for r in third.requests})
+    assert done.done and all(v.numel() in (HQ, 4 * HQ) for v in done.outputs.values())
+    top = next(v for k, v in done.outputs.items() if k[1] == "out top")
+    assert torch.equal(top, torch.full((HQ,), -math.inf, dtype=torch.float64))

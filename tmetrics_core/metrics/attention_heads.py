@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any, Hashable, Mapping, Sequence
 
 import torch
@@ -87,6 +88,13 @@ def _key_axis(site: Site) -> str | None:
     return dict(site.meta).get("key_split")  # type: ignore[return-value]
 
 
+def _key_axes(site: Site, topology: Topology) -> tuple[str, ...]:
+    """The axis the site's keys are split over, when it has more than one rank (else none)."""
+    axis = _key_axis(site)
+    found = topology.axes.get(axis) if axis is not None else None
+    return (axis,) if found is not None and found.size > 1 else ()  # type: ignore[return-value]
+
+
 class _AttentionMetric:
     """Base of the four attention metrics (one protocol implementation, shared requests)."""
 
@@ -100,8 +108,7 @@ class _AttentionMetric:
     def __init__(self, *, name: str | None = None, source_kinds: Sequence[str] | None = None,
                  scope: str | None = None, select: str | Sequence[str] | None = None) -> None:
         if name is not None:
-            self.name = name
-        from fnmatch import fnmatchcase
+            self.name = name  # source_kinds and scope are fixed (attn_qk, layer): the catalogue passes them alike
         patterns = (select,) if isinstance(select, str) else tuple(select or ())
         self._match = (lambda s: any(fnmatchcase(s, p) for p in patterns)) if patterns else (lambda s: True)
 
@@ -149,12 +156,11 @@ class _AttentionMetric:
         requests = []
         for site, v in items:
             spread = split_axes(site, topology, "sum", linear=True)
-            axis = _key_axis(site)
             if isinstance(v, _Heads):
                 requests.append(_request("top", site, spread, "max", v.top))
                 requests.append(_request("sums", site, spread, "sum", v.sums))
             else:
-                keys = (axis,) if axis is not None and topology.axes[axis].size > 1 else ()
+                keys = _key_axes(site, topology)
                 requests.append(_request("m", site, keys, "max", v.m.reshape(-1), uniform=False))
         return self._next(1, items, requests, topology)
 
@@ -174,7 +180,7 @@ class _AttentionMetric:
                 after.append((site, v))
                 continue
             axis = _key_axis(site)
-            keys = (axis,) if axis is not None and topology.axes[axis].size > 1 else ()
+            keys = _key_axes(site, topology)
             if index == 1:  # the MAX of m came back: send the rescaled parts
                 top = results[_key("m", site)].reshape(v.m.shape)
                 parts = rescaled(v, top)  # type: ignore[arg-type]  # (m, s, t, u) as QueryParts
@@ -183,11 +189,12 @@ class _AttentionMetric:
             elif index == 2:  # complete queries: per-head sums, then over the other axes
                 s, t, u = results[_key("stu", site)].reshape(3, *v.m.shape).unbind(0)
                 heads = site.logical_shape[0]
-                local_top, local_sums = head_summary(v.m[None], s[None], t[None], u[None], v.counted[None])
                 top = torch.full((heads,), -math.inf, dtype=torch.float64, device=s.device)
                 sums = torch.zeros((len(SUM_FIELDS), heads), dtype=torch.float64, device=s.device)
-                top[v.first:v.first + local_top.numel()] = local_top
-                sums[:, v.first:v.first + local_top.numel()] = local_sums
+                if v.m.numel():  # a placeholder (a stage without this layer) keeps neutral slots
+                    local_top, local_sums = head_summary(v.m[None], s[None], t[None], u[None], v.counted[None])
+                    top[v.first:v.first + local_top.numel()] = local_top
+                    sums[:, v.first:v.first + local_top.numel()] = local_sums
                 spread = tuple(a for a in split_axes(site, topology, "sum", linear=True) if a != axis)
                 requests.append(_request("top", site, spread, "max", top))
                 requests.append(_request("sums", site, spread, "sum", sums.reshape(-1)))
