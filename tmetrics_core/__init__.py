@@ -9,6 +9,7 @@ The public surface is this module only::
 
 from __future__ import annotations
 
+from tmetrics_core.attention_spec import AttentionSpec
 from tmetrics_core.topology import Axis
 from tmetrics_core.topology import Topology
 from tmetrics_core.config.schema import Config
@@ -38,6 +39,7 @@ from tmetrics_core.site import Site
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = [
+    "AttentionSpec",
     "Axis",
     "Config",
     "ConfigError",

@@ -8,7 +8,7 @@ call returns after one context-variable read and one set lookup, so sites can st
 production code.
 
 Under ``torch.compile`` each call is one ``tmetrics::observe`` (``tmetrics::observe_residual``,
-``tmetrics::fail``, ``tmetrics::fail_unless``) custom operator in the user's graph: opaque to dynamo (no graph break, no
+``tmetrics::observe_attention``, ``tmetrics::fail``, ``tmetrics::fail_unless``) custom operator in the user's graph: opaque to dynamo (no graph break, no
 guard on whether a metric is due, so no recompile when the cadence changes), kept by AOT
 autograd and inductor as an ordered side effect, and run eagerly at its place in the compiled
 forward, where it does exactly what the uncompiled call does. The module travels as its
@@ -30,8 +30,10 @@ from typing import Iterable, Iterator, Protocol
 import torch
 from torch._library.effects import EffectType
 
+from tmetrics_core.attention_spec import AttentionSpec
+
 __all__ = ["Observer", "fail", "fail_unless", "in_backward", "new_owner", "observe", "observing", "record",
-           "record_residual", "register_modules", "tap", "watched"]
+           "record_attention", "record_residual", "register_modules", "tap", "watched"]
 
 
 class Observer(Protocol):
@@ -101,8 +103,9 @@ def register_modules(modules: Iterable[torch.nn.Module]) -> None:
         _MODULES[id(module)] = module
 
 
-def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
-            shard_dim: int | None = None, grad: bool = False) -> None:
+def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
+            kind: str, shard_dim: int | None = None, grad: bool = False,
+            attention: AttentionSpec | None = None) -> None:
     """Expose ``tensor`` to the metrics of the current step as site ``<module path>.<name>``.
 
     Args:
@@ -123,7 +126,20 @@ def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: s
     instead); a change is detected by the tensor's version counter and fails the metrics that
     read the site, on every rank. Under ``torch.compile`` they are copied on due steps (a
     compiled graph reuses its buffers), and the call is a custom operator in the graph.
+
+    ``kind="attn_qk"`` takes ``tensor=(q, k)``: queries ``[B, Hq, Tq, D]`` after RoPE and keys
+    ``[B, Hkv, Tk, D]`` of one attention layer, with ``attention`` (an
+    :class:`~tmetrics_core.attention_spec.AttentionSpec`: scale, causal, window, padding,
+    packing, soft cap; None: unmasked, ``D ** -0.5``) and ``shard_dim=1`` when the heads are
+    split over ``tp``. The attention metrics (``layer-attn-*``) read them on due steps without
+    forming the ``[T x T]`` attention matrix.
     """
+    if kind == "attn_qk":
+        if not isinstance(tensor, tuple) or len(tensor) != 2:
+            raise TypeError(f"tm.observe(..., kind='attn_qk') takes (q, k) as its tensor; got {type(tensor).__name__}")
+        record_attention(module, name, tensor[0], tensor[1], spec=attention, shard_dim=shard_dim)
+        return
+    assert isinstance(tensor, torch.Tensor), "a tuple is taken only with kind='attn_qk'"
     record(module, name, tensor, kind=kind, shard_dim=shard_dim)
     if grad:
         tap(module, name, tensor, kind=f"{kind}_grad", shard_dim=shard_dim)
@@ -199,6 +215,27 @@ def record(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: st
         torch.ops.tmetrics.observe(tensor, minus, id(module), name, kind, shard_dim, owner)
     else:
         _record(module, name, tensor, minus, kind, shard_dim, owner, compiled=False)
+
+
+def record_attention(module: torch.nn.Module, name: str, q: torch.Tensor, k: torch.Tensor, *,
+                     spec: AttentionSpec | None, shard_dim: int | None = None, owner: int | None = None) -> None:
+    """An attention layer's queries and keys (see :func:`observe`) to an observer that has due
+    attention metrics; nothing else is done on other steps (one context-variable read)."""
+    if torch.compiler.is_compiling():
+        spec = spec if spec is not None else AttentionSpec()
+        torch.ops.tmetrics.observe_attention(
+            q, k, spec.token_mask, spec.segment_ids, spec.mask, spec.q_positions, spec.k_positions, id(module), name,
+            shard_dim, spec.scale, spec.causal, spec.window, spec.softcap, spec.key_split, owner)
+    else:
+        _record_attention(module, name, q, k, spec, shard_dim, owner)
+
+
+def _record_attention(module: torch.nn.Module, name: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec | None,
+                      shard_dim: int | None, owner: int | None) -> None:
+    observer = _current(owner)
+    if observer is None or "attn_qk" not in observer.kinds:
+        return
+    observer.record_attention(module, name, q, k, spec=spec, shard_dim=shard_dim)  # type: ignore[attr-defined]
 
 
 def record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *, accumulator: bool,
@@ -323,6 +360,27 @@ def _observe_residual_op(h: torch.Tensor, x: torch.Tensor | None, module: int, a
     _record_residual(_MODULES.get(module, _UNKNOWN), h, x, accumulator, owner)
 
 
+@torch.library.custom_op("tmetrics::observe_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _observe_attention_op(q: torch.Tensor, k: torch.Tensor, token_mask: torch.Tensor | None,
+                          segment_ids: torch.Tensor | None, mask: torch.Tensor | None, q_positions: torch.Tensor | None,
+                          k_positions: torch.Tensor | None, module: int, name: str, shard_dim: int | None,
+                          scale: float | None, causal: bool, window: int | None, softcap: float | None,
+                          key_split: str | None, owner: int | None) -> None:
+    # The spec travels as its fields (an operator takes no dataclass) and is rebuilt here.
+    spec = AttentionSpec(scale=scale, causal=causal, window=window, softcap=softcap, token_mask=token_mask,
+                         segment_ids=segment_ids, mask=mask, q_positions=q_positions, k_positions=k_positions,
+                         key_split=key_split)
+    _record_attention(_MODULES.get(module, _UNKNOWN), name, q, k, spec, shard_dim, owner)
+
+
+@_observe_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, token_mask: torch.Tensor | None, segment_ids: torch.Tensor | None,
+      mask: torch.Tensor | None, q_positions: torch.Tensor | None, k_positions: torch.Tensor | None, module: int,
+      name: str, shard_dim: int | None, scale: float | None, causal: bool, window: int | None, softcap: float | None,
+      key_split: str | None, owner: int | None) -> None:
+    return None
+
+
 @torch.library.custom_op("tmetrics::fail", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _fail_op(reason: str, kinds: str | None, owner: int | None) -> None:
     # kinds comma-joined: a custom operator takes no list of strings
@@ -360,7 +418,8 @@ def _(ok: torch.Tensor, reason: str, kinds: str | None, owner: int | None) -> No
     return None
 
 
-for _op in ("tmetrics::observe", "tmetrics::observe_grad", "tmetrics::observe_residual", "tmetrics::fail",
+for _op in ("tmetrics::observe", "tmetrics::observe_grad", "tmetrics::observe_residual",
+            "tmetrics::observe_attention", "tmetrics::fail",
             "tmetrics::fail_unless"):
     # An operator with no output and no mutated input would be dropped as dead code: an ordered
     # effect keeps it, in program order, in the forward graph.

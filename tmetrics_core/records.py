@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Mapping, Union
 
 __all__ = [
+    "HEADS_STAT",
     "Histogram",
     "Labels",
     "MetricRecord",
@@ -87,6 +88,10 @@ class Histogram:
 
 Value = Union[float, tuple[float, ...], Histogram]
 """A scalar, a vector (e.g. tokens per global expert) or a histogram."""
+
+HEADS_STAT = "heads"
+"""The stat of a vector over global attention heads (``layer-attn-entropy``): its element ``i``
+is head ``i``, not expert ``i``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,12 +197,16 @@ class MetricRecord:
 
     def elements(self) -> list[tuple[Labels, float]]:
         """A vector value as one labelled scalar per element: element ``i`` is expert ``i``
-        when the labels name no expert (tokens per expert of a layer), else the stat
-        ``element_i`` (``<stat>-element_i`` with a stat). Sinks and alert rules use it so every
+        when the labels name no expert (tokens per expert of a layer), head ``i`` (stat
+        ``head_i``) for a vector of stat :data:`HEADS_STAT`, else the stat ``element_i``
+        (``<stat>-element_i`` with a stat). Sinks and alert rules use it so every
         tracker shows the same per-expert series. Empty for non-vectors."""
         if not isinstance(self.value, tuple):
             return []
         labels = self.labels
+        if labels.stat == HEADS_STAT:
+            return [(Labels(labels.layer, labels.expert, labels.tensor, f"head_{i}"), float(v))
+                    for i, v in enumerate(self.value)]
         if labels.expert is None:
             return [(Labels(labels.layer, i, labels.tensor, labels.stat), float(v)) for i, v in enumerate(self.value)]
         return [(labels.substat(f"element_{i}"), float(v)) for i, v in enumerate(self.value)]

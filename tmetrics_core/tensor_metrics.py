@@ -50,11 +50,12 @@ from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.observe import _ACTIVE, fail, fail_unless, in_backward, new_owner, record, record_residual, tap
+from tmetrics_core.observe import _ACTIVE, fail, fail_unless, in_backward, new_owner, record, record_attention, record_residual, tap
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.user_scalars import scalar_records
 from tmetrics_core.site import Site, SiteKey
+from tmetrics_core.sources.attention import install_inner_attention
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.optimizers import unwrap_optimizer
@@ -367,6 +368,15 @@ class TensorMetrics:
             handles += install_routers(self.routers, functools.partial(record, owner=mine),
                                        functools.partial(fail, owner=mine), functools.partial(fail_unless, owner=mine),
                                        kinds)
+        if "attn_qk" in kinds:
+            # Hugging Face attention through its attention table (transformers imported lazily);
+            # raises ConfigError for an implementation it cannot reach.
+            from tmetrics_core.integrations.hf_attention import install as install_hf_attention
+
+            handles += install_hf_attention(self.model, functools.partial(record_attention, owner=mine))
+            tp = self.topology.axes.get("tp")
+            handles += install_inner_attention(self.model, functools.partial(record_attention, owner=mine),
+                                               heads_split=tp is not None and tp.size > 1)
         return handles
 
     def observe_gradients(self) -> None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tmetrics_core.attention_spec import AttentionSpec
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.observe import observe
 
@@ -40,6 +41,10 @@ __all__ = [
     "fixed_shape_dispatch",
     "local_dispatch",
 ]
+
+
+_CAUSAL = AttentionSpec(causal=True)
+"""The attention's mask, for its ``attn_qk`` observation (the attention metrics)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -129,6 +134,8 @@ class Attention(nn.Module):
         self.k = nn.Linear(d, d, bias=False)
         self.v = nn.Linear(d, d, bias=False)
         self.o = nn.Linear(d, d, bias=False)
+        self.heads_split = False
+        """Whether ``q``, ``k`` are column-split over ``tp`` (set by the demo's tensor parallelism)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [B, T, d] float -> [B, T, d]."""
@@ -136,6 +143,7 @@ class Attention(nn.Module):
         q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)   # (B, H_local, T, hd)
                    for proj in (self.q, self.k, self.v))
         q, k = _rotate(q, self.rope_base), _rotate(k, self.rope_base)
+        observe(self, "qk", (q, k), kind="attn_qk", attention=_CAUSAL, shard_dim=1 if self.heads_split else None)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)          # (B, H_local, T, hd)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.nn.parallel import DistributedDataParallel
 
 from tmetrics_core.demo.expert_collectives import all_gather, reduce_scatter
-from tmetrics_core.demo.model import ModelConfig, MoE, Transformer, fixed_shape_dispatch
+from tmetrics_core.demo.model import Attention, ModelConfig, MoE, Transformer, fixed_shape_dispatch
 from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.errors import ConfigError
 
@@ -108,6 +108,9 @@ def _apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
             plan.update({f"{prefix}.{name}": ColwiseParallel() for name in col})
             plan[f"{prefix}.{row}"] = RowwiseParallel()
         parallelize_module(block, tp_mesh, plan)
+        attn = block.attn
+        assert isinstance(attn, Attention), "every demo block has its Attention at .attn"
+        attn.heads_split = True  # q, k hold this rank's heads: their attn_qk sites say so
 
 
 def _apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.activations import DEFAULT_MODULES, BackwardGain, ModuleRms, OutputEntropy
+from tmetrics_core.metrics.attention_heads import AttentionEntropy, AttentionLogitMax, AttentionLse, AttentionSink
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.drift import ReplicaDrift
 from tmetrics_core.metrics.outliers import ChannelKurtosis, OutlierRatio
@@ -229,7 +230,7 @@ def _entries() -> list[CatalogueEntry]:
           "router_logits", "expert_bias"), ("layer", "global"),
           "mean, std, rms, range, max|b| of the expert bias; corr(b, scores / aux load / dispatched load)",
           "bias units / correlation", "bounded bias; negative correlation with scores", _ROUTER_ROWS),
-    ] + _quant_entries() + _cotangent_entries()
+    ] + _quant_entries() + _cotangent_entries() + _attention_entries()
     return entries
 
 
@@ -304,6 +305,18 @@ def _cotangent_entries() -> list[CatalogueEntry]:
           "RMS(g_in) / RMS(g_out): the RMS of g at the block's input over that at its output" + _COTANGENT,
           "ratio", "near 1 (pre-norm residual); >> 1 layer after layer explodes, << 1 vanishes", _GRADS),
     ]
+
+
+_HEADS = ("global heads: split on tp (Shard(0)) fill their slots; queries split (Shard(None)) merge by MAX and "
+          "SUM; keys split over AttentionSpec.key_split merge exactly by MAX then SUM; Owned (pipeline stages)")
+
+
+def _attention_entries() -> list[CatalogueEntry]:
+    """The attention metrics (``attn_qk`` sites): a vector over global heads (stat ``heads``) and
+    roll-ups per layer."""
+    return [CatalogueEntry(cls.name, _made(cls, ["attn_qk"], "layer"), ("attn_qk",), ("layer",),
+                           cls.formula, cls.unit, cls.baseline, _HEADS)
+            for cls in (AttentionLogitMax, AttentionEntropy, AttentionSink, AttentionLse)]
 
 
 _ENTRIES: dict[str, CatalogueEntry] = {entry.name: entry for entry in _entries()}

@@ -26,7 +26,8 @@ _DPI = 80
 _ALL_TICKS = 32
 
 
-def draw(metric: str, title: str, step: int, values: np.ndarray, present: np.ndarray) -> tuple[np.ndarray, bytes]:
+def draw(metric: str, title: str, step: int, values: np.ndarray, present: np.ndarray,
+         across: str = "experts") -> tuple[np.ndarray, bytes]:
     """The heatmap as ``(rgb, png)``: an RGB ``uint8`` array ``(height, width, 3)`` and the same
     picture as PNG, whose text chunks ``Title`` and ``Description`` say what is drawn (metric,
     step, axes, colour range, dead experts) for readers that cannot see it.
@@ -37,6 +38,7 @@ def draw(metric: str, title: str, step: int, values: np.ndarray, present: np.nda
         step: the training step of the values.
         values: float64 ``(num_layers, num_experts)``; row ``i`` layer ``i``, column ``j`` expert ``j``.
         present: bool, same shape: which cells hold a value.
+        across: what the columns are, ``experts`` or ``heads`` (global attention heads).
     """
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -72,7 +74,7 @@ def draw(metric: str, title: str, step: int, values: np.ndarray, present: np.nda
         else:
             axis.set_major_locator(MaxNLocator(nbins=16, integer=True))
     axes.tick_params(labelsize=8)
-    axes.set_xlabel("expert")
+    axes.set_xlabel(across.rstrip("s"))
     axes.set_ylabel("layer")
     heading = f"{title}, step {step}"
     axes.set_title(heading, fontsize=10)
@@ -82,7 +84,7 @@ def draw(metric: str, title: str, step: int, values: np.ndarray, present: np.nda
     figure.tight_layout()
     canvas.draw()
     rgb = np.ascontiguousarray(np.asarray(canvas.buffer_rgba())[..., :3])
-    described = (f"{layers} layers (y axis, ticks 0..{layers - 1}) x {experts} experts (x axis, ticks 0..{experts - 1}); "
+    described = (f"{layers} layers (y axis, ticks 0..{layers - 1}) x {experts} {across} (x axis, ticks 0..{experts - 1}); "
                  f"colour bar viridis {'from ' + format(low, '.6g') + ' to ' + format(high, '.6g') if finite.any() else 'no finite value'}"
                  f"; magenta NaN or infinite, black no value; dead experts marked: {int(rows.size)}")
     buffer = io.BytesIO()

@@ -16,7 +16,9 @@ With ``heatmaps``, the scalars that carry both a layer and an expert label (and 
 gathered per metric and stat into one :class:`Heatmap`, rows layers, columns experts, key stat
 ``layer_x_expert`` (``layer-router-expert-bias/layer_x_expert``); those scalars are then left
 out unless ``expert_scalars`` keeps them. A model with 64 layers and 256 experts is one image per
-metric and step instead of 16k series.
+metric and step instead of 16k series. Vectors over attention heads (stat ``heads``, one per
+layer) likewise become one layer x head heatmap per metric, key stat ``layer_x_head``
+(``layer-attn-entropy/layer_x_head``), their per-head scalars kept only with ``expert_scalars``.
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ from typing import Sequence
 
 import numpy as np
 
-from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
+from tmetrics_core.records import HEADS_STAT, Histogram, Labels, MetricRecord, RunInfo
 from tmetrics_core.sinks.keys import KeyBook, KeyRules, index_widths
 
-__all__ = ["EXPERT_SCALARS_UP_TO", "HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
+__all__ = ["EXPERT_SCALARS_UP_TO", "HEAD_HEATMAP_STAT", "HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
 
 HEATMAP_STAT = "layer_x_expert"
 """The stat of a layer x expert heatmap's key (``<stat>-layer_x_expert`` under a stat)."""
 
 EXPERT_SCALARS_UP_TO = 256
 """The most layers x experts for which per-expert scalars are kept by default beside the heatmaps."""
+
+HEAD_HEATMAP_STAT = "layer_x_head"
+"""The stat of a layer x attention-head heatmap's key."""
 
 
 
@@ -55,6 +60,8 @@ class Heatmap:
     values: np.ndarray
     present: np.ndarray
     step: int = 0
+    columns: str = "experts"
+    """What the columns are: ``experts`` or ``heads`` (global attention heads)."""
     _drawn: tuple[np.ndarray, bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -72,7 +79,7 @@ class Heatmap:
         bounds = self.bounds()
         rows, columns = self.values.shape
         scale = "no finite value" if bounds is None else f"min {bounds[0]:.4g} max {bounds[1]:.4g}"
-        return (f"{self.title}, step {self.step}: {rows} layers (rows) x {columns} experts (columns), {scale} "
+        return (f"{self.title}, step {self.step}: {rows} layers (rows) x {columns} {self.columns} (columns), {scale} "
                 f"(viridis, linear; magenta: NaN or infinite; black: no value)")
 
     def image(self) -> np.ndarray:
@@ -89,7 +96,7 @@ class Heatmap:
         if self._drawn is None:
             from tmetrics_core.sinks.heatmap_figure import draw
 
-            self._drawn = draw(self.metric, self.title, self.step, self.values, self.present)
+            self._drawn = draw(self.metric, self.title, self.step, self.values, self.present, self.columns)
         return self._drawn
 
 
@@ -146,6 +153,7 @@ class StepRenderer:
         out = Rendered()
         add = self.book.add
         cells: dict[tuple[str, str | None], list[tuple[int, int, float]]] = {}
+        heads: dict[str, list[tuple[int, int, float]]] = {}
         for record in records:
             metric, labels, value = record.metric, record.labels, record.value
             if isinstance(value, Histogram):
@@ -160,6 +168,10 @@ class StepRenderer:
                 nonfinite = sum(1 for v in value if not math.isfinite(v))
                 if self.distributions:
                     out.distributions.append((add(metric, labels), value))
+                if self.heatmaps and labels.stat == HEADS_STAT and labels.layer is not None:
+                    heads.setdefault(metric, []).extend((labels.layer, i, v) for i, v in enumerate(value))
+                    if not self.expert_scalars:
+                        continue
                 for element_labels, element in record.elements():
                     self._scalar(out, cells, metric, element_labels, element)
                 if not self.distributions:
@@ -173,6 +185,9 @@ class StepRenderer:
         for (name, grid_stat), items in cells.items():
             grid = Labels(stat=grid_stat)
             out.heatmaps.append((add(name, grid.substat(HEATMAP_STAT)), self._heatmap(name, grid, items, step)))
+        for name, items in heads.items():
+            out.heatmaps.append((add(name, Labels(stat=HEAD_HEATMAP_STAT)),
+                                 self._heatmap(name, Labels(), items, step, "heads")))
         return out
 
     def _scalar(self, out: Rendered, cells: dict[tuple[str, str | None], list[tuple[int, int, float]]],
@@ -186,12 +201,14 @@ class StepRenderer:
                 return
         out.scalars.append((self.book.add(metric, labels), value))
 
-    def _heatmap(self, metric: str, labels: Labels, items: list[tuple[int, int, float]], step: int) -> Heatmap:
+    def _heatmap(self, metric: str, labels: Labels, items: list[tuple[int, int, float]], step: int,
+                 columns_are: str = "experts") -> Heatmap:
         rows = max(self._grid[0], 1 + max(layer for layer, _, _ in items))
-        columns = max(self._grid[1], 1 + max(expert for _, expert, _ in items))
+        known = self._grid[1] if columns_are == "experts" else 0
+        columns = max(known, 1 + max(column for _, column, _ in items))
         values = np.full((rows, columns), np.nan)
         present = np.zeros((rows, columns), dtype=bool)
         for layer, expert, value in items:
             values[layer, expert] = value
             present[layer, expert] = True
-        return Heatmap(metric, labels, values, present, step)
+        return Heatmap(metric, labels, values, present, step, columns_are)

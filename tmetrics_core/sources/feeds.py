@@ -42,6 +42,10 @@ def what_feeds(kinds: Iterable[str], modules: Sequence[str] = ()) -> str:
         said.append("cotangent sites are observed when backward reaches a tensor a forward hook tapped in the step "
                     "scope (blocks' outputs and inputs, the head's output, modules: globs, tm.observe(..., grad=True)); "
                     "no backward reached one: backward() outside the step scope, or outputs that do not require grad")
+    if "attn_qk" in kinds:
+        said.append("attn_qk sites are the queries and keys of Hugging Face attention (wrapped in its attention "
+                    "table) or of tm.observe(self, 'qk', (q, k), kind='attn_qk', attention=tm.AttentionSpec(...)) "
+                    "calls in an attention's forward, with q and k after RoPE; none ran in the step scope")
     if "grad" in kinds:
         said.append("no parameter it selects had a gradient (.grad or .main_grad) when gradients were read: in the "
                     "optimizer's step pre-hook, or where metrics.observe_gradients() is called (after backward(), "

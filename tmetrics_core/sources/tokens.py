@@ -38,6 +38,8 @@ from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale
 from tmetrics_core.sources.modules import ModuleIndex
+from tmetrics_core.attention_spec import AttentionSpec
+from tmetrics_core.sources.attention import observe_attention
 
 __all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "SEQUENCE_CHECKED", "TOKEN_KINDS", "Route", "TokenObserver",
            "TokenSites"]
@@ -45,6 +47,7 @@ __all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "SEQUENCE_CHECKED", "TOKEN_KINDS"
 TOKEN_KINDS = frozenset({
     "residual_accumulator", "residual_contribution", "logits", "activation",
     "router_logits", "router_topk", "router_scores",
+    "attn_qk",  # an attention layer's queries and keys (sources/attention.py)
 }) | GRAD_KINDS
 """Site kinds whose rows are tokens."""
 
@@ -224,6 +227,11 @@ class TokenObserver:
                shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
         """Observe ``tensor`` (``tensor - minus`` when ``minus`` is given: same shape, local)."""
         self._observe(module, name, tensor, kind, shard_dim, minus)
+
+    def record_attention(self, module: torch.nn.Module, name: str, q: torch.Tensor, k: torch.Tensor, *,
+                         spec: AttentionSpec | None, shard_dim: int | None) -> None:
+        """Observe an attention layer's queries and keys (:mod:`tmetrics_core.sources.attention`)."""
+        observe_attention(self, module, name, q, k, spec, shard_dim)
 
     def _observe(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str, shard_dim: int | None,
                  minus: torch.Tensor | None, factor: float | torch.Tensor | None = None) -> None:
