@@ -77,7 +77,9 @@ class TensorMetrics:
         optimizer: its step hooks read gradients, parameters, Adam state and updates. A
             framework's wrapper (accelerate, Lightning, Hugging Face Trainer, Megatron-Core,
             whose ChainedOptimizer steps several) is unwrapped to the torch optimizer(s) inside
-            (:func:`~tmetrics_core.sources.optimizers.unwrap_optimizer`).
+            (:func:`~tmetrics_core.sources.optimizers.unwrap_optimizer`). Several optimizers of
+            one model (Muon for matrices, AdamW for the rest) go in as a list, stepped in any
+            order within the step scope: each parameter's update is its own optimizer's.
         topology: named axes; single process when omitted.
         hub: where records go (a ``SinkHub`` on the logging rank, a ``NullHub`` elsewhere);
             None keeps records only in :attr:`last_records`.
@@ -123,7 +125,7 @@ class TensorMetrics:
     """
 
     def __init__(self, model: torch.nn.Module, *, metrics: Sequence[tuple[TensorMetric, int]],
-                 optimizer: torch.optim.Optimizer | None = None, topology: Topology | None = None,
+                 optimizer: torch.optim.Optimizer | Sequence[Any] | None = None, topology: Topology | None = None,
                  hub: Any = None, run: RunInfo | None = None, collectives: Collectives | None = None,
                  check_plan: str = "first", verify_replicas: str = "first",
                  placements: Mapping[str, Mapping[str, str]] | None = None,
@@ -182,6 +184,11 @@ class TensorMetrics:
         """Whether a step scope's body is running (its end will run a deferred :meth:`close`)."""
         self.read_results = read_results
         self._in_flight: tuple[int, Pending] | None = None  # a due step launched, read a step later
+        self._optimizer_count = len(getattr(self.optimizer, "optimizers", (self.optimizer,)))
+        self._stepping: set[int] = set()
+        """The optimizers (ids) whose step began in this scope."""
+        self._stepped: set[int] = set()
+        """The optimizers (ids) whose step ended in this scope."""
         check_against_model(self, key_rules or {})
         self.params = ParamObserver(self.manifest, self.topology, self.executor, optimizer=self.optimizer,
                                     flat=self.flat, metrics=[m for m, _ in self.metrics],
@@ -205,7 +212,7 @@ class TensorMetrics:
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    def from_config(cls, source: Any, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    def from_config(cls, source: Any, *, model: torch.nn.Module, optimizer: Any = None,
                     mesh: Any = None, axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
                     run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> "TensorMetrics":
         """Build from a config file path, a dict, or a loaded ``Config`` (the README's Config section).
@@ -260,6 +267,7 @@ class TensorMetrics:
         if self._due:
             self._last_due = step
         self._unfed = set()
+        self._stepping, self._stepped = set(), set()
         self.params.begin(step, [m for m, _ in self._due])
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
         observer = reset = None
@@ -347,11 +355,15 @@ class TensorMetrics:
         read when it first returns (or where it calls :meth:`observe_gradients`)."""
         if self._step is None or not self._due:
             return None
-        if self.params.done("post"):
+        if self.params.done("post") or id(optimizer) in self._stepping:
             self.params.fail_post(f"optimizer.step() ran again inside the scope of step {self._step}: the update and "
                                   "optimizer-state metrics read after the first one only. Use one `with "
                                   "metrics.step(n)` per optimizer step")
             return None
+        first = not self._stepping
+        self._stepping.add(id(optimizer))
+        if not first:
+            return None  # another optimizer of the chain: the gradients were read, the snapshot taken
         # torch passes the optimizer itself as args[0]: step(closure) has the closure at args[1].
         closure = kwargs.get("closure") if "closure" in kwargs else args[1] if len(args) > 1 else None
         changed = None
@@ -375,9 +387,14 @@ class TensorMetrics:
         return closure_then_read
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Read updates and state once every optimizer of the step has stepped (one, or each of
+        an :class:`~tmetrics_core.sources.optimizers.OptimizerChain`); an optimizer of the chain
+        that does not step in this scope leaves its parameters' updates 0, read at the step's end."""
         if self._step is None or not self._due:
             return
-        self.params.prepare("post")
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) == self._optimizer_count:
+            self.params.prepare("post")
 
     def _rewrite_manifest(self) -> None:
         """``manifest.json`` again after a verification past start-up marked claims in it."""
