@@ -56,6 +56,7 @@ from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_ex
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer
+from tmetrics_core.sources.grad_scaler import ScalerWatch
 from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.param_observer import ParamObserver
@@ -113,13 +114,20 @@ class TensorMetrics:
             accelerator once, at the end); ``"next-step"``, at the end of the next step scope (or
             at :meth:`close`), when the copy has landed: no wait in any step. Records keep their
             own step; :attr:`last_records` then holds the previous due step's.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any
+            (:class:`~tmetrics_core.sources.grad_scaler.ScalerWatch`): gradients are then read
+            unscaled whether or not you call ``scaler.unscale_``, and a step the scaler skips
+            (inf or NaN gradients) writes its gradient records (``layer-grad-nonfinite`` counts
+            among them) and no update or optimizer-state record, with a warning that names the
+            skip. Without it, such a step's gradients are read after ``zero_grad()``.
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
             source kind the model or optimizer never produces, a placement a metric cannot
             handle (with the metric and tensor named; path ``metrics[i]``), two tensors whose
             labels render to one key of a sink (path ``sinks.<backend>``), a ``read_results``
-            other than ``"now"`` and ``"next-step"`` (path ``run.read_results``).
+            other than ``"now"`` and ``"next-step"`` (path ``run.read_results``), a
+            ``grad_scaler`` without an optimizer or with a fused optimizer (path ``grad_scaler``).
         PlacementError: on every rank, when a tensor placed Replica differs across its axis
             (here for parameters; from ``step()`` or the optimizer step for other sources).
     """
@@ -133,7 +141,7 @@ class TensorMetrics:
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None,
-                 log_rank: int = 0, read_results: ReadResults = "now") -> None:
+                 log_rank: int = 0, read_results: ReadResults = "now", grad_scaler: Any = None) -> None:
         if read_results not in READ_RESULTS:
             raise ConfigError(f"read_results={read_results!r}; need one of {', '.join(READ_RESULTS)}",
                               path="run.read_results")
@@ -165,6 +173,7 @@ class TensorMetrics:
         self._unfed: set[str] = set()  # due token metrics that read no tensor here this step
         self._said_unfed: set[str] = set()  # metrics warned about once for finding nothing
         self._no_grad_said = False
+        self._skip_said = False
         self._step: int | None = None
         self._first_step: int | None = None
         self._last_due: int | None = None
@@ -194,8 +203,19 @@ class TensorMetrics:
                                     flat=self.flat, metrics=[m for m, _ in self.metrics],
                                     verify_replicas=verify_replicas, on_verified=self._rewrite_manifest)
         self.params.verify_startup()
+        self._scaler: ScalerWatch | None = None
+        self._read_after_unscale = False
+        """observe_gradients() was called while the loss scaler's gradients were scaled."""
+        if grad_scaler is not None:
+            if self.optimizer is None:
+                raise ConfigError("grad_scaler= needs optimizer= (the optimizer the scaler steps)", path="grad_scaler")
+            self._scaler = ScalerWatch(grad_scaler, getattr(self.optimizer, "optimizers", (self.optimizer,)),
+                                       due=lambda: self._step is not None and bool(self._due),
+                                       on_unscaled=self._read_unscaled, on_stepped=self._after_scaler_step)
         self._owner = new_owner()  # this object's observer takes its own hooks' calls, another's does not
         self._hooks = self._observation_hooks()
+        if self._scaler is not None:
+            self._hooks.append(self._scaler)
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self._hooks.append(self.optimizer.register_step_post_hook(self._post_step))
@@ -268,6 +288,9 @@ class TensorMetrics:
             self._last_due = step
         self._unfed = set()
         self._stepping, self._stepped = set(), set()
+        self._read_after_unscale = False
+        if self._scaler is not None:
+            self._scaler.begin()
         self.params.begin(step, [m for m, _ in self._due])
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
         observer = reset = None
@@ -335,7 +358,33 @@ class TensorMetrics:
             raise TMetricsError("observe_gradients() called outside a step scope: gradients are read for the step "
                                 "whose `with metrics.step(n)` is open; call it inside, after backward()")
         self.params.read_again()
+        if self._scaler is not None and self._scaler.scaling:
+            self._read_after_unscale = True  # read by the next unscale_ (the user's or scaler.step's)
+            return
         self.params.prepare("pre")
+
+    def _read_unscaled(self) -> None:
+        """The gradient read ``observe_gradients()`` asked for while they were scaled, now that
+        every optimizer of the step has been unscaled."""
+        if self._read_after_unscale:
+            self._read_after_unscale = False
+            self.params.read_again()
+            self.params.prepare("pre")
+
+    def _after_scaler_step(self, optimizer: Any) -> None:
+        """After ``scaler.step(optimizer)`` on a due step: if the optimizer's step did not run,
+        the scaler skipped it (inf or NaN gradients). The gradients are read now (unscaled, with
+        their inf and NaN), and the update and state metrics of the step fail with the reason."""
+        if id(optimizer) in self._stepping:
+            return
+        self.params.prepare("pre")
+        reason = (f"GradScaler skipped {type(optimizer).__name__}.step() at step {self._step}: a gradient was inf or "
+                  "NaN (layer-grad-nonfinite counts them); no update, the optimizer state unchanged")
+        self.params.fail_post(reason)
+        if self.logs:
+            log.log(logging.INFO if self._skip_said else logging.WARNING, "tmetrics: %s%s", reason,
+                    "" if self._skip_said else ". Said at WARNING once; later skips at INFO")
+        self._skip_said = True
 
     def _check_open(self, call: str) -> None:
         """Raise after :meth:`close`, unless SIGTERM closed this object: a job shutting down
