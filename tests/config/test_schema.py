@@ -129,6 +129,7 @@ def test_dict_form_and_round_trip_through_to_dict() -> None:
         "modules": [],
         "bins": None,
         "sample": None,
+        "moments": [],
     }
     assert plain["run"] == {"name": "demo", "dir": "runs/demo", "read_results": "now"}
     assert plain["distributed"] == {"collective_timeout_s": 30.0, "check_plan": "always", "verify_replicas": "first",

@@ -103,7 +103,8 @@ def validate_command(config: Path) -> None:
     loaded = check_names(load_config(config), resolve_metric=resolve_metric, metric_names=metric_names(),
                          sink_names=[name for name, _ in available_sinks()])
     for mc in loaded.metrics:
-        build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins, sample=mc.sample)
+        build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins, sample=mc.sample,
+                     moments=mc.moments or None)
     build_sinks(loaded.sinks)
     click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
                f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "

@@ -137,6 +137,10 @@ class MetricConfig:
     sample: int | None = None
     """Elements sampled per tensor when comparing data-parallel replicas (``dp-replica-drift``);
     ``None``: the metric's default."""
+    moments: tuple[str, ...] = ()
+    """The optimizer moments ``layer-optimizer-state-rms`` reads: ``exp_avg`` (first moment:
+    Adam's, or the momentum of SGD and Muon) and ``exp_avg_sq`` (second moment: Adam's, RMSprop's).
+    Empty: both."""
 
     def __post_init__(self) -> None:
         _check_name(self.name, path="name", what="a metric name such as 'layer-grad-l2'")
@@ -147,6 +151,11 @@ class MetricConfig:
             _check_int(self.bins, path="bins", minimum=1, meaning="number of histogram bins")
         if self.sample is not None:
             _check_int(self.sample, path="sample", minimum=1, meaning="elements sampled per tensor")
+        moments = (self.moments,) if isinstance(self.moments, str) else self.moments
+        if not isinstance(moments, (list, tuple)) or not set(moments) <= {"exp_avg", "exp_avg_sq"}:
+            raise ConfigError(f"got {_describe(self.moments)}; need a list of exp_avg (first moment) and "
+                              "exp_avg_sq (second moment)", path="moments")
+        object.__setattr__(self, "moments", tuple(moments))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -62,6 +62,10 @@ class _PreHooksAfterClosure:
         for hook in list(self._pre_hooks.values()):
             hook(self._optimizer, (), {})
 
+    @property
+    def torch_optimizers(self) -> tuple[torch.optim.Optimizer]:
+        return (self._optimizer,)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
 

@@ -119,6 +119,11 @@ class OptimizerChain:
         self.state = _ChainedState(self.optimizers)
 
     @property
+    def torch_optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers whose state this chain holds (see :mod:`~tmetrics_core.sources.optimizer_state`)."""
+        return self.optimizers
+
+    @property
     def defaults(self) -> dict[str, Any]:
         """The hyperparameter names every optimizer of the chain has (``betas`` when all are Adam)."""
         keys = set.intersection(*(set(o.defaults) for o in self.optimizers))

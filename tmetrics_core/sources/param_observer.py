@@ -37,8 +37,10 @@ from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.naming.manifest import Manifest, dtensor_placements
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
+from tmetrics_core.sources.optimizer_state import state_keys, state_value
 from tmetrics_core.sources.param_program import ParamProgram
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, local_view, read_kind, update_pairs
+from tmetrics_core.sources.params import (OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, local_view, read_kind,
+                                          update_pairs)
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS
 from tmetrics_core.topology import Topology
@@ -131,6 +133,9 @@ class ParamObserver:
         self.verify_replicas = verify_replicas
         self._on_verified = on_verified
         self._kind_sites = {kind: manifest.sites(kind) for kind in sorted(PARAM_KINDS | OPTIMIZER_KINDS)}
+        read = {k for m in self.metrics for k in m.source_kinds} & STATE_KINDS - set(flat)
+        self.state_keys = state_keys(optimizer, read, "optimizer state") if optimizer is not None and read else {}
+        """State kind -> the keys of the step's optimizers that hold it (checked at start-up)."""
         self.facts = ManifestFacts(
             local=tuple(manifest.local.get(e.name) for e in manifest.entries),
             views=tuple(manifest.views.get(e.name) for e in manifest.entries),
@@ -298,7 +303,7 @@ class ParamObserver:
         covered = source.covered
         if source.complete or all(covered[i] for i in entries):
             return [held[i] for i in entries]
-        plain = read_kind(kind, self.manifest, self.optimizer)
+        plain = read_kind(kind, self.manifest, self.optimizer, keys=self.state_keys)
         return [held[i] if covered[i] else plain[i] for i in entries]
 
     # -- replica verification ----------------------------------------------------------------
@@ -354,7 +359,8 @@ class ParamObserver:
         tensors: dict[tuple[str, str], torch.Tensor | None] = {}
         for kind in kinds:
             tensors.update(((e.name, kind), t) for e, t in zip(self.manifest.entries,
-                                                               read_kind(kind, self.manifest, self.optimizer))
+                                                               read_kind(kind, self.manifest, self.optimizer,
+                                                                         keys=self.state_keys))
                            if (e.name, kind) in wanted)
         checked = verify_replicas(claims, tensors, topology=self.topology, executor=self.executor, when=when)
         for kind in kinds:
@@ -478,7 +484,7 @@ class ParamObserver:
                 out.append(flat[kind][entry])
                 continue
             param = cast("torch.Tensor", self.facts.local[entry])  # a program's entries are held here
-            value = local_view(states.get(param, {}).get(kind))
+            value = local_view(state_value(states.get(param, {}), self.state_keys.get(kind, (kind,))))
             view = self.facts.views[entry]
             if value is not None and view is not None:
                 if value.shape != local_view(param).shape:
@@ -532,7 +538,7 @@ class ParamObserver:
                 read = self._flat_tensors(kind, range(len(self.manifest.entries)))
                 sites.extend(self._flat_sources[kind].sites)
             else:
-                read = read_kind(kind, self.manifest, self.optimizer, self._before)
+                read = read_kind(kind, self.manifest, self.optimizer, self._before, self.state_keys)
                 sites.extend(self._kind_sites[kind] if kind != "grad" else self._grad_sites())
             if kind == "grad":
                 self.no_grad.update(e.name for e, t in zip(self.manifest.entries, read)
