@@ -49,6 +49,7 @@ from tmetrics_core.distributed.executor import Executor, MetricFailure, Pending
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.naming.signature import parameter_signature
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.observe import _ACTIVE, fail, fail_unless, new_owner, record, record_residual
 from tmetrics_core.placements import Placement
@@ -60,6 +61,7 @@ from tmetrics_core.sources.grad_scaler import ScalerWatch
 from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.param_observer import ParamObserver
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
 from tmetrics_core.sources.token_plan import TokenPlan
@@ -67,6 +69,13 @@ from tmetrics_core.sources.token_plan import TokenPlan
 __all__ = ["TensorMetrics"]
 
 log = logging.getLogger("tmetrics")
+
+_PARAM_SIDE = PARAM_KINDS | OPTIMIZER_KINDS
+
+_CHANGED = ("the model's parameters changed since tmetrics planned them (a parameter added, removed or replaced, "
+            "e.g. a layer appended or an embedding resized; a requires_grad or dtype changed): this step was read "
+            "with the old plan and is left out; every rank re-plans at the next due step, whose records cover the "
+            "model as it is then")
 
 
 class TensorMetrics:
@@ -155,11 +164,16 @@ class TensorMetrics:
         self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s,
                                  device=collective_device(),
                                  control=control_group() if self.topology.world_size > 1 else None)
-        self.manifest = Manifest.build(model, self.topology, overrides=placements,
-                                       framework_placements=framework_placements,
-                                       layer_offset=layer_offset, expert_offset=expert_offset,
-                                       qkv_select=[g for m, _ in self.metrics for g in getattr(m, "select", ())],
+        self._manifest_options: dict[str, Any] = dict(
+            overrides=placements, framework_placements=framework_placements, layer_offset=layer_offset,
+            expert_offset=expert_offset, qkv_select=[g for m, _ in self.metrics for g in getattr(m, "select", ())])
+        self.manifest = Manifest.build(model, self.topology, **self._manifest_options,
                                        share=lambda mine: share_holdings(mine, self.executor))
+        self._signature = parameter_signature(model)
+        self._replan_due = False
+        """Some rank's parameters changed at the last due step: re-plan at the next one."""
+        self._stale = False
+        """The parameters had changed since they were planned when this step read them."""
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
         self.flat: dict[str, list[FlatBuffer]] = {}
@@ -199,9 +213,8 @@ class TensorMetrics:
         self._stepped: set[int] = set()
         """The optimizers (ids) whose step ended in this scope."""
         check_against_model(self, key_rules or {})
-        self.params = ParamObserver(self.manifest, self.topology, self.executor, optimizer=self.optimizer,
-                                    flat=self.flat, metrics=[m for m, _ in self.metrics],
-                                    verify_replicas=verify_replicas, on_verified=self._rewrite_manifest)
+        self._verify_replicas = verify_replicas
+        self.params = self._param_observer()
         self.params.verify_startup()
         self._scaler: ScalerWatch | None = None
         self._read_after_unscale = False
@@ -213,7 +226,8 @@ class TensorMetrics:
                                        due=lambda: self._step is not None and bool(self._due),
                                        on_unscaled=self._read_unscaled, on_stepped=self._after_scaler_step)
         self._owner = new_owner()  # this object's observer takes its own hooks' calls, another's does not
-        self._hooks = self._observation_hooks()
+        self._observed = self._observation_hooks()
+        self._hooks: list[Any] = []
         if self._scaler is not None:
             self._hooks.append(self._scaler)
         if self.optimizer is not None:
@@ -287,7 +301,10 @@ class TensorMetrics:
         if self._due:
             self._last_due = step
         self._unfed = set()
+        if self._due and self._replan_due:
+            self._replan(step)
         self._stepping, self._stepped = set(), set()
+        self._stale = False
         self._read_after_unscale = False
         if self._scaler is not None:
             self._scaler.begin()
@@ -320,6 +337,42 @@ class TensorMetrics:
                 self._in_scope = False
                 if self._close_at_step_end is not None:
                     self._close_deferred(failed)
+
+    def _read_pre(self) -> None:
+        """Read the parameters and gradients (the ``pre`` phase), noting whether the model's
+        parameters had changed since they were planned: then this read used a stale plan."""
+        self._stale = self._stale or parameter_signature(self.model) != self._signature
+        self.params.prepare("pre")
+
+    def _param_observer(self) -> ParamObserver:
+        return ParamObserver(self.manifest, self.topology, self.executor, optimizer=self.optimizer, flat=self.flat,
+                             metrics=[m for m, _ in self.metrics], verify_replicas=self._verify_replicas,
+                             on_verified=self._rewrite_manifest)
+
+    def _replan(self, step: int) -> None:
+        """Plan the model again as it is now: its parameters changed after the last plan on some
+        rank (:func:`~tmetrics_core.naming.signature.parameter_signature`), which the last due
+        step's agreement told every rank, so every rank re-plans here, at the same due step,
+        with the same collectives: the manifest shared again, the parameter side and the
+        forward hooks made anew, Replica claims of the parameters checked, plans compared again."""
+        self._replan_due = False
+        before = len(self.manifest.entries)
+        self.manifest = Manifest.build(self.model, self.topology, **self._manifest_options,
+                                       share=lambda mine: share_holdings(mine, self.executor))
+        self._signature = parameter_signature(self.model)
+        self.index = ModuleIndex(self.model, layer_offset=self._manifest_options["layer_offset"])
+        self.routers = find_routers(self.model, self.index)
+        self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
+        self.params = self._param_observer()
+        self.params.verify_startup()
+        for handle in self._observed:
+            handle.remove()
+        self._observed = self._observation_hooks()
+        self._checked = set()
+        self._rewrite_manifest()
+        if self.logs:
+            log.warning("tmetrics: the model's parameters changed after they were planned; re-planned at step %d: %d "
+                        "tensors (were %d). Said at every re-plan", step, len(self.manifest.entries), before)
 
     def _observation_hooks(self) -> list[Any]:
         """The forward hooks of every token source a configured metric reads, installed once and
@@ -361,7 +414,7 @@ class TensorMetrics:
         if self._scaler is not None and self._scaler.scaling:
             self._read_after_unscale = True  # read by the next unscale_ (the user's or scaler.step's)
             return
-        self.params.prepare("pre")
+        self._read_pre()
 
     def _read_unscaled(self) -> None:
         """The gradient read ``observe_gradients()`` asked for while they were scaled, now that
@@ -369,7 +422,7 @@ class TensorMetrics:
         if self._read_after_unscale:
             self._read_after_unscale = False
             self.params.read_again()
-            self.params.prepare("pre")
+            self._read_pre()
 
     def _after_scaler_step(self, optimizer: Any) -> None:
         """After ``scaler.step(optimizer)`` on a due step: if the optimizer's step did not run,
@@ -377,7 +430,7 @@ class TensorMetrics:
         their inf and NaN), and the update and state metrics of the step fail with the reason."""
         if id(optimizer) in self._stepping:
             return
-        self.params.prepare("pre")
+        self._read_pre()
         reason = (f"GradScaler skipped {type(optimizer).__name__}.step() at step {self._step}: a gradient was inf or "
                   "NaN (layer-grad-nonfinite counts them); no update, the optimizer state unchanged")
         self.params.fail_post(reason)
@@ -421,7 +474,8 @@ class TensorMetrics:
             changed = ((args[0], wrapped, *args[2:]), kwargs) if "closure" not in kwargs else (
                 args, {**kwargs, "closure": wrapped})
         else:
-            self.params.prepare("pre")
+            self._read_pre()
+            self.params.settle()  # the read the update uses: its Replica claims must hold
         self.params.take_snapshot()  # only the tensors some update metric reads
         return changed
 
@@ -431,7 +485,8 @@ class TensorMetrics:
         def closure_then_read() -> Any:
             out = closure()
             if self._step is not None and self._due:
-                self.params.prepare("pre")
+                self._read_pre()
+                self.params.settle()
             return out
         return closure_then_read
 
@@ -453,6 +508,8 @@ class TensorMetrics:
     # -- the step's end -----------------------------------------------------------------------
     @torch.no_grad()
     def _finish_step(self, step: int, observer: TokenObserver | None) -> None:
+        if not self.params.done("pre"):
+            self._read_pre()
         prepared = self.params.finish()
         sites: dict[SiteKey, Site] = dict(self.params.sites)
         changed = False
@@ -472,10 +529,18 @@ class TensorMetrics:
         check = self.check_plan == "always" or (
             self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
         say = not self._no_grad_said and any("grad" in m.source_kinds for m, _ in self._due)
+        # A change before the read: read with the old plan, so left out on every rank (the failure
+        # agreement). A change after it (an optimizer that resized a parameter): this step's
+        # reads stand; the next due step re-plans either way.
+        changed = self._stale or parameter_signature(self.model) != self._signature
+        if self._stale:
+            due = [(m, s, _CHANGED if set(m.source_kinds) & _PARAM_SIDE else e) for m, s, e in due]
         self._deliver_earlier(step)
         pending = self.executor.launch(due, sites, check=check, unfed=self._unfed | self.params.unfed, step=step,
                                        flag=bool(self.params.no_grad) if say else None,
-                                       checks=observer.device_checks() if observer is not None else ())
+                                       checks=observer.device_checks() if observer is not None else (),
+                                       changed=changed)
+        self._replan_due = self.executor.changed
         if say:
             self._say_missing_gradients(step)
         self._checked.update(m.name for m, _, _ in due)
@@ -554,7 +619,7 @@ class TensorMetrics:
                 self._close_at_step_end = status
             return None
         self._closed = True
-        for h in self._hooks:
+        for h in [*self._observed, *self._hooks]:
             h.remove()
         try:
             if self._in_flight is not None:  # read_results: next-step; the last due step's results
