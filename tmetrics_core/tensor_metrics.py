@@ -58,6 +58,7 @@ from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.grad_scaler import ScalerWatch
+from tmetrics_core.sources.optimizer_state import torch_optimizers
 from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.param_observer import ParamObserver
@@ -222,7 +223,7 @@ class TensorMetrics:
         if grad_scaler is not None:
             if self.optimizer is None:
                 raise ConfigError("grad_scaler= needs optimizer= (the optimizer the scaler steps)", path="grad_scaler")
-            self._scaler = ScalerWatch(grad_scaler, getattr(self.optimizer, "optimizers", (self.optimizer,)),
+            self._scaler = ScalerWatch(grad_scaler, torch_optimizers(self.optimizer),
                                        due=lambda: self._step is not None and bool(self._due),
                                        on_unscaled=self._read_unscaled, on_stepped=self._after_scaler_step)
         self._owner = new_owner()  # this object's observer takes its own hooks' calls, another's does not

@@ -135,12 +135,5 @@ class OptimizerChain:
     def register_step_post_hook(self, hook: Callable[..., Any]) -> _Handles:
         return _Handles([o.register_step_post_hook(hook) for o in self.optimizers])
 
-    def owner(self, param: Any) -> torch.optim.Optimizer | None:
-        """The optimizer of the chain whose parameter groups hold ``param`` (None: none does)."""
-        for optimizer in self.optimizers:
-            if any(p is param for group in optimizer.param_groups for p in group["params"]):
-                return optimizer
-        return None
-
     def __repr__(self) -> str:
         return f"OptimizerChain({', '.join(type(o).__name__ for o in self.optimizers)})"
