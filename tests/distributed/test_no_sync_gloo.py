@@ -49,9 +49,9 @@ def _run(rank: int, world: int) -> tuple[dict, dict]:
             model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
             metrics.observe_gradients()
             layers = {i: [p.grad.double() for p in model.module.layers[i].parameters()] for i in (0, 2)}
-            want = {("global-grad-l2", None): sum(float(t.pow(2).sum()) for ts in layers.values() for t in ts) ** 0.5,
-                    **{("layer-grad-rms", i): (sum(float(t.pow(2).sum()) for t in ts) / sum(t.numel() for t in ts)) ** 0.5
-                       for i, ts in layers.items()}}
+            sumsq = {i: sum(float(t.pow(2).sum()) for t in ts) for i, ts in layers.items()}
+            want = {("global-grad-l2", None): sum(sumsq.values()) ** 0.5,
+                    **{("layer-grad-rms", i): (sumsq[i] / sum(t.numel() for t in ts)) ** 0.5 for i, ts in layers.items()}}
             optimizer.step()
             optimizer.zero_grad()
         out.append(({(r.metric, r.layer): r.value for r in metrics.last_records}, want))

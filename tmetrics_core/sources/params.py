@@ -21,7 +21,8 @@ import torch
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.sources.optimizer_state import state_value
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "STATE_KINDS", "grad_of", "grads_of", "local_view", "read_kind", "update_pairs"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "STATE_KINDS", "grad_of", "grads_of", "local_view", "read_kind",
+           "update_pairs"]
 
 PARAM_KINDS = frozenset({"param", "grad"})
 """Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
