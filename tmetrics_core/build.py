@@ -35,6 +35,7 @@ from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.site import Site
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
+from tmetrics_core.sources.optimizer_state import state_keys
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS
 from tmetrics_core.records import Labels, RunInfo
@@ -196,7 +197,7 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
         try:
             metric = build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins,
                                   sample=mc.sample, recipe=mc.recipe or None, format=mc.format,
-                                  scale_mode=mc.scale_mode)
+                                  scale_mode=mc.scale_mode, moments=mc.moments or None)
         except ConfigError as exc:
             raise ConfigError(str(exc), path=f"metrics[{i}]") from exc
         metrics.append((metric, mc.interval))
@@ -245,7 +246,6 @@ def check_against_model(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) ->
             ``sinks.<backend>``) and how to fix it.
     """
     components = {e.component for e in tm.manifest.entries}
-    adam = tm.optimizer is not None and "betas" in getattr(tm.optimizer, "defaults", {})
     seen: dict[str, int] = {}
     for index, (metric, _) in enumerate(tm.metrics):
         if metric.name in seen:
@@ -260,10 +260,11 @@ def check_against_model(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) ->
         path = f"metrics[{index}]"
         kinds = set(metric.source_kinds)
         param_sites = [s for kind in kinds & (PARAM_KINDS | OPTIMIZER_KINDS) for s in tm.manifest.sites(kind)]
-        if kinds & {"exp_avg", "exp_avg_sq"} - set(tm.flat) and not adam:
-            raise ConfigError(f"metric {metric.name!r} reads Adam state (exp_avg, exp_avg_sq) but the optimizer "
-                              f"is {type(tm.optimizer).__name__}; pass an Adam/AdamW optimizer or drop it",
-                              path=path)
+        state = kinds & {"exp_avg", "exp_avg_sq"} - set(tm.flat)
+        if state and tm.optimizer is None:
+            raise ConfigError(f"metric {metric.name!r} reads optimizer state; pass optimizer=", path=path)
+        if state:
+            state_keys(tm.optimizer, state, metric.name, path)  # refuses an optimizer without that state
         if kinds & {"update"} and tm.optimizer is None:
             raise ConfigError(f"metric {metric.name!r} measures optimizer updates; pass optimizer=",
                               path=path)

@@ -49,6 +49,7 @@ from tmetrics_core.distributed.executor import Executor, MetricFailure, Pending
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.naming.signature import parameter_signature
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.observe import _ACTIVE, fail, fail_unless, in_backward, new_owner, record, record_attention, record_residual, tap
 from tmetrics_core.placements import Placement
@@ -58,9 +59,12 @@ from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.attention import install_inner_attention
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer
+from tmetrics_core.sources.grad_scaler import ScalerWatch
+from tmetrics_core.sources.optimizer_state import torch_optimizers
 from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.param_observer import ParamObserver
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
 from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale, data_parallel_divisor, grad_scaler_scale
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
@@ -69,6 +73,13 @@ from tmetrics_core.sources.token_plan import TokenPlan
 __all__ = ["TensorMetrics"]
 
 log = logging.getLogger("tmetrics")
+
+_PARAM_SIDE = PARAM_KINDS | OPTIMIZER_KINDS
+
+_CHANGED = ("the model's parameters changed since tmetrics planned them (a parameter added, removed or replaced, "
+            "e.g. a layer appended or an embedding resized; a requires_grad or dtype changed): this step was read "
+            "with the old plan and is left out; every rank re-plans at the next due step, whose records cover the "
+            "model as it is then")
 
 
 class TensorMetrics:
@@ -80,7 +91,9 @@ class TensorMetrics:
         optimizer: its step hooks read gradients, parameters, Adam state and updates. A
             framework's wrapper (accelerate, Lightning, Hugging Face Trainer, Megatron-Core,
             whose ChainedOptimizer steps several) is unwrapped to the torch optimizer(s) inside
-            (:func:`~tmetrics_core.sources.optimizers.unwrap_optimizer`).
+            (:func:`~tmetrics_core.sources.optimizers.unwrap_optimizer`). Several optimizers of
+            one model (Muon for matrices, AdamW for the rest) go in as a list, stepped in any
+            order within the step scope: each parameter's update is its own optimizer's.
         topology: named axes; single process when omitted.
         hub: where records go (a ``SinkHub`` on the logging rank, a ``NullHub`` elsewhere);
             None keeps records only in :attr:`last_records`.
@@ -114,9 +127,14 @@ class TensorMetrics:
             accelerator once, at the end); ``"next-step"``, at the end of the next step scope (or
             at :meth:`close`), when the copy has landed: no wait in any step. Records keep their
             own step; :attr:`last_records` then holds the previous due step's.
-        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any: cotangent
-            metrics (``*-grad-*``) divide by its scale (and by the data-parallel averaging),
-            so they read the cotangents of the loss the optimizer applies
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any
+            (:class:`~tmetrics_core.sources.grad_scaler.ScalerWatch`): gradients are then read
+            unscaled whether or not you call ``scaler.unscale_``, and a step the scaler skips
+            (inf or NaN gradients) writes its gradient records (``layer-grad-nonfinite`` counts
+            among them) and no update or optimizer-state record, with a warning that names the
+            skip. Without it, such a step's gradients are read after ``zero_grad()``. Cotangent
+            metrics (``*-grad-*``) divide by its scale (and by the data-parallel averaging), so
+            they read the cotangents of the loss the optimizer applies
             (:mod:`~tmetrics_core.sources.cotangents`).
         grad_divisor: what the gradients are divided by after backward, besides the data-parallel
             averaging: a ``torch.distributed.pipelining`` schedule with ``scale_grads=True`` (its
@@ -127,13 +145,14 @@ class TensorMetrics:
             source kind the model or optimizer never produces, a placement a metric cannot
             handle (with the metric and tensor named; path ``metrics[i]``), two tensors whose
             labels render to one key of a sink (path ``sinks.<backend>``), a ``read_results``
-            other than ``"now"`` and ``"next-step"`` (path ``run.read_results``).
+            other than ``"now"`` and ``"next-step"`` (path ``run.read_results``), a
+            ``grad_scaler`` without an optimizer or with a fused optimizer (path ``grad_scaler``).
         PlacementError: on every rank, when a tensor placed Replica differs across its axis
             (here for parameters; from ``step()`` or the optimizer step for other sources).
     """
 
     def __init__(self, model: torch.nn.Module, *, metrics: Sequence[tuple[TensorMetric, int]],
-                 optimizer: torch.optim.Optimizer | None = None, topology: Topology | None = None,
+                 optimizer: torch.optim.Optimizer | Sequence[Any] | None = None, topology: Topology | None = None,
                  hub: Any = None, run: RunInfo | None = None, collectives: Collectives | None = None,
                  check_plan: str = "first", verify_replicas: str = "first",
                  placements: Mapping[str, Mapping[str, str]] | None = None,
@@ -156,11 +175,16 @@ class TensorMetrics:
         self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s,
                                  device=collective_device(),
                                  control=control_group() if self.topology.world_size > 1 else None)
-        self.manifest = Manifest.build(model, self.topology, overrides=placements,
-                                       framework_placements=framework_placements,
-                                       layer_offset=layer_offset, expert_offset=expert_offset,
-                                       qkv_select=[g for m, _ in self.metrics for g in getattr(m, "select", ())],
+        self._manifest_options: dict[str, Any] = dict(
+            overrides=placements, framework_placements=framework_placements, layer_offset=layer_offset,
+            expert_offset=expert_offset, qkv_select=[g for m, _ in self.metrics for g in getattr(m, "select", ())])
+        self.manifest = Manifest.build(model, self.topology, **self._manifest_options,
                                        share=lambda mine: share_holdings(mine, self.executor))
+        self._signature = parameter_signature(model)
+        self._replan_due = False
+        """Some rank's parameters changed at the last due step: re-plan at the next one."""
+        self._stale = False
+        """The parameters had changed since they were planned when this step read them."""
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
         defaults = {m.name: tuple(getattr(m, "modules", ())) for m, _ in self.metrics if "activation_grad" in m.source_kinds}
@@ -183,6 +207,7 @@ class TensorMetrics:
         self._unfed: set[str] = set()  # due token metrics that read no tensor here this step
         self._said_unfed: set[str] = set()  # metrics warned about once for finding nothing
         self._no_grad_said = False
+        self._skip_said = False
         self._step: int | None = None
         self._first_step: int | None = None
         self._last_entered: int | None = None  # the step of the latest scope, for log()
@@ -203,13 +228,29 @@ class TensorMetrics:
         """Whether a step scope's body is running (its end will run a deferred :meth:`close`)."""
         self.read_results = read_results
         self._in_flight: tuple[int, Pending] | None = None  # a due step launched, read a step later
+        self._optimizer_count = len(getattr(self.optimizer, "optimizers", (self.optimizer,)))
+        self._stepping: set[int] = set()
+        """The optimizers (ids) whose step began in this scope."""
+        self._stepped: set[int] = set()
+        """The optimizers (ids) whose step ended in this scope."""
         check_against_model(self, key_rules or {})
-        self.params = ParamObserver(self.manifest, self.topology, self.executor, optimizer=self.optimizer,
-                                    flat=self.flat, metrics=[m for m, _ in self.metrics],
-                                    verify_replicas=verify_replicas, on_verified=self._rewrite_manifest)
+        self._verify_replicas = verify_replicas
+        self.params = self._param_observer()
         self.params.verify_startup()
+        self._scaler: ScalerWatch | None = None
+        self._read_after_unscale = False
+        """observe_gradients() was called while the loss scaler's gradients were scaled."""
+        if grad_scaler is not None:
+            if self.optimizer is None:
+                raise ConfigError("grad_scaler= needs optimizer= (the optimizer the scaler steps)", path="grad_scaler")
+            self._scaler = ScalerWatch(grad_scaler, torch_optimizers(self.optimizer),
+                                       due=lambda: self._step is not None and bool(self._due),
+                                       on_unscaled=self._read_unscaled, on_stepped=self._after_scaler_step)
         self._owner = new_owner()  # this object's observer takes its own hooks' calls, another's does not
-        self._hooks = self._observation_hooks()
+        self._observed = self._observation_hooks()
+        self._hooks: list[Any] = []
+        if self._scaler is not None:
+            self._hooks.append(self._scaler)
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._pre_step))
             self._hooks.append(self.optimizer.register_step_post_hook(self._post_step))
@@ -226,7 +267,7 @@ class TensorMetrics:
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    def from_config(cls, source: Any, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    def from_config(cls, source: Any, *, model: torch.nn.Module, optimizer: Any = None,
                     mesh: Any = None, axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
                     run_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> "TensorMetrics":
         """Build from a config file path, a dict, or a loaded ``Config`` (the README's Config section).
@@ -288,6 +329,13 @@ class TensorMetrics:
         if self._due:
             self._last_due = step
         self._unfed = set()
+        if self._due and self._replan_due:
+            self._replan(step)
+        self._stepping, self._stepped = set(), set()
+        self._stale = False
+        self._read_after_unscale = False
+        if self._scaler is not None:
+            self._scaler.begin()
         self.params.begin(step, [m for m, _ in self._due])
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
         observer = reset = None
@@ -347,6 +395,42 @@ class TensorMetrics:
         if self.hub is not None and not isinstance(self.hub, NullHub):  # no host copy on other ranks
             self.hub.submit(scalar_records(values, step, reserved={m.name for m, _ in self.metrics}), step)
 
+    def _read_pre(self) -> None:
+        """Read the parameters and gradients (the ``pre`` phase), noting whether the model's
+        parameters had changed since they were planned: then this read used a stale plan."""
+        self._stale = self._stale or parameter_signature(self.model) != self._signature
+        self.params.prepare("pre")
+
+    def _param_observer(self) -> ParamObserver:
+        return ParamObserver(self.manifest, self.topology, self.executor, optimizer=self.optimizer, flat=self.flat,
+                             metrics=[m for m, _ in self.metrics], verify_replicas=self._verify_replicas,
+                             on_verified=self._rewrite_manifest)
+
+    def _replan(self, step: int) -> None:
+        """Plan the model again as it is now: its parameters changed after the last plan on some
+        rank (:func:`~tmetrics_core.naming.signature.parameter_signature`), which the last due
+        step's agreement told every rank, so every rank re-plans here, at the same due step,
+        with the same collectives: the manifest shared again, the parameter side and the
+        forward hooks made anew, Replica claims of the parameters checked, plans compared again."""
+        self._replan_due = False
+        before = len(self.manifest.entries)
+        self.manifest = Manifest.build(self.model, self.topology, **self._manifest_options,
+                                       share=lambda mine: share_holdings(mine, self.executor))
+        self._signature = parameter_signature(self.model)
+        self.index = ModuleIndex(self.model, layer_offset=self._manifest_options["layer_offset"])
+        self.routers = find_routers(self.model, self.index)
+        self._num_experts = self.manifest.num_experts or max((r.num_experts for r in self.routers), default=0)
+        self.params = self._param_observer()
+        self.params.verify_startup()
+        for handle in self._observed:
+            handle.remove()
+        self._observed = self._observation_hooks()
+        self._checked = set()
+        self._rewrite_manifest()
+        if self.logs:
+            log.warning("tmetrics: the model's parameters changed after they were planned; re-planned at step %d: %d "
+                        "tensors (were %d). Said at every re-plan", step, len(self.manifest.entries), before)
+
     def _observation_hooks(self) -> list[Any]:
         """The forward hooks of every token source a configured metric reads, installed once and
         kept until :meth:`close`: on steps with no due metric of their kind they pass their
@@ -396,7 +480,33 @@ class TensorMetrics:
             raise TMetricsError("observe_gradients() called outside a step scope: gradients are read for the step "
                                 "whose `with metrics.step(n)` is open; call it inside, after backward()")
         self.params.read_again()
-        self.params.prepare("pre")
+        if self._scaler is not None and self._scaler.scaling:
+            self._read_after_unscale = True  # read by the next unscale_ (the user's or scaler.step's)
+            return
+        self._read_pre()
+
+    def _read_unscaled(self) -> None:
+        """The gradient read ``observe_gradients()`` asked for while they were scaled, now that
+        every optimizer of the step has been unscaled."""
+        if self._read_after_unscale:
+            self._read_after_unscale = False
+            self.params.read_again()
+            self._read_pre()
+
+    def _after_scaler_step(self, optimizer: Any) -> None:
+        """After ``scaler.step(optimizer)`` on a due step: if the optimizer's step did not run,
+        the scaler skipped it (inf or NaN gradients). The gradients are read now (unscaled, with
+        their inf and NaN), and the update and state metrics of the step fail with the reason."""
+        if id(optimizer) in self._stepping:
+            return
+        self._read_pre()
+        reason = (f"GradScaler skipped {type(optimizer).__name__}.step() at step {self._step}: a gradient was inf or "
+                  "NaN (layer-grad-nonfinite counts them); no update, the optimizer state unchanged")
+        self.params.fail_post(reason)
+        if self.logs:
+            log.log(logging.INFO if self._skip_said else logging.WARNING, "tmetrics: %s%s", reason,
+                    "" if self._skip_said else ". Said at WARNING once; later skips at INFO")
+        self._skip_said = True
 
     def _check_open(self, call: str) -> None:
         """Raise after :meth:`close`, unless SIGTERM closed this object: a job shutting down
@@ -416,11 +526,15 @@ class TensorMetrics:
         read when it first returns (or where it calls :meth:`observe_gradients`)."""
         if self._step is None or not self._due:
             return None
-        if self.params.done("post"):
+        if self.params.done("post") or id(optimizer) in self._stepping:
             self.params.fail_post(f"optimizer.step() ran again inside the scope of step {self._step}: the update and "
                                   "optimizer-state metrics read after the first one only. Use one `with "
                                   "metrics.step(n)` per optimizer step")
             return None
+        first = not self._stepping
+        self._stepping.add(id(optimizer))
+        if not first:
+            return None  # another optimizer of the chain: the gradients were read, the snapshot taken
         # torch passes the optimizer itself as args[0]: step(closure) has the closure at args[1].
         closure = kwargs.get("closure") if "closure" in kwargs else args[1] if len(args) > 1 else None
         changed = None
@@ -429,7 +543,8 @@ class TensorMetrics:
             changed = ((args[0], wrapped, *args[2:]), kwargs) if "closure" not in kwargs else (
                 args, {**kwargs, "closure": wrapped})
         else:
-            self.params.prepare("pre")
+            self._read_pre()
+            self.params.settle()  # the read the update uses: its Replica claims must hold
         self.params.take_snapshot()  # only the tensors some update metric reads
         return changed
 
@@ -439,14 +554,20 @@ class TensorMetrics:
         def closure_then_read() -> Any:
             out = closure()
             if self._step is not None and self._due:
-                self.params.prepare("pre")
+                self._read_pre()
+                self.params.settle()
             return out
         return closure_then_read
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Read updates and state once every optimizer of the step has stepped (one, or each of
+        an :class:`~tmetrics_core.sources.optimizers.OptimizerChain`); an optimizer of the chain
+        that does not step in this scope leaves its parameters' updates 0, read at the step's end."""
         if self._step is None or not self._due:
             return
-        self.params.prepare("post")
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) == self._optimizer_count:
+            self.params.prepare("post")
 
     def _rewrite_manifest(self) -> None:
         """``manifest.json`` again after a verification past start-up marked claims in it."""
@@ -456,6 +577,8 @@ class TensorMetrics:
     # -- the step's end -----------------------------------------------------------------------
     @torch.no_grad()
     def _finish_step(self, step: int, observer: TokenObserver | None) -> None:
+        if not self.params.done("pre"):
+            self._read_pre()
         prepared = self.params.finish()
         sites: dict[SiteKey, Site] = dict(self.params.sites)
         changed = False
@@ -475,10 +598,18 @@ class TensorMetrics:
         check = self.check_plan == "always" or (
             self.check_plan == "first" and (changed or any(m.name not in self._checked for m, _, _ in due)))
         say = not self._no_grad_said and any("grad" in m.source_kinds for m, _ in self._due)
+        # A change before the read: read with the old plan, so left out on every rank (the failure
+        # agreement). A change after it (an optimizer that resized a parameter): this step's
+        # reads stand; the next due step re-plans either way.
+        changed = self._stale or parameter_signature(self.model) != self._signature
+        if self._stale:
+            due = [(m, s, _CHANGED if set(m.source_kinds) & _PARAM_SIDE else e) for m, s, e in due]
         self._deliver_earlier(step)
         pending = self.executor.launch(due, sites, check=check, unfed=self._unfed | self.params.unfed, step=step,
                                        flag=bool(self.params.no_grad) if say else None,
-                                       checks=observer.device_checks() if observer is not None else ())
+                                       checks=observer.device_checks() if observer is not None else (),
+                                       changed=changed)
+        self._replan_due = self.executor.changed
         if say:
             self._say_missing_gradients(step)
         self._checked.update(m.name for m, _, _ in due)
@@ -557,7 +688,7 @@ class TensorMetrics:
                 self._close_at_step_end = status
             return None
         self._closed = True
-        for h in self._hooks:
+        for h in [*self._observed, *self._hooks]:
             h.remove()
         try:
             if self._in_flight is not None:  # read_results: next-step; the last due step's results

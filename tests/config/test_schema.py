@@ -132,6 +132,7 @@ def test_dict_form_and_round_trip_through_to_dict() -> None:
         "recipe": [],
         "format": None,
         "scale_mode": None,
+        "moments": [],
     }
     assert plain["run"] == {"name": "demo", "dir": "runs/demo", "read_results": "now"}
     assert plain["distributed"] == {"collective_timeout_s": 30.0, "check_plan": "always", "verify_replicas": "first",

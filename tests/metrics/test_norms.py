@@ -68,8 +68,8 @@ def reference(case: Case) -> dict[str, list]:
         out["layer-grad-nonfinite"] += [((layer, None, None, s), float(v)) for s, v in
                                         (("nan", nan), ("posinf", pos), ("neginf", neg), ("total", nan + pos + neg))]
         out["layer-grad-zero-fraction"].append(((layer, None, None, None),
-                                                (flat == 0).sum().item() / flat.numel() if flat.numel() else math.nan))
-    return out
+                                                (flat == 0).sum().item() / flat.numel() if flat.numel() else None))
+    return {name: [(k, v) for k, v in values if v is not None] for name, values in out.items()}
 
 
 def _absmax(x: torch.Tensor) -> float:
@@ -79,7 +79,7 @@ def _absmax(x: torch.Tensor) -> float:
 
 
 def _rms(x: torch.Tensor) -> float:
-    return x.pow(2).mean().sqrt().item() if x.numel() else math.nan
+    return x.pow(2).mean().sqrt().item() if x.numel() else None  # no element anywhere: no record
 
 
 @st.composite

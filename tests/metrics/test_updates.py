@@ -34,7 +34,8 @@ def reference(case: Case) -> dict[str, list]:
             parts = [full[(n, kind)].full.double().reshape(-1) for n in names if (n, kind) in full]
             if parts:
                 x = torch.cat(parts)
-                state.append(((layer, None, None, kind), x.pow(2).mean().sqrt().item() if x.numel() else math.nan))
+                if x.numel():  # no state element anywhere: no stat
+                    state.append(((layer, None, None, kind), x.pow(2).mean().sqrt().item()))
     return {"layer-update-ratio": ratio, "layer-optimizer-state-rms": state}
 
 

@@ -152,8 +152,8 @@ CASES = [
     Case("expert-metric-dense-model", "dict", {"metrics": ["layer-expert-tokens"]}, "metrics[0]",
          "metric 'layer-expert-tokens' needs MoE router outputs", model="dense"),
     Case("adam-state-with-sgd", "dict", {"metrics": ["layer-optimizer-state-rms:100"]}, "metrics[0]",
-         "metric 'layer-optimizer-state-rms' reads Adam state (exp_avg, exp_avg_sq) but the optimizer is SGD; "
-         "pass an Adam/AdamW optimizer or drop it", optimizer="sgd"),
+         "metric 'layer-optimizer-state-rms' reads the optimizer's first moment (exp_avg), but SGD has momentum 0 in "
+         "some parameter group: it keeps no first moment; drop the metric", optimizer="sgd"),
     Case("update-ratio-without-optimizer", "dict", {"metrics": ["layer-update-ratio"]}, "metrics[0]",
          "metric 'layer-update-ratio' measures optimizer updates; pass optimizer=", optimizer="none"),
     Case("row-metric-on-vectors", "dict",

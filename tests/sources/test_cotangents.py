@@ -15,9 +15,9 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 
 def _metrics(tm_kwargs=None, ckpt=None, micro=4, scaler=None, count=None):
     model = Net(ckpt)
-    tm = TensorMetrics(model, metrics=[(build_metric(n, modules=["layers.*.mlp"] if "activation" in n else None), 1)
-                                       for n in METRICS], grad_scaler=scaler, **(tm_kwargs or {}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tm = TensorMetrics(model, metrics=[(build_metric(n, modules=["layers.*.mlp"] if "activation" in n else None), 1)
+                                       for n in METRICS], optimizer=optimizer, grad_scaler=scaler, **(tm_kwargs or {}))
     tokens, targets = batch(1)
     with tm.step(1):
         for k in range(micro):

@@ -104,7 +104,8 @@ def validate_command(config: Path) -> None:
                          sink_names=[name for name, _ in available_sinks()])
     for mc in loaded.metrics:
         build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins, sample=mc.sample,
-                     recipe=mc.recipe or None, format=mc.format, scale_mode=mc.scale_mode)
+                     recipe=mc.recipe or None, format=mc.format, scale_mode=mc.scale_mode,
+                     moments=mc.moments or None)
     build_sinks(loaded.sinks)
     click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
                f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "

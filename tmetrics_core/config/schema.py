@@ -144,6 +144,10 @@ class MetricConfig:
     """Element format of FP8 recipes (``e4m3`` or ``e5m2``) instead of the recipe's default."""
     scale_mode: str | None = None
     """MX scale rounding (``floor``, ``ceil``, ``even``, ``rceil``) for ``mxfp8``."""
+    moments: tuple[str, ...] = ()
+    """The optimizer moments ``layer-optimizer-state-rms`` reads: ``exp_avg`` (first moment:
+    Adam's, or the momentum of SGD and Muon) and ``exp_avg_sq`` (second moment: Adam's, RMSprop's).
+    Empty: both."""
 
     def __post_init__(self) -> None:
         _check_name(self.name, path="name", what="a metric name such as 'layer-grad-l2'")
@@ -159,6 +163,11 @@ class MetricConfig:
             raise ConfigError(f"got {_describe(self.recipe)}; need a recipe name or a list of them "
                               "(fp8-tensorwise, fp8-rowwise, fp8-block, mxfp8, nvfp4)", path="recipe")
         object.__setattr__(self, "recipe", tuple(recipes))
+        moments = (self.moments,) if isinstance(self.moments, str) else self.moments
+        if not isinstance(moments, (list, tuple)) or not set(moments) <= {"exp_avg", "exp_avg_sq"}:
+            raise ConfigError(f"got {_describe(self.moments)}; need a list of exp_avg (first moment) and "
+                              "exp_avg_sq (second moment)", path="moments")
+        object.__setattr__(self, "moments", tuple(moments))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -159,6 +159,8 @@ class Executor:
         tensor on any rank."""
         self.flagged = False
         """Whether any rank passed ``flag=True`` to the last :meth:`launch` (or :meth:`run`)."""
+        self.changed = False
+        """Whether any rank passed ``changed=True`` to the last :meth:`launch`."""
         self._distributed = topology.world_size > 1
 
     # -- public -------------------------------------------------------------------------------
@@ -172,7 +174,8 @@ class Executor:
 
     def launch(self, due: Sequence[tuple[TensorMetric, Mapping[SiteKey, Any], str | None]],
                sites: Mapping[SiteKey, Site], *, check: bool = False, unfed: Collection[str] = (),
-               flag: bool | None = None, checks: Sequence[DeviceCheck] = (), step: int | None = None) -> Pending:
+               flag: bool | None = None, checks: Sequence[DeviceCheck] = (), step: int | None = None,
+               changed: bool = False) -> Pending:
         """Run every due metric through its collectives and start the copy of all their final
         vectors to the host (not waited for on an accelerator: see :class:`HostCopy`).
 
@@ -196,6 +199,8 @@ class Executor:
                 read of their own. Such a metric still runs its rounds, and gives no results.
             step: the caller's step number, compared across ranks in the same collective (two
                 more elements): ranks at different steps would combine different steps' values.
+            changed: this rank's model changed its parameters since they were planned, OR-ed
+                over every rank in that same collective (one more element) into :attr:`changed`.
 
         Returns:
             The :class:`Pending` step, for :meth:`collect` (every rank collects its launches in
@@ -213,7 +218,7 @@ class Executor:
                     item.round = item.metric.start(item.state, sites, self.topology)
                 except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
                     item.error = f"{type(exc).__name__}: {exc}"
-        failures, checked = self._agree_failures(items, unfed, flag, bool(checks), step)
+        failures, checked = self._agree_failures(items, unfed, flag, bool(checks), step, changed)
         failed = {f.metric for f in failures} | set(self.unfed)
         live = [i for i in items if i.metric.name not in failed]
         first = True
@@ -511,11 +516,12 @@ class Executor:
 
     # -- agreement and checks -------------------------------------------------------------------
     def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (), flag: bool | None = None,
-                        checks: bool = False, step: int | None = None) -> tuple[list[MetricFailure], bool]:
+                        checks: bool = False, step: int | None = None, changed: bool = False
+                        ) -> tuple[list[MetricFailure], bool]:
         """Metrics that raised on any rank, in one ``all_reduce(MAX)`` on the host over the world
-        of ``[raised per metric, fed per metric, step, -step, flag, checks]``; with ``unfed``,
+        of ``[raised per metric, fed per metric, step, -step, changed, flag, checks]``; with ``unfed``,
         also sets :attr:`unfed` to the metrics fed on no rank; with ``flag`` (not None, the
-        first agreement of a run), sets :attr:`flagged`. Returns the failures and whether any
+        first agreement of a run), sets :attr:`flagged`; sets :attr:`changed`. Returns the failures and whether any
         rank has ``checks`` (device checks, decided after the rounds). Only when some metric
         raised does a second collective gather the error texts, to name the failing ranks and
         the lowest one's error.
@@ -525,11 +531,12 @@ class Executor:
         """
         n = len(items)
         mine = [1 if i.error else 0 for i in items] + [0 if i.metric.name in unfed else 1 for i in items]
-        mine += [step or 0, -(step or 0), 1 if flag else 0, 1 if checks else 0]
+        mine += [step or 0, -(step or 0), 1 if changed else 0, 1 if flag else 0, 1 if checks else 0]
         agreed = self._world_max(mine) if self._distributed else mine
-        if agreed[-4] != -agreed[-3]:
+        self.changed = bool(agreed[-3])
+        if agreed[-5] != -agreed[-4]:
             raise TMetricsError(
-                f"ranks measured different step numbers in one due step (from {-agreed[-3]} to {agreed[-4]}): "
+                f"ranks measured different step numbers in one due step (from {-agreed[-4]} to {agreed[-5]}): "
                 "every rank must enter metrics.step(n) with the same n, the optimizer step's number; their values "
                 "would be combined across steps. Count steps the same way on every rank (e.g. from the "
                 "optimizer's or the trainer's global step)")

@@ -15,6 +15,12 @@ an optimizer step (numbered ``trainer.global_step + 1``), reads gradients and pa
 clipping and the update: tmetrics' step pre-hook is run from there, not when ``step()`` is
 entered), and closes at ``on_train_batch_end`` of the micro-batch that stepped (or tried to: a
 step that mixed precision skips is reported as a step without an update).
+Under manual optimization (``automatic_optimization = False``) the user's ``training_step``
+calls ``manual_backward``, may clip (``self.clip_gradients``) and calls ``opt.step()``, after
+which ``on_before_optimizer_step`` sees the clipped gradients. There the gradients are read at
+``on_after_backward`` instead (:meth:`TensorMetrics.observe_gradients`, after every
+``manual_backward``; the last one before the step counts): before the user's clipping, with
+every accumulated micro-batch.
 Under ``strategy="ddp"`` the topology is ``{"dp": WORLD}`` unless ``mesh=`` or ``axes=`` say
 otherwise. One optimizer per run. One run by default: the records also go into the runs of the
 Trainer's loggers (TensorBoard, MLflow, W&B), under ``tmetrics/`` (see
@@ -58,6 +64,10 @@ class _PreHooksAfterClosure:
     def run_pre_hooks(self) -> None:
         for hook in list(self._pre_hooks.values()):
             hook(self._optimizer, (), {})
+
+    @property
+    def torch_optimizers(self) -> tuple[torch.optim.Optimizer]:
+        return (self._optimizer,)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
@@ -114,6 +124,11 @@ class TMetricsCallback(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._scope is not None and not self._scope.is_open:
             self._scope.open(trainer.global_step + 1)
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if not pl_module.automatic_optimization and self._scope is not None and self._scope.is_open \
+                and self.metrics is not None:
+            self.metrics.observe_gradients()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._scope is not None and self._scope.is_open and self._view is not None:

@@ -325,6 +325,11 @@ class MegatronSteps:
         self.state = _StateView(self)
 
     @property
+    def torch_optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The inner torch optimizers, whose state :attr:`state` reads."""
+        return tuple(inner for inner, _ in self.inner)
+
+    @property
     def defaults(self) -> dict[str, Any]:
         """The first inner torch optimizer's defaults (``betas`` tells Adam)."""
         return dict(self.inner[0][0].defaults) if self.inner else {}

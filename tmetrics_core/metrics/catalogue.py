@@ -107,6 +107,12 @@ def _made(cls: type, kinds: Sequence[str], scope: str, **fixed: Any) -> Callable
     return build
 
 
+def _state_rms(*, moments: Sequence[str] = ("exp_avg", "exp_avg_sq"), **options: Any) -> TensorMetric:
+    """``layer-optimizer-state-rms`` of the ``moments`` the optimizer keeps (SGD and Muon keep
+    only the first: ``moments: [exp_avg]``)."""
+    return OptimizerStateRms(source_kinds=tuple(moments), scope="layer", **options)
+
+
 _SCOPE_WORDS = {"global": "all", "layer": "each layer's", "tensor": "each tensor's",
                 "family": "each family's (one tensor name across layers)",
                 "expert": "each (layer, global expert)'s routed-expert"}
@@ -153,9 +159,10 @@ def _entries() -> list[CatalogueEntry]:
         e("layer-update-ratio", _made(UpdateRatio, ["update", "param"], "layer"), ("update", "param"), ("layer",),
           "||Δθ|| / ||θ|| over the layer's updated tensors (θ after the step)", "ratio",
           "about 1e-3 per step with Adam; 1e-2 and above is unstable, 1e-5 stalled", _ALL),
-        e("layer-optimizer-state-rms", _made(OptimizerStateRms, ["exp_avg", "exp_avg_sq"], "layer"),
-          ("exp_avg", "exp_avg_sq"), ("layer",), "sqrt(sum m_i^2 / N) for exp_avg and exp_avg_sq (stats)",
-          "gradient units / squared", "exp_avg near the gradient RMS, exp_avg_sq near its square", _ALL),
+        e("layer-optimizer-state-rms", _state_rms, ("exp_avg", "exp_avg_sq"), ("layer",),
+          "sqrt(sum m_i^2 / N) for exp_avg and exp_avg_sq (stats)",
+          "gradient units / squared", "exp_avg near the gradient RMS, exp_avg_sq near its square", _ALL,
+          options=frozenset({"select", "moments"})),
         e("dp-replica-drift", lambda **o: ReplicaDrift(source_kinds=("param",), scope="global", **o),
           ("param",), ("global",),
           "max - min over dp replicas: bit hash (stat tensors-differing), sum(x) (max-sum-diff), "
@@ -352,7 +359,8 @@ def resolve_metric(name: str) -> str:
 def build_metric(name: str, *, select: str | Sequence[str] | None = None,
                  modules: str | Sequence[str] | None = None, bins: int | None = None,
                  sample: int | None = None, recipe: str | Sequence[str] | None = None,
-                 format: str | None = None, scale_mode: str | None = None) -> TensorMetric:
+                 format: str | None = None, scale_mode: str | None = None,
+                 moments: Sequence[str] | None = None) -> TensorMetric:
     """Build the metric called ``name`` (canonical or alias); its ``name`` is canonical.
 
     Args:
@@ -361,6 +369,8 @@ def build_metric(name: str, *, select: str | Sequence[str] | None = None,
         bins: log-spaced bins per sign (histograms and the router-logit median).
         sample: element positions compared per tensor (``dp-replica-drift``).
         recipe, format, scale_mode: low-precision recipes and their options (``layer-*-quant``).
+        moments: the optimizer moments read (``layer-optimizer-state-rms``): ``exp_avg``,
+            ``exp_avg_sq`` (empty: both).
 
     Raises:
         ConfigError: unknown name (``path="name"``, with close matches), or an option the metric
@@ -372,7 +382,8 @@ def build_metric(name: str, *, select: str | Sequence[str] | None = None,
         raise ConfigError(str(exc.args[0]), path="name") from None
     entry = _ENTRIES[canonical]
     given = {"select": select, "modules": modules, "bins": bins, "sample": sample, "recipe": recipe,
-             "format": format, "scale_mode": scale_mode}
+             "format": format, "scale_mode": scale_mode,
+             "moments": tuple(moments) if moments else None}
     options = {k: v for k, v in given.items() if v not in (None, (), [], "")}
     for option in options:
         if option not in entry.options:

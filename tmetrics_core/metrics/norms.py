@@ -49,7 +49,9 @@ class Rms(StatMetric):
 
     def finalize(self, stats):
         n = stats["count"][0]
-        return math.sqrt(stats["sumsq"][0] / n) if n else float("nan")
+        # No element read on any rank (a layer without a gradient): no record, not a NaN that
+        # the non-finite alert would take for a diverged run.
+        return math.sqrt(stats["sumsq"][0] / n) if n else None
 
 
 class AbsMax(StatMetric):
@@ -92,7 +94,7 @@ class Mean(StatMetric):
 
     def finalize(self, stats):
         n = stats["count"][0]
-        return stats["sum"][0] / n if n else float("nan")
+        return stats["sum"][0] / n if n else None  # nothing read on any rank: no record
 
 
 class MeanLineL2(StatMetric):
@@ -143,4 +145,4 @@ class ZeroFraction(StatMetric):
 
     def finalize(self, stats):
         n = stats["count"][0]
-        return stats["zeros"][0] / n if n else float("nan")
+        return stats["zeros"][0] / n if n else None  # nothing read on any rank: no record

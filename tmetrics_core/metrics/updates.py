@@ -67,7 +67,7 @@ class OptimizerStateRms(StatMetric):
     def finalize(self, stats):
         out = {}
         for kind in ("exp_avg", "exp_avg_sq"):
-            if f"{kind}:count" in stats:
-                n = stats[f"{kind}:count"][0]
-                out[kind] = math.sqrt(stats[f"{kind}:sumsq"][0] / n) if n else math.nan
-        return out
+            n = stats.get(f"{kind}:count", [0])[0]
+            if n:  # no state read on any rank (no step yet, no gradient): no stat, not NaN
+                out[kind] = math.sqrt(stats[f"{kind}:sumsq"][0] / n)
+        return out or None

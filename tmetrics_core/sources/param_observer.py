@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence, cast
 import torch
 
 from tmetrics_core.distributed.executor import Executor
-from tmetrics_core.errors import ConfigError
+from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.distributed.partials import resolve_partials
 from tmetrics_core.distributed.replicas import replica_claims, verify_replicas
 from tmetrics_core.kernels import moments
@@ -37,8 +37,10 @@ from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.naming.manifest import Manifest, dtensor_placements
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
+from tmetrics_core.sources.optimizer_state import state_keys, state_value
 from tmetrics_core.sources.param_program import ParamProgram
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, grad_of, local_view, read_kind, update_pairs
+from tmetrics_core.sources.params import (OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, local_view, read_kind,
+                                          update_pairs)
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS
 from tmetrics_core.topology import Topology
@@ -131,6 +133,9 @@ class ParamObserver:
         self.verify_replicas = verify_replicas
         self._on_verified = on_verified
         self._kind_sites = {kind: manifest.sites(kind) for kind in sorted(PARAM_KINDS | OPTIMIZER_KINDS)}
+        read = {k for m in self.metrics for k in m.source_kinds} & STATE_KINDS - set(flat)
+        self.state_keys = state_keys(optimizer, read, "optimizer state") if optimizer is not None and read else {}
+        """State kind -> the keys of the step's optimizers that hold it (checked at start-up)."""
         self.facts = ManifestFacts(
             local=tuple(manifest.local.get(e.name) for e in manifest.entries),
             views=tuple(manifest.views.get(e.name) for e in manifest.entries),
@@ -141,6 +146,10 @@ class ParamObserver:
         self._plan: DueSetPlan | None = None
         """The current step's plan, once looked up (:meth:`plan` runs several times a step)."""
         self._verified_kinds: set[str] = set()
+        self._verified_now: set[str] = set()
+        """Kinds first verified by this step's ``pre`` read (verified again if the read is superseded)."""
+        self._deferred: PlacementError | None = None
+        """A Replica claim that failed on this step's latest ``pre`` read, raised by :meth:`settle`."""
         self.step: int | None = None
         self.due: tuple[TensorMetric, ...] = ()
         self.prepared: dict[str, Prepared] = {}
@@ -170,6 +179,7 @@ class ParamObserver:
         self._done = set()
         self._before = None
         self._plan = None
+        self._verified_now, self._deferred = set(), None
 
     def end(self) -> None:
         """Release what the step held (the snapshot is a copy of the parameters), but keep the
@@ -184,13 +194,28 @@ class ParamObserver:
     def read_again(self) -> None:
         """Forget this step's ``pre`` phase when it ran and the optimizer step has not, so that
         the next :meth:`prepare` reads parameters and gradients again: a later
-        ``observe_gradients()`` (after the next micro-batch's backward) supersedes an earlier one."""
+        ``observe_gradients()`` (after the next micro-batch's backward) supersedes an earlier one.
+        Its Replica verification is superseded too: gradients read before the last micro-batch
+        under DDP's ``no_sync()`` differ across ranks, and only the last read's claims count."""
         if "pre" in self._done and "post" not in self._done:
             for metric in self.plan().pre:
                 self.prepared.pop(metric.name, None)
             self.unfed.clear()  # found by reads of this step, all in the pre phase so far
             self.no_grad.clear()
             self._done.discard("pre")
+            self._verified_kinds -= self._verified_now
+            self._verified_now, self._deferred = set(), None
+
+    def settle(self) -> None:
+        """The ``pre`` read is final (the optimizer steps, or the step ends): raise a Replica
+        claim its verification found false.
+
+        Raises:
+            PlacementError: on every rank, as :meth:`verify` found it.
+        """
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            raise deferred
 
     def fail_post(self, reason: str) -> None:
         """Fail this step's ``post`` metrics (updates, Adam state) with ``reason``: a second
@@ -208,7 +233,8 @@ class ParamObserver:
         sources first (``verify_replicas`` ``"first"`` or ``"always"``).
 
         Raises:
-            PlacementError: a tensor claimed Replica differs across its axis (every rank).
+            PlacementError: a tensor claimed Replica differs across its axis (every rank); for
+                the ``pre`` phase, from :meth:`settle` (a later read may supersede this one).
         """
         if phase not in self._done:
             self._verify_phase(phase)
@@ -224,8 +250,13 @@ class ParamObserver:
 
     @torch.no_grad()
     def finish(self) -> dict[str, Prepared]:
-        """Run the phases not run yet and return every prepared due metric's state and error."""
+        """Run the phases not run yet and return every prepared due metric's state and error.
+
+        Raises:
+            PlacementError: a Replica claim of the final ``pre`` read does not hold (every rank).
+        """
         self.prepare("pre")
+        self.settle()
         self.prepare("post")
         return self.prepared
 
@@ -298,7 +329,7 @@ class ParamObserver:
         covered = source.covered
         if source.complete or all(covered[i] for i in entries):
             return [held[i] for i in entries]
-        plain = read_kind(kind, self.manifest, self.optimizer)
+        plain = read_kind(kind, self.manifest, self.optimizer, keys=self.state_keys)
         return [held[i] if covered[i] else plain[i] for i in entries]
 
     # -- replica verification ----------------------------------------------------------------
@@ -333,8 +364,16 @@ class ParamObserver:
                 # A gradient placed otherwise than its parameter here (a DTensor Partial gradient)
                 # is no replica; it is left out locally, so the claims are the same on every rank.
                 absent = {g.key for g, s in zip(self._grad_sites(), self._kind_sites[kind]) if g != s}
-        if due:
+        if not due:
+            return
+        if phase != "pre":
             self.verify(due, sites, f"at step {self.step}", absent)
+            return
+        self._verified_now.update(due)
+        try:  # a read that a later observe_gradients() may supersede: raised when it is final (settle)
+            self.verify(due, sites, f"at step {self.step}", absent)
+        except PlacementError as exc:
+            self._deferred = exc
 
     def verify(self, kinds: Sequence[str], sites: list[Site], when: str, absent: Any = ()) -> None:
         """Compare the local tensors of ``sites`` (of the source ``kinds``) claimed Replica across
@@ -354,7 +393,8 @@ class ParamObserver:
         tensors: dict[tuple[str, str], torch.Tensor | None] = {}
         for kind in kinds:
             tensors.update(((e.name, kind), t) for e, t in zip(self.manifest.entries,
-                                                               read_kind(kind, self.manifest, self.optimizer))
+                                                               read_kind(kind, self.manifest, self.optimizer,
+                                                                         keys=self.state_keys))
                            if (e.name, kind) in wanted)
         checked = verify_replicas(claims, tensors, topology=self.topology, executor=self.executor, when=when)
         for kind in kinds:
@@ -478,7 +518,7 @@ class ParamObserver:
                 out.append(flat[kind][entry])
                 continue
             param = cast("torch.Tensor", self.facts.local[entry])  # a program's entries are held here
-            value = local_view(states.get(param, {}).get(kind))
+            value = local_view(state_value(states.get(param, {}), self.state_keys.get(kind, (kind,))))
             view = self.facts.views[entry]
             if value is not None and view is not None:
                 if value.shape != local_view(param).shape:
@@ -532,7 +572,7 @@ class ParamObserver:
                 read = self._flat_tensors(kind, range(len(self.manifest.entries)))
                 sites.extend(self._flat_sources[kind].sites)
             else:
-                read = read_kind(kind, self.manifest, self.optimizer, self._before)
+                read = read_kind(kind, self.manifest, self.optimizer, self._before, self.state_keys)
                 sites.extend(self._kind_sites[kind] if kind != "grad" else self._grad_sites())
             if kind == "grad":
                 self.no_grad.update(e.name for e, t in zip(self.manifest.entries, read)

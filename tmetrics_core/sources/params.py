@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, MutableMapping, Sequence, overload
+from typing import Any, Mapping, MutableMapping, Sequence, overload
 
 import torch
 
 from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.sources.optimizer_state import state_value
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "grad_of", "grads_of", "local_view", "read_kind", "update_pairs"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "STATE_KINDS", "grad_of", "grads_of", "local_view", "read_kind",
+           "update_pairs"]
 
 PARAM_KINDS = frozenset({"param", "grad"})
 """Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
 
 OPTIMIZER_KINDS = frozenset({"exp_avg", "exp_avg_sq", "update"})
 """Read in the optimizer's step post-hook: Adam state exists only after the first step."""
+
+STATE_KINDS = frozenset({"exp_avg", "exp_avg_sq"})
+"""The optimizer state kinds, by meaning: first and second moment of the gradient."""
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -81,12 +86,15 @@ def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
 
 
 def read_kind(kind: str, manifest: Manifest, optimizer: Any,
-              before: MutableMapping[str, torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+              before: MutableMapping[str, torch.Tensor] | None = None,
+              keys: Mapping[str, tuple[str, ...]] | None = None) -> list[torch.Tensor | None]:
     """Local tensors of ``kind`` for every manifest entry, in manifest order.
 
     ``param``: the parameter; ``grad``: its gradient (:func:`grad_of`; None, a placeholder, when
     it has none); ``exp_avg`` and
-    ``exp_avg_sq``: the optimizer state (None when the optimizer has none for it yet);
+    ``exp_avg_sq``: the optimizer state of that meaning, under the first of ``keys[kind]`` (the
+    owning optimizer's key: :func:`~tmetrics_core.sources.optimizer_state.state_keys`; ``kind``
+    itself by default) the parameter's state holds (None when it has none yet);
     ``update``: parameter minus ``before[name]`` (the snapshot taken before the step), written
     into the snapshot tensor itself (no second model-size buffer; the snapshot is consumed, so
     read ``update`` once per snapshot). None for tensors without a snapshot.
@@ -113,7 +121,7 @@ def read_kind(kind: str, manifest: Manifest, optimizer: Any,
             out.append(manifest.viewed(name, local_view(grad_of(p))))
         else:
             state = optimizer.state.get(p, {}) if optimizer is not None else {}
-            value = local_view(state.get(kind))
+            value = local_view(state_value(state, keys.get(kind, (kind,)) if keys else (kind,)))
             stored = local_view(p)
             if value is not None and name in manifest.views and value.shape != stored.shape:
                 raise ValueError(f"optimizer state {kind!r} of {name} has shape {list(value.shape)}, not its "
