@@ -178,8 +178,10 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
                      "after the earlier ones, a second TensorBoard event file: overlapping curves) and trackers "
                      "open another run named %r; pass run_dir= (--run-dir) for a fresh directory",
                      run_path, config.run.name)
-    hub = (SinkHub(built, spool_dir=run_path / "spool", alerts=AlertEngine(config.alerts)) if logging_rank
-           else NullHub())
+    hub = (SinkHub(built, spool_dir=run_path / "spool", alerts=AlertEngine(config.alerts),
+                   close_timeout=config.run.close_timeout_s,
+                   interrupt_timeout=config.run.interrupt_timeout_s)
+           if logging_rank else NullHub())
     run = RunInfo(name=config.run.name, dir=str(run_path), config=redact(config.to_dict()),
                   tags={"model": type(model).__name__, **topology.tags()},
                   metrics=tuple(m.name for m, _ in metrics))

@@ -176,6 +176,7 @@ class TensorMetrics:
         self._report: Any = None
         """What the first completed :meth:`close` returned (the hub's report)."""
         self._closed_by_signal = False
+        self._interrupted = False
         self._close_at_step_end: RunStatus | None = None
         """The status of the first :meth:`close` called inside an open step scope, run at the scope's end."""
         self._in_scope = False
@@ -267,12 +268,12 @@ class TensorMetrics:
             observer = TokenObserver(token_metrics, self.topology, self.index, num_experts=self._num_experts,
                                      modules=self.modules, known=self._token_sites, owner=self._owner)
             reset = _ACTIVE.set(observer)
-        failed = False
+        failed = interrupted = False
         try:
             self._in_scope = True
             yield self
-        except BaseException:
-            failed = True
+        except BaseException as exc:
+            failed, interrupted = True, isinstance(exc, KeyboardInterrupt)
             raise
         finally:
             if reset is not None:
@@ -287,7 +288,9 @@ class TensorMetrics:
                 self._step, self._due = None, []
                 self.params.end()
                 self._in_scope = False
-                if self._close_at_step_end is not None:
+                if interrupted and not self._closed:
+                    self._close_interrupted()
+                elif self._close_at_step_end is not None:
                     self._close_deferred(failed)
 
     def _observation_hooks(self) -> list[Any]:
@@ -495,7 +498,8 @@ class TensorMetrics:
                 earlier, self._in_flight = self._in_flight, None
                 self._deliver(*earlier)
         finally:  # what the sinks already have is flushed even if that step cannot be read
-            self._report = self.hub.close(status) if self.hub is not None else None
+            self._report = (None if self.hub is None else self.hub.close_interrupted() if self._interrupted
+                            else self.hub.close(status))
         return self._report
 
     def _close_deferred(self, failed: bool) -> None:
@@ -510,6 +514,17 @@ class TensorMetrics:
             if not failed:
                 raise
             log.exception("tmetrics: close() asked for inside the step scope failed at the scope's end")
+
+    def _close_interrupted(self) -> None:
+        """Ctrl-C (``KeyboardInterrupt``) left a step scope: close with ``"killed"`` now, while
+        the tracker libraries still work (a loop with no ``with`` and no ``finally`` otherwise
+        closes at interpreter exit, after some have torn down). As after SIGTERM, later step
+        scopes still run and log nothing, so a loop that catches the interrupt goes on."""
+        self._closed_by_signal = self._interrupted = True
+        try:
+            self.close("killed")
+        except Exception:
+            log.exception("tmetrics: closing after KeyboardInterrupt failed")
 
     def __enter__(self) -> "TensorMetrics":
         return self

@@ -35,12 +35,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
 from tmetrics_core.alerts.alert import Alert
-from tmetrics_core.errors import ConfigError
+from tmetrics_core.errors import ConfigError, SinkError
 from tmetrics_core.sinks.keys import MLFLOW_RULES, KeyRules
 from tmetrics_core.sinks.render import StepRenderer
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
@@ -151,6 +153,28 @@ class MlflowSink:
         self._renderer = StepRenderer(MLFLOW_RULES, distributions=False, heatmaps=True, expert_scalars=expert_scalars)
         self._alerts: list[dict[str, Any]] = []
         self._opened = 0
+
+    def probe(self, timeout: float) -> None:
+        """One request to an HTTP tracking server's ``/health``, at most ``timeout`` seconds and
+        no retries (MLflow's own client retries a refused connection for about 4 minutes before
+        its first error). Any HTTP answer means the server is reachable. A local or database
+        store is not probed here: ``open`` fails at once when it cannot be opened.
+
+        Raises:
+            SinkError: the server cannot be reached, with the URI and the cause.
+        """
+        uri = self.tracking_uri
+        if uri is None or urlparse(uri).scheme not in ("http", "https"):
+            return
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+                pass
+        except urllib.error.HTTPError:
+            return
+        except (OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            raise SinkError(f"the MLflow tracking server {uri} cannot be reached within {timeout:g} s ({reason}); "
+                            "check that it runs (mlflow server) and the URI") from error
 
     def open(self, run: RunInfo) -> None:
         """Create (or reuse) the experiment, create the run with its tags and log the manifest.

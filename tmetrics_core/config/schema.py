@@ -96,6 +96,14 @@ class RunConfig:
     """When a due step's results leave the device: ``now`` (at the step's end: the step waits
     once for its accelerator) or ``next-step`` (at the end of the next step scope, or at
     ``close()``: no step waits; records arrive one step later, with their own step)."""
+    close_timeout_s: float = 30.0
+    """Seconds ``close()`` may wait for the sinks: half drains their queues (what is left is
+    spooled, for ``tmetrics replay``), the rest ends each tracker run; a sink still busy after it
+    is left open and reported."""
+    interrupt_timeout_s: float = 2.0
+    """The same bound when Ctrl-C (``KeyboardInterrupt``) ends the run, so an interrupted job
+    exits in seconds. SIGTERM, whose sender usually grants a grace period, gets
+    ``close_timeout_s``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -115,6 +123,11 @@ class RunConfig:
         if self.read_results not in READ_RESULTS:
             raise ConfigError(f"got {_describe(self.read_results)}{_suggest(self.read_results, READ_RESULTS)}; need one "
                               f"of {', '.join(READ_RESULTS)}", path="read_results")
+        for key in ("close_timeout_s", "interrupt_timeout_s"):
+            seconds = getattr(self, key)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+                raise ConfigError(f"got {_describe(seconds)}; need a number of seconds >= 0", path=key)
+            object.__setattr__(self, key, float(seconds))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
