@@ -20,32 +20,12 @@ from tmetrics_core.cli.plugins import PluginGroup
 __all__ = ["main"]
 
 
-@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             lazy={"demo": ("tmetrics_core.cli.demo_command:demo_command",
+                            "Train the demo MoE transformer on Python's standard library and fill every tracker.")})
 @click.version_option(package_name="tmetrics")
 def main() -> None:
     """Training-time tensor metrics for sharded PyTorch models, per layer and per expert."""
-
-
-def _demo_command() -> click.Command:
-    from tmetrics_core.demo.launch import demo_options
-
-    @main.command("demo")
-    @demo_options
-    @_friendly
-    def demo(**kwargs: Any) -> None:
-        """Train the demo MoE transformer on Python's standard library and fill every tracker.
-
-        Runs on one process by default; --nproc 4 --dp 2 --tp 2 (or --ep, --fsdp, --pp) launches
-        gloo ranks on 127.0.0.1. Ends by printing where the run is and how to open it.
-        """
-        from tmetrics_core.demo.instrument import run_instrumented_demo
-
-        run_instrumented_demo(kwargs)
-
-    return demo
-
-
-_demo_command()
 
 
 @main.command("metrics")
