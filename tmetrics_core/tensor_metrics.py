@@ -34,7 +34,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 
@@ -111,6 +111,8 @@ class TensorMetrics:
             accelerator once, at the end); ``"next-step"``, at the end of the next step scope (or
             at :meth:`close`), when the copy has landed: no wait in any step. Records keep their
             own step; :attr:`last_records` then holds the previous due step's.
+        optional_metrics: names of metrics skipped, with one INFO line, where the model has no
+            source for them (config ``optional: true``); others are refused with a ConfigError.
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
@@ -131,7 +133,8 @@ class TensorMetrics:
                  layer_offset: int = 0, expert_offset: int = 0, timeout_s: float = 60.0,
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None,
-                 log_rank: int = 0, read_results: ReadResults = "now") -> None:
+                 log_rank: int = 0, read_results: ReadResults = "now",
+                 optional_metrics: Collection[str] = ()) -> None:
         if read_results not in READ_RESULTS:
             raise ConfigError(f"read_results={read_results!r}; need one of {', '.join(READ_RESULTS)}",
                               path="run.read_results")
@@ -140,6 +143,7 @@ class TensorMetrics:
         self.topology = topology or Topology.single_process()
         self.logs = self.topology.logs(log_rank)
         self.metrics = list(metrics)
+        self.optional = frozenset(optional_metrics)
         self.hub = hub
         self.check_plan = check_plan
         self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s,

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 from tmetrics_core.config.alerts import AlertsConfig, parse_alerts
 from tmetrics_core.config.files import SUFFIXES, read_config_file
+from tmetrics_core.config.globs import expand_braces
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.placements import parse_placement
 
@@ -141,15 +142,21 @@ class MetricConfig:
     """Steps between two computations of the metric; 1 computes it every step."""
     select: tuple[str, ...] = ()
     """``fnmatch`` globs on canonical tensor names (``layers.*.mlp.*``); a tensor is used when any
-    glob matches. Empty: every tensor the metric accepts. A single string is one glob."""
+    glob matches. Empty: every tensor the metric accepts. A single string is one glob. Braces
+    list alternatives (``layers.*.{mlp,moe}.*``), expanded when the config is read."""
     modules: tuple[str, ...] = ()
     """``fnmatch`` globs on canonical module names whose outputs are observed (``layers.*.mlp``),
-    for activation metrics. Empty: the metric's default modules."""
+    for activation metrics. Empty: the metric's default modules. Braces list alternatives
+    (``layers.*.{mlp,moe}``: one config for dense and MoE models)."""
     bins: int | None = None
     """Number of log-spaced bins, for histogram metrics; ``None``: the metric's default."""
     sample: int | None = None
     """Elements sampled per tensor when comparing data-parallel replicas (``dp-replica-drift``);
     ``None``: the metric's default."""
+    optional: bool = False
+    """Skip the metric, with one INFO line, where the model has no source for it (router
+    outputs on a dense model, modules or tensors its globs do not match, no blocks or head,
+    an optimizer without the state it reads), instead of refusing the config."""
 
     def __post_init__(self) -> None:
         _check_name(self.name, path="name", what="a metric name such as 'layer-grad-l2'")
@@ -160,6 +167,8 @@ class MetricConfig:
             _check_int(self.bins, path="bins", minimum=1, meaning="number of histogram bins")
         if self.sample is not None:
             _check_int(self.sample, path="sample", minimum=1, meaning="elements sampled per tensor")
+        if not isinstance(self.optional, bool):
+            raise ConfigError(f"got {_describe(self.optional)}; need true or false", path="optional")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -568,7 +577,13 @@ def _globs(value: Any, *, path: str, of: str) -> tuple[str, ...]:
             raise ConfigError(
                 f"got {_describe(item)}; need a non-empty glob on {of}, e.g. 'layers.*.mlp.*'", path=where
             )
-    return tuple(items)
+    expanded: list[str] = []
+    for index, item in enumerate(items):
+        try:
+            expanded += expand_braces(item)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}", path=path if isinstance(value, str) else f"{path}[{index}]") from None
+    return tuple(dict.fromkeys(expanded))
 
 
 def _describe(value: Any) -> str:
