@@ -44,7 +44,12 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("tmetrics")
 
-__all__ = ["build_from_config", "check_against_model", "topology_for"]
+__all__ = ["NO_SINKS", "build_from_config", "check_against_model", "topology_for"]
+
+NO_SINKS = ("names no sinks: the records go nowhere but TensorMetrics.last_records; add one, e.g. "
+            "sinks: {jsonl: {}} (a file in the run directory) or sinks: [tensorboard]")
+"""What ``from_config`` (a warning on the logging rank) and ``tmetrics validate`` say of a config
+without sinks: accepted, since a program may read ``last_records`` itself, but never silently."""
 
 
 def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None, model: Any = None) -> Topology:
@@ -172,6 +177,8 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
         metrics.append((metric, mc.interval))
     built = build_sinks(config.sinks)
     logging_rank = topology.logs(config.distributed.log_rank)
+    if logging_rank and not config.sinks:
+        _log.warning("tmetrics: the config %s", NO_SINKS)
     run_path = Path(config.run.dir)
     if logging_rank and (run_path / "manifest.json").exists():
         _log.warning("run directory %s already holds a run (its manifest.json): file sinks add to it (jsonl lines "

@@ -70,24 +70,21 @@ def names_command(hf: str | None, factory: str | None, run_dir: Path | None, as_
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 @_friendly
 def validate_command(config: Path) -> None:
-    """Check CONFIG (YAML, TOML or JSON) as a run would at start-up, without a model.
+    """Check CONFIG (YAML, TOML or JSON) as a run would at start-up, without a model, and list
+    every problem found, not only the first.
 
     Also lists the placements CONFIG declares (origin ``declared``) and when their Replica
     claims are verified; the other origins need the model: see ``tmetrics names --run-dir``.
     """
     from tmetrics_core.cli.names_table import format_declared
-    from tmetrics_core.config.schema import check_names, load_config
-    from tmetrics_core.metrics.catalogue import build_metric, metric_names, resolve_metric
-    from tmetrics_core.sinks.registry import available_sinks, build_sinks
+    from tmetrics_core.cli.validation import NO_SINKS, validate_file
 
-    loaded = check_names(load_config(config), resolve_metric=resolve_metric, metric_names=metric_names(),
-                         sink_names=[name for name, _ in available_sinks()])
-    for mc in loaded.metrics:
-        build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins, sample=mc.sample)
-    build_sinks(loaded.sinks)
+    loaded = validate_file(config)
     click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
                f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "
                f"sinks {', '.join(loaded.sinks) or 'none'}; run dir {loaded.run.dir}")
+    if not loaded.sinks:
+        click.echo(f"tmetrics: warning: {config} {NO_SINKS}", err=True)
     click.echo(format_declared(loaded.placements, loaded.distributed.verify_replicas))
 
 
