@@ -62,6 +62,8 @@ _ACCEPTED = (
     "postgresql://..., mysql://..., mssql://... (a database, with an optional +driver)",
     "databricks or databricks://PROFILE",
 )
+_DRIVER_HINTS = {"postgresql": "pip install psycopg2-binary, with postgresql+psycopg2://",
+                 "mysql": "pip install pymysql, with mysql+pymysql://", "mssql": "pip install pyodbc"}
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
 
@@ -89,6 +91,27 @@ def check_tracking_uri(uri: Any, *, path: str = "sinks.mlflow.tracking_uri") -> 
         return uri
     hint = " (a path or file: URI is MLflow's deprecated file store; use sqlite:///PATH/mlflow.db)" if scheme in ("", "file") else ""
     raise ConfigError(f"got {uri!r}{hint}{accepted}", path=path)
+
+
+def _check_database_driver(uri: str, *, path: str = "sinks.mlflow.tracking_uri") -> None:
+    """For a database URI (``postgresql://``, ``mysql+pymysql://``, ...), that SQLAlchemy and
+    the URI's database driver import, at configuration time: MLflow finds a missing driver only
+    when the sink opens, after training started.
+
+    Raises:
+        ConfigError: the driver (or SQLAlchemy) is not installed, with what to install.
+    """
+    scheme = urlparse(uri).scheme.split("+")[0]
+    if scheme not in _DATABASE_SCHEMES:
+        return
+    try:
+        from sqlalchemy.engine import make_url
+
+        dialect = make_url(uri).get_dialect()
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigError(f"got {uri!r}, but its database driver cannot be imported ({exc}); install it (e.g. "
+                          f"{_DRIVER_HINTS[scheme]}) or name one in the URI ({scheme}+DRIVER://...)", path=path) from exc
 
 
 class MlflowSink:
@@ -132,6 +155,8 @@ class MlflowSink:
                 f"unknown option {bad!r}; valid options are {', '.join(_OPTIONS)}", path=f"sinks.{self.name}.{bad}"
             )
         self.tracking_uri = None if tracking_uri is None else check_tracking_uri(tracking_uri)
+        if self.tracking_uri is not None:
+            _check_database_driver(self.tracking_uri)
         for option, value in (("experiment", experiment), ("run_name", run_name)):
             if value is not None and not (isinstance(value, str) and value.strip()):
                 raise ConfigError(f"got {value!r}; need a non-empty string", path=f"sinks.{self.name}.{option}")

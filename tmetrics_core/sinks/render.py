@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo
+from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo, show_value
 from tmetrics_core.sinks.keys import KeyBook, KeyRules, index_widths
 
 __all__ = ["HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
@@ -71,7 +71,7 @@ class Heatmap:
         """``layer-router-expert-bias: 4 layers x 8 experts, min -1 max 2.5 (viridis, ...)``."""
         bounds = self.bounds()
         rows, columns = self.values.shape
-        scale = "no finite value" if bounds is None else f"min {bounds[0]:.4g} max {bounds[1]:.4g}"
+        scale = "no finite value" if bounds is None else f"min {show_value(bounds[0])} max {show_value(bounds[1])}"
         title = self.metric if self.labels.stat is None else f"{self.metric} {self.labels.stat}"
         return (f"{title}: {rows} layers (rows) x {columns} experts (columns), {scale} "
                 f"(viridis, linear; magenta: NaN or infinite; black: no value)")
