@@ -4,7 +4,8 @@
 
 Table 1, one process (``--threads`` intra-op threads): the demo model's full step (forward,
 backward, clipping, AdamW) with the standard bundle (``bench.demo_variants.BUNDLE``) every 1,
-10 and 100 steps and on steps where nothing is due, against the same loop without tmetrics,
+10 and 100 steps and on steps where nothing is due, the bundle plus ``layer-grad-histogram``
+every step (the histogram's cost next to the bundle's), against the same loop without tmetrics,
 ``wandb.watch(model, log="all", log_freq=1)`` (offline) and a per-parameter ``.norm().item()``
 loop. Variants alternate in short rounds (``bench.rounds``); ratios are to the bare loop. One
 more trainer runs with its metrics object switched off and on each round (:data:`SWITCHED`):
@@ -58,6 +59,10 @@ __all__ = ["main"]
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY = ("bare", "tmetrics every 1", "wandb.watch all/1", "norm().item() loop")
 SECOND_BARE = "bare, second copy"
+HISTOGRAM = "tmetrics+grad hist 1"
+"""The bundle and ``layer-grad-histogram`` every step: its ratio over ``tmetrics every 1`` is the
+histogram's own cost, shown next to the bundle's (issue 35: +24 ms on a 24 ms step while it
+binned one tensor at a time)."""
 """The bare loop again, on a model built last: its ratio to ``bare`` is how far two copies of one
 loop differ by where their tensors sit in memory, the error of every separate-copy ratio."""
 
@@ -70,6 +75,7 @@ def _variants(bundle: tuple[str, ...]) -> dict[str, Any]:
         "tmetrics every 10": tmetrics_factory(10, bundle),
         "tmetrics every 100": tmetrics_factory(100, bundle),
         "tmetrics not due": tmetrics_factory(NEVER, bundle),
+        HISTOGRAM: tmetrics_factory(1, tuple(dict.fromkeys((*bundle, "layer-grad-histogram")))),
         "wandb.watch all/1": wandb_factory,
         "norm().item() loop": norm_loop_factory(),
         SECOND_BARE: None,
@@ -189,6 +195,8 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         "wall x / cpu x: median over rounds of the paired ratio to bare (wall time / process CPU time); mean x:",
         "mean of the per-round ratios, 10% trimmed each side (the average over steps); expected x: 1 + (due +",
         "(N-1) idle) / N with due the 'every 1' overhead and idle the directly timed not-due cost below.",
+        *([f"'{HISTOGRAM}': the bundle with layer-grad-histogram every step; over 'tmetrics every 1': "
+           f"{r.paired(HISTOGRAM, 'tmetrics every 1'):.3f} (the histogram's own cost)."] if HISTOGRAM in r.wall else []),
         "Noise: about 1.5% (MACHINE-NOTES); 'bare, second copy' (the same loop, another model copy) shows",
         "how far separate copies differ, which the same-model pair below does not see.",
         f"same model, tmetrics switched off and on each round (bare step {r.median_ms(SWITCHED[0]):.1f} ms): "

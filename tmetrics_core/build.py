@@ -48,7 +48,12 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("tmetrics")
 
-__all__ = ["build_from_config", "check_against_model", "join_trackers", "topology_for"]
+__all__ = ["NO_SINKS", "build_from_config", "check_against_model", "join_trackers", "topology_for"]
+
+NO_SINKS = ("names no sinks: the records go nowhere but TensorMetrics.last_records; add one, e.g. "
+            "sinks: {jsonl: {}} (a file in the run directory) or sinks: [tensorboard]")
+"""What ``from_config`` (a warning on the logging rank) and ``tmetrics validate`` say of a config
+without sinks: accepted, since a program may read ``last_records`` itself, but never silently."""
 
 
 def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None, model: Any = None) -> Topology:
@@ -203,14 +208,18 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
         metrics.append((metric, mc.interval))
     built = build_sinks(config.sinks)
     logging_rank = topology.logs(config.distributed.log_rank)
+    if logging_rank and not config.sinks:
+        _log.warning("tmetrics: the config %s", NO_SINKS)
     run_path = Path(config.run.dir)
     if logging_rank and (run_path / "manifest.json").exists():
         _log.warning("run directory %s already holds a run (its manifest.json): file sinks add to it (jsonl lines "
                      "after the earlier ones, a second TensorBoard event file: overlapping curves) and trackers "
                      "open another run named %r; pass run_dir= (--run-dir) for a fresh directory",
                      run_path, config.run.name)
-    hub = (SinkHub(built, spool_dir=run_path / "spool", alerts=AlertEngine(config.alerts)) if logging_rank
-           else NullHub())
+    hub = (SinkHub(built, spool_dir=run_path / "spool", alerts=AlertEngine(config.alerts),
+                   close_timeout=config.run.close_timeout_s,
+                   interrupt_timeout=config.run.interrupt_timeout_s)
+           if logging_rank else NullHub())
     run = RunInfo(name=config.run.name, dir=str(run_path), config=redact(config.to_dict()),
                   tags={"model": type(model).__name__, **topology.tags()},
                   metrics=tuple(m.name for m, _ in metrics))
@@ -222,7 +231,8 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
                           verify_replicas=config.distributed.verify_replicas, placements=config.placements,
                           timeout_s=config.distributed.collective_timeout_s, modules=modules,
                           key_rules={sink.name: sink.key_rules for sink in built},
-                          log_rank=config.distributed.log_rank, read_results=config.run.read_results, **kwargs)
+                          log_rank=config.distributed.log_rank, read_results=config.run.read_results,
+                          optional_metrics=frozenset(mc.name for mc in config.metrics if mc.optional), **kwargs)
     except BaseException:
         for handle in found.handles if megatron is not None else ():
             handle.remove()
@@ -241,6 +251,10 @@ def check_against_model(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) ->
     rendering to one key of a sink. Whether the model has blocks, a head and each metric's
     modules is agreed across ranks (one small gather), so every rank decides alike.
 
+    A metric in ``tm.optional`` for which the model has no source (router outputs on a dense
+    model, no matching module or tensor, no blocks or head, no such optimizer state) is taken
+    out of ``tm.metrics`` with one INFO line instead.
+
     Raises:
         ConfigError: the first check that fails, with the config path (``metrics[i]`` or
             ``sinks.<backend>``) and how to fix it.
@@ -256,54 +270,91 @@ def check_against_model(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) ->
     # A pipeline stage may lack the head, the blocks or the modules another stage has: what
     # the model has is agreed across ranks (one small gather), so every rank decides alike.
     present = _present_anywhere(tm)
+    skipped = []
     for index, (metric, _) in enumerate(tm.metrics):
-        path = f"metrics[{index}]"
-        kinds = set(metric.source_kinds)
-        param_sites = [s for kind in kinds & (PARAM_KINDS | OPTIMIZER_KINDS) for s in tm.manifest.sites(kind)]
-        state = kinds & {"exp_avg", "exp_avg_sq"} - set(tm.flat)
-        if state and tm.optimizer is None:
-            raise ConfigError(f"metric {metric.name!r} reads optimizer state; pass optimizer=", path=path)
-        if state:
-            state_keys(tm.optimizer, state, metric.name, path)  # refuses an optimizer without that state
-        if kinds & {"update"} and tm.optimizer is None:
-            raise ConfigError(f"metric {metric.name!r} measures optimizer updates; pass optimizer=",
-                              path=path)
-        if kinds & {"router_logits", "router_topk", "router_scores"} and "moe.router" not in components:
-            raise ConfigError(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
-                              "parameter (canonical component moe.router); drop it for a dense model",
-                              path=path)
-        counts = {r.num_experts for r in tm.routers}
-        if kinds & ROUTER_OUTPUT_KINDS and counts and counts != {tm._num_experts}:
-            raise ConfigError(f"metric {metric.name!r}: the model's routers score {sorted(counts)} experts "
-                              f"each but its expert parameters number {tm.manifest.num_experts} (global "
-                              "ids); pass expert_offset= on each expert-parallel rank, or shard the stacked "
-                              "expert tensors as DTensors", path=path)
-        if kinds & {"residual_accumulator", "residual_contribution", "residual_grad", "residual_input_grad"} \
-                and not present["blocks"]:
-            raise ConfigError(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
-                              "decoder.layers; none found in the model", path=path)
-        if kinds & {"logits", "logits_grad"} and not present["head"]:
-            raise ConfigError(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
-                              "output_layer as an nn.Linear); none found", path=path)
-        patterns = tm.modules.get(metric.name, ())
-        if "activation" in kinds and patterns and not present["modules"].get(metric.name):
-            near = nearest(patterns, [*tm.index.canonical.values(), *(p for p, _ in tm.index.named if p)])
-            raise ConfigError(f"metric {metric.name!r}: modules {list(patterns)} match no module. modules: globs "
-                              "take canonical module names, the naming of select: less the leaf (layers.3.attn, "
-                              "layers.3.mlp, layers.3.moe; see `tmetrics names`), or the model's module paths; "
-                              f"nearest: {near!r}", path=path)
-        if "activation_grad" in kinds:
-            _check_cotangent_modules(tm, metric, present, path)
-        chosen = [s for s in param_sites if metric.accepts(s)]
-        if param_sites and not chosen:
-            raise ConfigError(_nothing_chosen(metric, param_sites, tm.manifest), path=path)
-        for site in chosen:
-            try:
-                metric.check(site, tm.topology)
-            except PlacementError as exc:
-                raise ConfigError(f"metric {metric.name!r} cannot handle {site.describe()}: {exc}",
-                                  path=path) from exc
+        try:
+            _check_metric(tm, index, metric, present, components=components)
+        except _Absent as exc:
+            if metric.name not in tm.optional:
+                raise ConfigError(f"{exc.message}; or mark it optional: true to skip it where the model has "
+                                  "no such source", path=exc.path) from None
+            _log.info("tmetrics: optional metric %r skipped: %s", metric.name, exc.message)
+            skipped.append(metric.name)
+    if skipped:
+        tm.metrics = [(m, i) for m, i in tm.metrics if m.name not in skipped]
+        tm.modules = {name: p for name, p in tm.modules.items() if name not in skipped}
     _check_keys(tm, key_rules)
+
+
+class _Absent(ConfigError):
+    """The model has no source for a metric (no router, blocks, head, matching module or
+    tensor, or the optimizer state it reads): an optional metric is then skipped."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message, path=path)
+        self.message = message
+
+
+def _check_metric(tm: TensorMetrics, index: int, metric: TensorMetric, present: dict[str, Any], *,
+                  components: set[Any]) -> None:
+    """The start-up checks of one metric (see :func:`check_against_model`).
+
+    Raises:
+        _Absent: the model has no source for it.
+        ConfigError: any other check that fails.
+    """
+    path = f"metrics[{index}]"
+    kinds = set(metric.source_kinds)
+    param_sites = [s for kind in kinds & (PARAM_KINDS | OPTIMIZER_KINDS) for s in tm.manifest.sites(kind)]
+    state = kinds & {"exp_avg", "exp_avg_sq"} - set(tm.flat)
+    if state and tm.optimizer is None:
+        raise _Absent(f"metric {metric.name!r} reads optimizer state; pass optimizer=", path=path)
+    if state:
+        try:
+            state_keys(tm.optimizer, state, metric.name, path)  # refuses an optimizer without that state
+        except ConfigError as exc:
+            raise _Absent(str(exc).removeprefix(f"{exc.path}: "), path=path) from None
+    if kinds & {"update"} and tm.optimizer is None:
+        raise _Absent(f"metric {metric.name!r} measures optimizer updates; pass optimizer=",
+                      path=path)
+    if kinds & {"router_logits", "router_topk", "router_scores"} and "moe.router" not in components:
+        raise _Absent(f"metric {metric.name!r} needs MoE router outputs, but the model has no router "
+                      "parameter (canonical component moe.router); drop it for a dense model",
+                      path=path)
+    counts = {r.num_experts for r in tm.routers}
+    if kinds & ROUTER_OUTPUT_KINDS and counts and counts != {tm._num_experts}:
+        raise ConfigError(f"metric {metric.name!r}: the model's routers score {sorted(counts)} experts "
+                          f"each but its expert parameters number {tm.manifest.num_experts} (global "
+                          "ids); pass expert_offset= on each expert-parallel rank, or shard the stacked "
+                          "expert tensors as DTensors", path=path)
+    if kinds & {"residual_accumulator", "residual_contribution", "residual_grad", "residual_input_grad"} \
+            and not present["blocks"]:
+        raise _Absent(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
+                      "decoder.layers; none found in the model", path=path)
+    if kinds & {"logits", "logits_grad"} and not present["head"]:
+        raise _Absent(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
+                      "output_layer as an nn.Linear); none found", path=path)
+    patterns = tm.modules.get(metric.name, ())
+    if "activation" in kinds and patterns and not present["modules"].get(metric.name):
+        near = nearest(patterns, [*tm.index.canonical.values(), *(p for p, _ in tm.index.named if p)])
+        raise _Absent(f"metric {metric.name!r}: modules {list(patterns)} match no module. modules: globs "
+                      "take canonical module names, the naming of select: less the leaf (layers.3.attn, "
+                      "layers.3.mlp, layers.3.moe; see `tmetrics names`), or the model's module paths; "
+                      f"nearest: {near!r}", path=path)
+    if "activation_grad" in kinds:
+        _check_cotangent_modules(tm, metric, present, path)
+    chosen = [s for s in param_sites if metric.accepts(s)]
+    if param_sites and not chosen:
+        select = tuple(getattr(metric, "select", ()))
+        matched = any(not select or any(fnmatchcase(s.name, p) for p in select) for s in param_sites)
+        raise (ConfigError if matched else _Absent)(_nothing_chosen(metric, param_sites, tm.manifest), path=path)
+    for site in chosen:
+        try:
+            metric.check(site, tm.topology)
+        except PlacementError as exc:
+            raise ConfigError(f"metric {metric.name!r} cannot handle {site.describe()}: {exc}",
+                              path=path) from exc
+
 
 def _present_anywhere(tm: TensorMetrics) -> dict[str, Any]:
     """Whether any rank has blocks, a head, modules matching each metric's globs, and (for

@@ -18,12 +18,21 @@ __all__ = [
     "MetricRecord",
     "RunInfo",
     "RunStatus",
+    "show_value",
     "status_on_exit",
     "Value",
 ]
 
 RunStatus = Literal["finished", "failed", "killed"]
 """How a run ended: normal exit, an exception in training, or a signal (SIGTERM, SIGINT)."""
+
+
+def show_value(value: float, digits: int = 4) -> str:
+    """``value`` as a person reads it in text: a whole number in full (tokens per expert 16384,
+    not ``1.638e+04``), anything else to ``digits`` significant digits."""
+    if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.{digits}g}"
 
 
 def status_on_exit(exc_type: type[BaseException] | None) -> RunStatus:

@@ -34,7 +34,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 
@@ -139,6 +139,8 @@ class TensorMetrics:
         grad_divisor: what the gradients are divided by after backward, besides the data-parallel
             averaging: a ``torch.distributed.pipelining`` schedule with ``scale_grads=True`` (its
             default) divides by its number of micro-batches; cotangent metrics divide by it too.
+        optional_metrics: names of metrics skipped, with one INFO line, where the model has no
+            source for them (config ``optional: true``); others are refused with a ConfigError.
 
     Raises:
         ConfigError: a ``select`` or ``modules`` pattern that matches nothing, a metric whose
@@ -161,7 +163,7 @@ class TensorMetrics:
                  modules: Mapping[str, Sequence[str]] | None = None,
                  flat_buffers: Sequence[FlatBuffer] = (), key_rules: Mapping[str, KeyRules] | None = None,
                  log_rank: int = 0, read_results: ReadResults = "now", grad_scaler: Any = None,
-                 grad_divisor: int = 1) -> None:
+                 grad_divisor: int = 1, optional_metrics: Collection[str] = ()) -> None:
         if read_results not in READ_RESULTS:
             raise ConfigError(f"read_results={read_results!r}; need one of {', '.join(READ_RESULTS)}",
                               path="run.read_results")
@@ -170,6 +172,7 @@ class TensorMetrics:
         self.topology = topology or Topology.single_process()
         self.logs = self.topology.logs(log_rank)
         self.metrics = list(metrics)
+        self.optional = frozenset(optional_metrics)
         self.hub = hub
         self.check_plan = check_plan
         self.executor = Executor(self.topology, collectives=collectives, timeout_s=timeout_s,
@@ -222,6 +225,7 @@ class TensorMetrics:
         self._report: Any = None
         """What the first completed :meth:`close` returned (the hub's report)."""
         self._closed_by_signal = False
+        self._interrupted = False
         self._close_at_step_end: RunStatus | None = None
         """The status of the first :meth:`close` called inside an open step scope, run at the scope's end."""
         self._in_scope = False
@@ -344,7 +348,7 @@ class TensorMetrics:
                                      modules=self._token_modules, known=self._token_sites, owner=self._owner,
                                      cotangent_scale=CotangentScale(self._cotangent_divisor, self._loss_scale))
             reset = _ACTIVE.set(observer)
-        failed = False
+        failed = interrupted = False
         try:
             self._in_scope = True
             if observer is not None and observer.kinds & GRAD_KINDS:
@@ -352,8 +356,8 @@ class TensorMetrics:
                     yield self
             else:
                 yield self
-        except BaseException:
-            failed = True
+        except BaseException as exc:
+            failed, interrupted = True, isinstance(exc, KeyboardInterrupt)
             raise
         finally:
             if reset is not None:
@@ -368,7 +372,9 @@ class TensorMetrics:
                 self._step, self._due = None, []
                 self.params.end()
                 self._in_scope = False
-                if self._close_at_step_end is not None:
+                if interrupted and not self._closed:
+                    self._close_interrupted()
+                elif self._close_at_step_end is not None:
                     self._close_deferred(failed)
 
     def log(self, values: Mapping[str, Any], *, step: int | None = None) -> None:
@@ -695,7 +701,8 @@ class TensorMetrics:
                 earlier, self._in_flight = self._in_flight, None
                 self._deliver(*earlier)
         finally:  # what the sinks already have is flushed even if that step cannot be read
-            self._report = self.hub.close(status) if self.hub is not None else None
+            self._report = (None if self.hub is None else self.hub.close_interrupted() if self._interrupted
+                            else self.hub.close(status))
         return self._report
 
     def _close_deferred(self, failed: bool) -> None:
@@ -710,6 +717,17 @@ class TensorMetrics:
             if not failed:
                 raise
             log.exception("tmetrics: close() asked for inside the step scope failed at the scope's end")
+
+    def _close_interrupted(self) -> None:
+        """Ctrl-C (``KeyboardInterrupt``) left a step scope: close with ``"killed"`` now, while
+        the tracker libraries still work (a loop with no ``with`` and no ``finally`` otherwise
+        closes at interpreter exit, after some have torn down). As after SIGTERM, later step
+        scopes still run and log nothing, so a loop that catches the interrupt goes on."""
+        self._closed_by_signal = self._interrupted = True
+        try:
+            self.close("killed")
+        except Exception:
+            log.exception("tmetrics: closing after KeyboardInterrupt failed")
 
     def __enter__(self) -> "TensorMetrics":
         return self

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.records import show_value
 from tmetrics_mlflow.sink import check_tracking_uri
 
 __all__ = ["compare_runs"]
@@ -92,7 +93,7 @@ def _values(client: Any, run: Any, keys: list[str], step: int | None) -> dict[st
 
 
 def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6g}"
+    return "-" if value is None else show_value(value, 6)
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -170,17 +171,21 @@ def compare_runs(
             lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip())
     if out_png is not None:
         plotted = layer_tables[:_MAX_PLOTS]
-        _plot(Path(out_png), plotted, tables, names)
+        _plot(Path(out_png), plotted, tables, names,
+              step="each key's last value" if step is None else f"step {step}")
         more = f" (first {_MAX_PLOTS} of {len(layer_tables)})" if len(layer_tables) > _MAX_PLOTS else ""
         lines.append("")
         lines.append(f"plot: {out_png}: {len(plotted)} per-layer tables{more}")
     return "\n".join(lines) + "\n"
 
 
-def _plot(path: Path, tables: list[str], data: dict[str, dict[str, list[float | None]]], names: list[str]) -> None:
-    """One subplot per table: value against layer index, one line per run (Agg, no pyplot)."""
+def _plot(path: Path, tables: list[str], data: dict[str, dict[str, list[float | None]]], names: list[str], *,
+          step: str) -> None:
+    """One subplot per table: value against layer index (integer ticks), one line per run, the
+    compared step in the figure's title (Agg, no pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     columns = min(3, max(1, len(tables)))
     rows = max(1, math.ceil(len(tables) / columns))
@@ -200,9 +205,11 @@ def _plot(path: Path, tables: list[str], data: dict[str, dict[str, list[float | 
             axes.set_yscale("log")
         axes.set_title(table, fontsize=9)
         axes.set_xlabel("layer")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.legend(fontsize=7)
     if not tables:
         figure.text(0.5, 0.5, "no per-layer metrics to plot", ha="center")
+    figure.suptitle(f"{' vs '.join(names)}: {step}", fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)

@@ -41,12 +41,14 @@ import json
 import logging
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
 from tmetrics_core.alerts.alert import Alert
-from tmetrics_core.errors import ConfigError
+from tmetrics_core.errors import ConfigError, SinkError
 from tmetrics_core.sinks.keys import MLFLOW_RULES, KeyRules
 from tmetrics_core.sinks.render import StepRenderer
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
@@ -71,6 +73,8 @@ _ACCEPTED = (
     "postgresql://..., mysql://..., mssql://... (a database, with an optional +driver)",
     "databricks or databricks://PROFILE",
 )
+_DRIVER_HINTS = {"postgresql": "pip install psycopg2-binary, with postgresql+psycopg2://",
+                 "mysql": "pip install pymysql, with mysql+pymysql://", "mssql": "pip install pyodbc"}
 _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
 
@@ -98,6 +102,27 @@ def check_tracking_uri(uri: Any, *, path: str = "sinks.mlflow.tracking_uri") -> 
         return uri
     hint = " (a path or file: URI is MLflow's deprecated file store; use sqlite:///PATH/mlflow.db)" if scheme in ("", "file") else ""
     raise ConfigError(f"got {uri!r}{hint}{accepted}", path=path)
+
+
+def _check_database_driver(uri: str, *, path: str = "sinks.mlflow.tracking_uri") -> None:
+    """For a database URI (``postgresql://``, ``mysql+pymysql://``, ...), that SQLAlchemy and
+    the URI's database driver import, at configuration time: MLflow finds a missing driver only
+    when the sink opens, after training started.
+
+    Raises:
+        ConfigError: the driver (or SQLAlchemy) is not installed, with what to install.
+    """
+    scheme = urlparse(uri).scheme.split("+")[0]
+    if scheme not in _DATABASE_SCHEMES:
+        return
+    try:
+        from sqlalchemy.engine import make_url
+
+        dialect = make_url(uri).get_dialect()
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigError(f"got {uri!r}, but its database driver cannot be imported ({exc}); install it (e.g. "
+                          f"{_DRIVER_HINTS[scheme]}) or name one in the URI ({scheme}+DRIVER://...)", path=path) from exc
 
 
 class MlflowSink:
@@ -148,6 +173,8 @@ class MlflowSink:
                 f"unknown option {bad!r}; valid options are {', '.join(_OPTIONS)}", path=f"sinks.{self.name}.{bad}"
             )
         self.tracking_uri = None if tracking_uri is None else check_tracking_uri(tracking_uri)
+        if self.tracking_uri is not None:
+            _check_database_driver(self.tracking_uri)
         for option, value in (("experiment", experiment), ("run_name", run_name)):
             if value is not None and not (isinstance(value, str) and value.strip()):
                 raise ConfigError(f"got {value!r}; need a non-empty string", path=f"sinks.{self.name}.{option}")
@@ -197,6 +224,27 @@ class MlflowSink:
             return None
         self.tracking_uri = current
         return str(active.info.run_id)
+    def probe(self, timeout: float) -> None:
+        """One request to an HTTP tracking server's ``/health``, at most ``timeout`` seconds and
+        no retries (MLflow's own client retries a refused connection for about 4 minutes before
+        its first error). Any HTTP answer means the server is reachable. A local or database
+        store is not probed here: ``open`` fails at once when it cannot be opened.
+
+        Raises:
+            SinkError: the server cannot be reached, with the URI and the cause.
+        """
+        uri = self.tracking_uri
+        if uri is None or urlparse(uri).scheme not in ("http", "https"):
+            return
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+                pass
+        except urllib.error.HTTPError:
+            return
+        except (OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            raise SinkError(f"the MLflow tracking server {uri} cannot be reached within {timeout:g} s ({reason}); "
+                            "check that it runs (mlflow server) and the URI") from error
 
     def open(self, run: RunInfo) -> None:
         """Create (or reuse) the experiment, create the run with its tags and log the manifest.

@@ -183,3 +183,41 @@ def test_stuck_share_tells_a_sudden_death_from_a_slow_starvation():
     rows = [(10.0, 100.0, 0.0, 290.0), (0.0, 0.0, 0.0, 400.0), (0.0, 0.0, 0.0, 400.0)]
     got = {s: eng.observe([R("t", s, row, layer=0)], s) for s, row in enumerate(rows, start=1)}
     assert [(a.step, a.labels.expert, a.baseline) for alerts in got.values() for a in alerts] == [(2, 1, 100.0)]
+
+
+def _deaths(rule: dict, rows: list[tuple[float, ...]]) -> list[tuple[int, int | None]]:
+    eng = engine(rule)
+    return [(a.step, a.labels.expert) for s, row in enumerate(rows, start=1)
+            for a in eng.observe([R("t", s, row, layer=0)], s) if a.state == "open"]
+
+
+def test_a_starved_expert_is_named_within_two_due_steps_of_its_death_as_is_a_sudden_one():
+    """Issue 35: an expert that starved by itself (0 tokens) raised no alert, since the zero rule
+    with a share waits for a sudden death. The starved mode names it by its falling load; the
+    delay is counted in due steps from the first due step with 0 tokens (its death)."""
+    starved = {"kind": "stuck", "metric": "t", "mode": "starved", "share": 0.1, "steps": 2, "warmup": 2}
+    fair = 256.0  # 4 experts, 1024 routed tokens
+    # expert 3 starves: its load halves each due step from step 3 (128, 64, ..., 0 at step 10)
+    slow = [(fair, fair, fair, fair)] * 2 + [
+        (fair + x / 3, fair + x / 3, fair + x / 3, fair - x) for x in
+        (128.0, 192.0, 224.0, 240.0, 248.0, 252.0, 254.0, 256.0, 256.0, 256.0)]
+    death = next(s for s, row in enumerate(slow, start=1) if row[3] == 0)
+    (tripped,) = _deaths(starved, slow)
+    assert tripped[1] == 3 and tripped[0] - death <= 2
+    print(f"starved expert: named at due step {tripped[0]}, its death (0 tokens) at due step {death}: "
+          f"delay {tripped[0] - death} due steps")
+    # the zero rule with a share (the default dead-expert rule) never names it
+    zero = {"kind": "stuck", "metric": "t", "mode": "zero", "steps": 1, "share": 0.5, "warmup": 2}
+    assert _deaths(zero, slow) == []
+    # a sudden death at step 5: both rules name it, the zero rule at once, the starved mode 1 due step later
+    sudden = [(fair,) * 4] * 4 + [(fair + fair / 3,) * 3 + (0.0,)] * 4
+    assert _deaths(zero, sudden) == [(5, 3)]
+    assert _deaths(starved, sudden) == [(6, 3)]
+    # a clean, uneven but fed load (every expert above 10% of fair) raises nothing
+    uneven = [(400.0, 300.0, 200.0, 124.0), (500.0, 300.0, 190.0, 34.0)] * 5
+    assert _deaths(starved, uneven) == []
+
+
+def test_starved_mode_needs_a_share():
+    with pytest.raises(ConfigError, match=r"alerts\.rules\[0\]\.share: mode 'starved' needs share"):
+        engine({"kind": "stuck", "metric": "t", "mode": "starved"})

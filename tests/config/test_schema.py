@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -133,8 +134,10 @@ def test_dict_form_and_round_trip_through_to_dict() -> None:
         "format": None,
         "scale_mode": None,
         "moments": [],
+        "optional": False,
     }
-    assert plain["run"] == {"name": "demo", "dir": "runs/demo", "read_results": "now"}
+    assert plain["run"] == {"name": "demo", "dir": "runs/demo", "read_results": "now", "close_timeout_s": 30.0,
+                            "interrupt_timeout_s": 2.0}
     assert plain["distributed"] == {"collective_timeout_s": 30.0, "check_plan": "always", "verify_replicas": "first",
                                    "log_rank": 1}
     assert yaml.safe_load(yaml.safe_dump(plain)) == plain  # plain data only
@@ -313,7 +316,7 @@ BAD_MAPPINGS = [
         "unknown key 'runn' (did you mean 'run'?); valid keys: run, metrics, sinks, placements, distributed, alerts",
     ),
     ({"run": {"nmae": "x"}}, "run.nmae", "unknown key 'nmae' (did you mean 'name'?); valid keys: name, dir, read_results"),
-    ({"run": "demo"}, "run", "the run section must be a mapping with keys name, dir, read_results; got 'demo' (a string)"),
+    ({"run": "demo"}, "run", "the run section must be a mapping with keys name, dir, read_results, close_timeout_s, interrupt_timeout_s; got 'demo' (a string)"),
     ({"run": {"name": ""}}, "run.name", "got '' (a string); need a non-empty string (the run name)"),
     ({"run": {"name": 7}}, "run.name", "got 7 (an integer); need a non-empty string"),
     ({"run": {"name": "a/b"}}, "run.name", "a run name cannot contain '/' or '\\' or be '.' or '..'"),
@@ -346,14 +349,15 @@ BAD_MAPPINGS = [
         {"metrics": [7]},
         "metrics[0]",
         "got 7 (an integer); need 'NAME:INTERVAL' (e.g. 'layer-grad-l2:10') or a mapping with keys name, "
-        "interval, select, modules, bins, sample",
+        "interval, select, modules, bins, sample, recipe, format, scale_mode, moments, optional",
     ),
     ({"metrics": [["a"]]}, "metrics[0]", "got a list; need 'NAME:INTERVAL'"),
     ({"metrics": [{"interval": 3}]}, "metrics[0]", "missing key 'name'"),
     (
         {"metrics": [{"name": "x", "options": {"bins": 3}}]},
         "metrics[0].options",
-        "unknown key 'options'; valid keys: name, interval, select, modules, bins, sample",
+        "unknown key 'options' (did you mean 'optional'?); valid keys: name, interval, select, modules, bins, sample, recipe, format, scale_mode, "
+        "moments, optional",
     ),
     (
         {"metrics": [{"name": "x", "intervall": 3}]},
@@ -662,3 +666,16 @@ def test_sinks_as_a_list_of_names() -> None:
 
 def test_config_pickles_for_spawned_ranks() -> None:
     assert pickle.loads(pickle.dumps(EXPECTED)) == EXPECTED
+
+
+def test_braces_in_globs_list_alternatives_and_bad_braces_are_refused_with_the_place() -> None:
+    metric = load_config({"metrics": [{"name": "layer-grad-l2", "select": ["layers.*.{mlp,moe}.*", "embed.*"],
+                                       "optional": True}]}).metrics[0]
+    assert metric.select == ("layers.*.mlp.*", "layers.*.moe.*", "embed.*")
+    assert metric.optional is True
+    for bad, why in (("l.{mlp}", "two or more alternatives"), ("l.{a,b", "never closed"), ("l.a}", "no '{'")):
+        with pytest.raises(ConfigError, match=re.escape(why)) as caught:
+            load_config({"metrics": [{"name": "layer-grad-l2", "select": ["x.*", bad]}]})
+        assert caught.value.path == "metrics[0].select[1]"
+    with pytest.raises(ConfigError, match="true or false"):
+        load_config({"metrics": [{"name": "layer-grad-l2", "optional": "yes"}]})

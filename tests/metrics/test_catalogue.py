@@ -135,6 +135,23 @@ def test_describe_catalogue_table_and_json():
     assert data["aliases"]["layer-wgrad-l2"] == "layer-grad-l2"
     first = data["metrics"][0]
     assert set(first) == {"name", "aliases", "source_kinds", "scopes", "formula", "unit", "baseline", "placements",
-                          "options"}
+                          "options", "cost"}
     with pytest.raises(ConfigError, match="'table' or 'json'"):
         describe_catalogue("yaml")  # type: ignore[arg-type]
+
+
+def test_every_entry_shows_its_cost_class():
+    """Issue 35: the histogram's cost was nowhere; each entry names its class, and the table
+    says what each class costs."""
+    from tmetrics_core.metrics.catalogue import catalogue_entries, describe_catalogue
+    from tmetrics_core.metrics.cost import COST_CLASSES
+
+    costs = {e.name: e.cost for e in catalogue_entries()}
+    assert set(costs.values()) <= set(COST_CLASSES)
+    assert costs["layer-grad-histogram"] == costs["layer-router-logits-median"] == "binning"
+    assert costs["layer-grad-l2"] == costs["layer-grad-rms"] == "shared-read"
+    assert costs["layer-update-ratio"] == "snapshot" and costs["dp-replica-drift"] == "sampled"
+    assert costs["layer-expert-tokens"] == "own-pass"
+    table = describe_catalogue()
+    assert all(f"  {name}: {meaning}" in table for name, meaning in COST_CLASSES.items())
+    assert '"cost": "binning"' in describe_catalogue("json")

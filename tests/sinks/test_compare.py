@@ -98,3 +98,17 @@ def test_errors_name_the_problem(tmp_path: Path, mlflow_uri: str) -> None:
     assert info.value.path == "compare.tracking_uri"
     with pytest.raises(ConfigError):
         compare_runs([], tracking_uri=mlflow_uri)
+
+
+def test_the_plot_has_integer_layer_ticks_and_names_the_step(tmp_path: Path, mlflow_uri: str, monkeypatch) -> None:
+    """Issue 35: layer ticks fell at 0.5, 1.5 and the plot did not say which step it shows."""
+    from matplotlib.figure import Figure
+
+    _log_run(mlflow_uri, tmp_path, "base", 1.0)
+    saved: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: saved.append(self))
+    compare_runs(["base"], tracking_uri=mlflow_uri, out_png=tmp_path / "p.png", step=1)
+    (figure,) = saved
+    ticks = [t for t in figure.axes[0].get_xticks() if 0 <= t <= 11]
+    assert len(ticks) > 2 and all(float(t).is_integer() for t in ticks)
+    assert figure._suptitle.get_text() == "base: step 1"

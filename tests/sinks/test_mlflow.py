@@ -150,7 +150,8 @@ def test_collision_raises_and_writes_nothing(run_info: RunInfo, mlflow_uri: str)
 def test_tracking_uri_forms(uri, ok: bool) -> None:
     if ok:
         assert check_tracking_uri(uri) == uri
-        MlflowSink(tracking_uri=uri)
+        if not uri.startswith("postgresql"):  # a database URI also needs its driver: the test below
+            MlflowSink(tracking_uri=uri)
     else:
         with pytest.raises(ConfigError) as info:
             MlflowSink(tracking_uri=uri)
@@ -212,3 +213,14 @@ def test_flatten_params() -> None:
     assert long["x"] == "yyyyy..."
     with pytest.raises(ConfigError, match="'a.b' and 'a.b'|both become the MLflow param 'a.b'"):
         flatten_params({"a.b": 1, "a": {"b": 2}})
+
+
+def test_a_missing_database_driver_is_refused_when_the_config_is_read() -> None:
+    """Issue 35: MLflow found a missing driver only when the sink opened, after training began."""
+    import importlib.util
+
+    assert importlib.util.find_spec("psycopg2") is None  # not in the test environment
+    with pytest.raises(ConfigError, match=r"database driver cannot be imported .*psycopg2.*pip install psycopg2"
+                       ) as info:
+        MlflowSink(tracking_uri="postgresql+psycopg2://u@db/mlflow")
+    assert info.value.path == "sinks.mlflow.tracking_uri"

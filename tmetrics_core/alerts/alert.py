@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tmetrics_core.records import Labels
+from tmetrics_core.records import Labels, show_value
 
 __all__ = ["COLUMNS", "Alert", "AlertState"]
 
@@ -64,9 +64,9 @@ class Alert:
     def describe(self) -> str:
         """One line for a person: ``step 100 OPEN update-ratio-spike layer-update-ratio layer 3:
         0.41 vs baseline 0.0004 (1025x)``, plus ``; first: ...`` when another alert led."""
-        base = "none" if self.baseline is None else f"{self.baseline:.4g}"
+        base = "none" if self.baseline is None else show_value(self.baseline)
         text = (f"step {self.step} {self.state.upper()} {self.rule} {self.metric} {self.where()}: "
-                f"{self.value:.4g} vs baseline {base} ({_fold(self.jump)})")
+                f"{show_value(self.value)} vs baseline {base} ({_fold(self.jump)})")
         lead = self.first
         if lead and not self.is_first():
             text += f"; first: {_lead(lead)}"

@@ -154,17 +154,24 @@ class StuckTracker:
             if not stuck:
                 self.before = value
                 self.share = value / mean if mean else None
+        elif self.rule.mode == "starved":
+            assert self.rule.share is not None  # checked by StuckRule
+            stuck = mean is not None and mean > 0 and value < self.rule.share * mean
+            baseline = self.before
+            if not stuck:
+                self.before = value
         else:
             stuck = self.previous is not None and abs(value - self.previous) <= atol
             baseline = self.previous
-        # zero: zeros in a row; unchanged: equal values in a row, the first of them included
-        self.run = self.run + 1 if stuck else (0 if self.rule.mode == "zero" else 1)
+        # zero, starved: such values in a row; unchanged: equal values in a row, the first included
+        self.run = self.run + 1 if stuck else (1 if self.rule.mode == "unchanged" else 0)
         self.previous = value
         due = self.seen > self.rule.warmup and (
-            self.rule.share is None or (self.share is not None and self.share >= self.rule.share))
+            self.rule.share is None or self.rule.mode == "starved"
+            or (self.share is not None and self.share >= self.rule.share))
         if self.run >= self.rule.steps and not self.open and due:
             self.open = True
-            return ("trip", baseline if self.rule.mode == "zero" else value)
+            return ("trip", value if self.rule.mode == "unchanged" else baseline)
         if self.open and not stuck:
             self.open = False
             return ("recover", value)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.records import show_value
 
 __all__ = ["format_alerts", "read_alerts"]
 
@@ -52,6 +53,6 @@ def format_alerts(alerts: list[Alert]) -> str:
 def _row(alert: Alert) -> tuple[str, ...]:
     row = alert.row()
     first = "(this)" if alert.is_first() else row[-1]
-    base = "-" if alert.baseline is None else f"{alert.baseline:.4g}"
-    return (str(alert.step), alert.state, alert.rule, alert.metric, alert.where(), f"{alert.value:.4g}", base,
+    base = "-" if alert.baseline is None else show_value(alert.baseline)
+    return (str(alert.step), alert.state, alert.rule, alert.metric, alert.where(), show_value(alert.value), base,
             f"{alert.jump:.3g}", first)

@@ -20,32 +20,12 @@ from tmetrics_core.cli.plugins import PluginGroup
 __all__ = ["main"]
 
 
-@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=PluginGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             lazy={"demo": ("tmetrics_core.cli.demo_command:demo_command",
+                            "Train the demo MoE transformer on Python's standard library and fill every tracker.")})
 @click.version_option(package_name="tmetrics")
 def main() -> None:
     """Training-time tensor metrics for sharded PyTorch models, per layer and per expert."""
-
-
-def _demo_command() -> click.Command:
-    from tmetrics_core.demo.launch import demo_options
-
-    @main.command("demo")
-    @demo_options
-    @_friendly
-    def demo(**kwargs: Any) -> None:
-        """Train the demo MoE transformer on Python's standard library and fill every tracker.
-
-        Runs on one process by default; --nproc 4 --dp 2 --tp 2 (or --ep, --fsdp, --pp) launches
-        gloo ranks on 127.0.0.1. Ends by printing where the run is and how to open it.
-        """
-        from tmetrics_core.demo.instrument import run_instrumented_demo
-
-        run_instrumented_demo(kwargs)
-
-    return demo
-
-
-_demo_command()
 
 
 @main.command("metrics")
@@ -90,26 +70,21 @@ def names_command(hf: str | None, factory: str | None, run_dir: Path | None, as_
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 @_friendly
 def validate_command(config: Path) -> None:
-    """Check CONFIG (YAML, TOML or JSON) as a run would at start-up, without a model.
+    """Check CONFIG (YAML, TOML or JSON) as a run would at start-up, without a model, and list
+    every problem found, not only the first.
 
     Also lists the placements CONFIG declares (origin ``declared``) and when their Replica
     claims are verified; the other origins need the model: see ``tmetrics names --run-dir``.
     """
     from tmetrics_core.cli.names_table import format_declared
-    from tmetrics_core.config.schema import check_names, load_config
-    from tmetrics_core.metrics.catalogue import build_metric, metric_names, resolve_metric
-    from tmetrics_core.sinks.registry import available_sinks, build_sinks
+    from tmetrics_core.cli.validation import NO_SINKS, validate_file
 
-    loaded = check_names(load_config(config), resolve_metric=resolve_metric, metric_names=metric_names(),
-                         sink_names=[name for name, _ in available_sinks()])
-    for mc in loaded.metrics:
-        build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins, sample=mc.sample,
-                     recipe=mc.recipe or None, format=mc.format, scale_mode=mc.scale_mode,
-                     moments=mc.moments or None)
-    build_sinks(loaded.sinks)
+    loaded = validate_file(config)
     click.echo(f"{config}: ok: {len(loaded.metrics)} metrics "
                f"({', '.join(f'{m.name}:{m.interval}' for m in loaded.metrics)}); "
                f"sinks {', '.join(loaded.sinks) or 'none'}; run dir {loaded.run.dir}")
+    if not loaded.sinks:
+        click.echo(f"tmetrics: warning: {config} {NO_SINKS}", err=True)
     click.echo(format_declared(loaded.placements, loaded.distributed.verify_replicas))
 
 

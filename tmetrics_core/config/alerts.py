@@ -182,8 +182,10 @@ class StuckRule(_Rule):
     slowly (which the router's balancing often revives)."""
 
     kind: Literal["stuck"] = "stuck"
-    mode: Literal["zero", "unchanged"] = "zero"
-    """``zero`` or ``unchanged``."""
+    mode: Literal["zero", "unchanged", "starved"] = "zero"
+    """``zero``, ``unchanged``, or ``starved``: a vector element (tokens per expert) below
+    ``share`` x its vector's mean (a fair load) for ``steps`` due values in a row, which names an
+    expert the router starves slowly, as well as one that dies at once, before its count is 0."""
     steps: int = 2
     """Consecutive due values it takes (>= 1 for zero, >= 2 for unchanged)."""
     atol: float = 0.0
@@ -192,20 +194,24 @@ class StuckRule(_Rule):
     """Due values seen before the rule may trip (early training moves routing wildly)."""
     share: float | None = None
     """Zero mode on vector elements: the least fraction of the vector's mean the value before the
-    zeros must have had (0.25: a quarter of a fair share); ``None``: any value."""
+    zeros must have had (0.25: a quarter of a fair share); ``None``: any value. Starved mode
+    (required): the fraction of the mean below which a value counts as starved."""
 
     def __post_init__(self) -> None:
         self._check_common("stuck")
         _count(self.warmup, path="warmup", minimum=0, meaning="due values before the rule may trip")
+        if self.share is None and self.mode == "starved":
+            raise ConfigError("mode 'starved' needs share: the fraction of a fair load (the vector's mean) below "
+                              "which an element counts as starved, e.g. 0.1", path="share")
         if self.share is not None:
-            if self.mode != "zero":
-                raise ConfigError(f"got {self.share!r} with mode 'unchanged'; share applies to mode 'zero'",
-                                  path="share")
+            if self.mode == "unchanged":
+                raise ConfigError(f"got {self.share!r} with mode 'unchanged'; share applies to modes 'zero' and "
+                                  "'starved'", path="share")
             object.__setattr__(self, "share", _number(self.share, path="share", need="a fraction > 0 of the "
                                                       "vector's mean", ok=lambda v: v > 0))
-        if self.mode not in ("zero", "unchanged"):
-            raise ConfigError(f"got {self.mode!r}; need 'zero' or 'unchanged'", path="mode")
-        _count(self.steps, path="steps", minimum=1 if self.mode == "zero" else 2,
+        if self.mode not in ("zero", "unchanged", "starved"):
+            raise ConfigError(f"got {self.mode!r}; need 'zero', 'unchanged' or 'starved'", path="mode")
+        _count(self.steps, path="steps", minimum=2 if self.mode == "unchanged" else 1,
                meaning="consecutive due values")
         object.__setattr__(self, "atol", _number(self.atol, path="atol", need="a number >= 0", ok=lambda v: v >= 0))
 

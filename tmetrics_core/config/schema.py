@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 from tmetrics_core.config.alerts import AlertsConfig, parse_alerts
 from tmetrics_core.config.files import SUFFIXES, read_config_file
+from tmetrics_core.config.globs import expand_braces
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.placements import parse_placement
 
@@ -57,6 +58,7 @@ __all__ = [
     "ReadResults",
     "RunConfig",
     "check_names",
+    "config_problems",
     "load_config",
     "override_sinks",
     "parse_metric_spec",
@@ -96,6 +98,14 @@ class RunConfig:
     """When a due step's results leave the device: ``now`` (at the step's end: the step waits
     once for its accelerator) or ``next-step`` (at the end of the next step scope, or at
     ``close()``: no step waits; records arrive one step later, with their own step)."""
+    close_timeout_s: float = 30.0
+    """Seconds ``close()`` may wait for the sinks: half drains their queues (what is left is
+    spooled, for ``tmetrics replay``), the rest ends each tracker run; a sink still busy after it
+    is left open and reported."""
+    interrupt_timeout_s: float = 2.0
+    """The same bound when Ctrl-C (``KeyboardInterrupt``) ends the run, so an interrupted job
+    exits in seconds. SIGTERM, whose sender usually grants a grace period, gets
+    ``close_timeout_s``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -115,6 +125,11 @@ class RunConfig:
         if self.read_results not in READ_RESULTS:
             raise ConfigError(f"got {_describe(self.read_results)}{_suggest(self.read_results, READ_RESULTS)}; need one "
                               f"of {', '.join(READ_RESULTS)}", path="read_results")
+        for key in ("close_timeout_s", "interrupt_timeout_s"):
+            seconds = getattr(self, key)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+                raise ConfigError(f"got {_describe(seconds)}; need a number of seconds >= 0", path=key)
+            object.__setattr__(self, key, float(seconds))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,10 +143,12 @@ class MetricConfig:
     """Steps between two computations of the metric; 1 computes it every step."""
     select: tuple[str, ...] = ()
     """``fnmatch`` globs on canonical tensor names (``layers.*.mlp.*``); a tensor is used when any
-    glob matches. Empty: every tensor the metric accepts. A single string is one glob."""
+    glob matches. Empty: every tensor the metric accepts. A single string is one glob. Braces
+    list alternatives (``layers.*.{mlp,moe}.*``), expanded when the config is read."""
     modules: tuple[str, ...] = ()
     """``fnmatch`` globs on canonical module names whose outputs are observed (``layers.*.mlp``),
-    for activation metrics. Empty: the metric's default modules."""
+    for activation metrics. Empty: the metric's default modules. Braces list alternatives
+    (``layers.*.{mlp,moe}``: one config for dense and MoE models)."""
     bins: int | None = None
     """Number of log-spaced bins, for histogram metrics; ``None``: the metric's default."""
     sample: int | None = None
@@ -148,6 +165,10 @@ class MetricConfig:
     """The optimizer moments ``layer-optimizer-state-rms`` reads: ``exp_avg`` (first moment:
     Adam's, or the momentum of SGD and Muon) and ``exp_avg_sq`` (second moment: Adam's, RMSprop's).
     Empty: both."""
+    optional: bool = False
+    """Skip the metric, with one INFO line, where the model has no source for it (router
+    outputs on a dense model, modules or tensors its globs do not match, no blocks or head,
+    an optimizer without the state it reads), instead of refusing the config."""
 
     def __post_init__(self) -> None:
         _check_name(self.name, path="name", what="a metric name such as 'layer-grad-l2'")
@@ -168,6 +189,8 @@ class MetricConfig:
             raise ConfigError(f"got {_describe(self.moments)}; need a list of exp_avg (first moment) and "
                               "exp_avg_sq (second moment)", path="moments")
         object.__setattr__(self, "moments", tuple(moments))
+        if not isinstance(self.optional, bool):
+            raise ConfigError(f"got {_describe(self.optional)}; need true or false", path="optional")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -400,6 +423,70 @@ def check_names(
     return replace(config, metrics=tuple(resolved))
 
 
+def config_problems(source: str | os.PathLike[str] | Mapping[str, Any]) -> list[ConfigError]:
+    """Every problem :func:`load_config` finds in ``source``, not only the first (it raises at
+    the first): each top-level key, each key of ``run`` and ``distributed``, each key of each
+    metric entry, each sink and each placement is checked on its own. ``alerts`` gives at most
+    one. Empty when ``load_config(source)`` succeeds; names against the catalogue and the
+    installed sinks are :func:`check_names`'s (``tmetrics validate`` checks those too).
+    """
+    if isinstance(source, Mapping):
+        data: Any = source
+    else:
+        try:
+            data = read_config_file(source)
+        except ConfigError as err:
+            return [err]
+    problems: list[ConfigError] = []
+
+    def attempt(check: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        try:
+            check(*args, **kwargs)
+        except ConfigError as err:
+            problems.append(err)
+
+    if not isinstance(data, Mapping):
+        attempt(_config_from, data)
+        return problems
+    valid = _field_names(Config)
+    for key in data:
+        attempt(_keys, {key: None}, path="", valid=valid)
+    for name, kind in (("run", RunConfig), ("distributed", DistributedConfig)):
+        section = data.get(name)
+        if not isinstance(section, Mapping):
+            attempt(_keys, section, path=name, valid=_field_names(kind))
+            continue
+        for key, value in section.items():
+            attempt(_section_field, name, kind, key, value)
+    metrics = data.get("metrics")
+    if isinstance(metrics, (list, tuple)):
+        for index, spec in enumerate(metrics):
+            path = f"metrics[{index}]"
+            if not isinstance(spec, Mapping) or "name" not in spec:
+                attempt(parse_metric_spec, spec, path=path)
+                continue
+            for key, value in spec.items():  # each key alone, beside a valid name
+                attempt(parse_metric_spec, {"name": spec["name"] if key == "name" else "x", key: value}, path=path)
+    else:
+        attempt(_metric_list, metrics)
+    if "alerts" in data:
+        attempt(parse_alerts, data["alerts"])
+    sinks = data.get("sinks")
+    for one in ({n: o} for n, o in sinks.items()) if isinstance(sinks, Mapping) else [sinks]:
+        attempt(_sink_table, one)
+    placements = data.get("placements")
+    for one in ({g: a} for g, a in placements.items()) if isinstance(placements, Mapping) else [placements]:
+        attempt(_placement_table, one)
+    return problems
+
+
+def _section_field(name: str, kind: type, key: Any, value: Any) -> None:
+    """One key of the ``run`` or ``distributed`` section checked alone (the others default)."""
+    _keys({key: value}, path=name, valid=_field_names(kind))
+    with _under(name):
+        kind(**{key: value})
+
+
 # ---- parsing: mappings into dataclasses -------------------------------------------------
 
 
@@ -576,7 +663,13 @@ def _globs(value: Any, *, path: str, of: str) -> tuple[str, ...]:
             raise ConfigError(
                 f"got {_describe(item)}; need a non-empty glob on {of}, e.g. 'layers.*.mlp.*'", path=where
             )
-    return tuple(items)
+    expanded: list[str] = []
+    for index, item in enumerate(items):
+        try:
+            expanded += expand_braces(item)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}", path=path if isinstance(value, str) else f"{path}[{index}]") from None
+    return tuple(dict.fromkeys(expanded))
 
 
 def _describe(value: Any) -> str:

@@ -93,7 +93,9 @@ class HubReport:
                 lines.append(f"  {s.sink}: {s.spooled} records spooled; load them later with: {replay}")
             if s.dropped:
                 lines.append(f"  {s.sink}: {s.dropped} records LOST (spool could not take them)")
-            if s.last_error:
+            if not s.opened:
+                lines.append(f"  {s.sink}: never opened ({s.last_error or 'the run ended before it opened'})")
+            elif s.last_error:
                 lines.append(f"  {s.sink}: last error {s.last_error}")
         return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Sequence
@@ -53,9 +54,16 @@ class SinkHub:
         backoff: first wait between attempts, seconds; doubles per attempt (plus jitter).
         backoff_max: the longest wait between attempts, between background ``open`` retries
             and between probes of a sink that keeps failing, seconds.
-        close_timeout: how long :meth:`close` waits for the sinks to drain and close, seconds;
-            after it, what a slow or hung sink has not written is spooled. Also the default
-            bound of :meth:`flush`.
+        close_timeout: how long :meth:`close` waits for the sinks to drain and close, seconds
+            (the config's ``run.close_timeout_s``). Half of it goes to draining the queues: what
+            a sink has not written by then is spooled and the sink is closed; a sink still busy
+            at the end is left (not closed) and its rest spooled. Also the default bound of
+            :meth:`flush`.
+        interrupt_timeout: the same bound for :meth:`close_interrupted` (Ctrl-C), seconds, so
+            that an interrupted job exits promptly (the config's ``run.interrupt_timeout_s``).
+        probe_timeout: seconds one probe of a remote sink's server may take
+            (:class:`~tmetrics_core.sinks.registry.RemoteSink`): an unreachable server is said
+            within it.
         spool_timeout: how long :meth:`close` then waits for the spool disk, seconds. ``close``
             returns within ``close_timeout + spool_timeout`` seconds.
         spool_queue_size: records that may wait for the spool disk (all sinks together); a step
@@ -78,6 +86,8 @@ class SinkHub:
         backoff: float = 0.5,
         backoff_max: float = 30.0,
         close_timeout: float = 30.0,
+        interrupt_timeout: float = 2.0,
+        probe_timeout: float = 2.0,
         spool_timeout: float = 10.0,
         spool_queue_size: int = 2**20,
         alerts: AlertEngine | None = None,
@@ -97,6 +107,8 @@ class SinkHub:
             ("backoff", backoff),
             ("backoff_max", backoff_max),
             ("close_timeout", close_timeout),
+            ("interrupt_timeout", interrupt_timeout),
+            ("probe_timeout", probe_timeout),
             ("spool_timeout", spool_timeout),
         ):
             if not seconds >= 0:
@@ -104,6 +116,7 @@ class SinkHub:
         self.spool_dir = spool_dir
         self.alerts = alerts
         self._close_timeout = close_timeout
+        self._interrupt_timeout = interrupt_timeout
         self._spool_timeout = spool_timeout
         self._spiller = Spiller(spool_dir, max_records=spool_queue_size)
         self._workers = [
@@ -114,6 +127,8 @@ class SinkHub:
                 retries=retries,
                 backoff=backoff,
                 backoff_max=backoff_max,
+                on_open=self._exit_hook_last,
+                probe_timeout=probe_timeout,
             )
             for sink in sinks
         ]
@@ -204,7 +219,8 @@ class SinkHub:
         """Drain every sink, close it with ``status``, spool what could not be written, and
         return (and log) the report. Thread-safe and idempotent: later calls return the first
         report. Returns within ``timeout`` (default ``close_timeout``) + ``spool_timeout``
-        seconds even when a sink hangs; that sink is then not closed (``closed=False``).
+        seconds even when a sink hangs; that sink is then not closed (``closed=False``). The
+        queues drain for half of ``timeout``; what is left then is spooled and each sink closed.
         A call re-entering from a signal handler while a close runs returns a snapshot."""
         with self._lock:
             if self._report is not None:
@@ -221,14 +237,20 @@ class SinkHub:
             atexit.unregister(self._close_at_exit)
             return self._report
 
+    def close_interrupted(self) -> HubReport:
+        """:meth:`close` with ``"killed"`` within ``interrupt_timeout``: Ctrl-C wants the
+        process gone in seconds; what the sinks have not written by then is spooled."""
+        return self.close("killed", timeout=self._interrupt_timeout)
+
     def report(self) -> HubReport:
         """The counts so far (records still queued show as ``pending``)."""
         return self._report if self._report is not None else self._snapshot("finished")
 
     def _close(self, status: RunStatus, timeout: float) -> HubReport:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         for worker in self._workers:
-            worker.request_close(status)
+            worker.request_close(status, drain_until=start + timeout / 2)
         for worker in self._workers:
             finished = worker.join(deadline - time.monotonic())
             handed = worker.abandon()
@@ -252,11 +274,27 @@ class SinkHub:
         if self._state != "open":
             raise SinkError(f"SinkHub.{method} needs an open hub; its state is {self._state!r}")
 
+    def _exit_hook_last(self) -> None:
+        """Register the exit hook again, after a sink opened: ``atexit`` runs hooks last in,
+        first out, and a tracker library registers its own teardown when its run starts (W&B's
+        service connection), so the hub's hook must come later to close the run while the
+        library still works. Not under the hub's lock, which ``close`` holds while it waits for
+        the workers; a hook registered as a close ends does nothing (the report exists)."""
+        if self._state == "open":
+            atexit.unregister(self._close_at_exit)
+            atexit.register(self._close_at_exit)
+
     def _close_at_exit(self) -> None:
         if self._report is None:
+            uncaught = getattr(sys, "last_type", None)
+            interrupted = uncaught is not None and issubclass(uncaught, KeyboardInterrupt)
             _log.warning("tmetrics was not closed (call TensorMetrics.close() after the last step, or use it as a "
-                         "context manager); closing its sinks at interpreter exit with status 'failed'")
-            self.close("failed")
+                         "context manager); closing its sinks at interpreter exit with status %r",
+                         "killed" if interrupted else "failed")
+            if interrupted:
+                self.close_interrupted()
+            else:
+                self.close("failed")
 
 
 class NullHub:
@@ -279,6 +317,10 @@ class NullHub:
     def close(self, status: RunStatus = "finished", *, timeout: float | None = None) -> HubReport:
         """An empty report."""
         return HubReport(status=status, sinks=())
+
+    def close_interrupted(self) -> HubReport:
+        """An empty report."""
+        return HubReport(status="killed", sinks=())
 
     def report(self) -> HubReport:
         """An empty report."""

@@ -4,13 +4,17 @@ The worker owns every call to its sink. Its life:
 
 1. **open**: ``sink.open(run)`` is retried with capped exponential backoff until it succeeds or
    the hub closes; meanwhile queued batches go to the spool, so an unreachable backend costs
-   neither memory nor training time.
+   neither memory nor training time. A sink with a ``probe`` method
+   (:class:`~tmetrics_core.sinks.registry.RemoteSink`) is probed before each attempt, with a short
+   timeout and no retries, so an unreachable server is said (a warning) within that timeout rather
+   than after its client library's own retries.
 2. **deliver**: each batch is written with up to ``retries`` retries and backoff. A batch that
    still fails goes to the spool and the sink is marked *down*: later batches go straight to
    the spool until a probe time, when one attempt is made (success makes it healthy again;
    failure doubles the probe interval up to ``backoff_max``). A sink that raises on every call
    thus costs one attempt per probe interval, not ``retries`` attempts per step.
-3. **close**: after the queue is drained, ``sink.close(status)`` (retried like a write).
+3. **close**: after the queue is drained, ``sink.close(status)`` (retried like a write). The
+   drain has a deadline: what is still queued then goes to the spool, and the sink is closed.
 
 Ownership of each item is decided under one lock: an item is in the queue, in flight in the
 worker, or handed to the spool, never two of these. When ``SinkHub.close`` gives up on a worker
@@ -57,6 +61,19 @@ def _retryable(error: BaseException) -> bool:
     return not isinstance(error, (_Abandoned, ConfigError))
 
 
+def _merged(items: list[Item]) -> list[Item]:
+    """``items`` with each run of consecutive batches joined into one, so the spool writes (and
+    fsyncs) once per run instead of once per step; every record keeps its own step."""
+    out: list[Item] = []
+    for item in items:
+        last = out[-1] if out else None
+        if isinstance(item, Batch) and isinstance(last, Batch):
+            out[-1] = Batch(item.step, last.records + item.records, last.alerts + item.alerts)
+        else:
+            out.append(item)
+    return out
+
+
 class SinkWorker:
     """A bounded queue and one daemon thread calling one sink.
 
@@ -69,6 +86,8 @@ class SinkWorker:
         backoff: first wait between attempts, in seconds; doubles each time, with up to
             ``backoff`` seconds of random jitter.
         backoff_max: longest wait between attempts and between probes of a down sink, seconds.
+        on_open: called on the worker's thread once the sink has opened.
+        probe_timeout: seconds one ``probe`` of a remote sink may take.
     """
 
     def __init__(
@@ -80,8 +99,13 @@ class SinkWorker:
         retries: int,
         backoff: float,
         backoff_max: float,
+        on_open: Callable[[], None],
+        probe_timeout: float,
     ) -> None:
         self.sink = sink
+        self._on_open = on_open
+        self._probe_timeout = probe_timeout
+        self._drain_until = float("inf")
         self.counters = SinkCounters(sink.name)
         self._spiller = spiller
         self._queue_size = queue_size
@@ -141,10 +165,12 @@ class SinkWorker:
                 return
         self._spiller.offer(self.counters, item)
 
-    def request_close(self, status: RunStatus) -> None:
-        """Ask the worker to drain its queue, then close the sink with ``status``."""
+    def request_close(self, status: RunStatus, *, drain_until: float) -> None:
+        """Ask the worker to drain its queue until ``drain_until`` (``time.monotonic()``
+        seconds), spool what is left then, and close the sink with ``status``."""
         with self._cond:
             self._status = status
+            self._drain_until = drain_until
             self._closing.set()
             self._cond.notify_all()
 
@@ -191,6 +217,8 @@ class SinkWorker:
             while True:
                 if self._abandoned.is_set():
                     raise _Abandoned
+                if self._closing.is_set() and self._queue and time.monotonic() >= self._drain_until:
+                    self._spool_at_deadline()
                 if self._queue:
                     item = self._queue.popleft()
                     if isinstance(item, Batch):
@@ -200,6 +228,17 @@ class SinkWorker:
                 if self._closing.is_set():
                     return None
                 self._cond.wait()
+
+    def _spool_at_deadline(self) -> None:
+        """The close's drain deadline passed with items queued (the caller holds the lock):
+        they go to the spool, and the sink is closed next."""
+        left = list(self._queue)
+        self._queue.clear()
+        self._queued_records = 0
+        for item in _merged(left):
+            self._spiller.offer(self.counters, item)
+        _log.warning("sink %s: %d records still queued at the close's drain deadline go to the spool; the sink "
+                     "is closed now", self.sink.name, sum(len(i.records) for i in left if isinstance(i, Batch)))
 
     def _release(self, *, spill: bool, written: int = 0, retried: int = 0) -> None:
         """End ownership of the in-flight item: spill it when asked, count what was written.
@@ -226,8 +265,15 @@ class SinkWorker:
             before_sleep=self._log_open_retry,
             reraise=True,
         )
+        probe = getattr(self.sink, "probe", None)
+
+        def probe_then_open() -> None:
+            if probe is not None:
+                probe(self._probe_timeout)
+            self.sink.open(run)
+
         try:
-            self._attempt(retrying, lambda: self.sink.open(run))
+            self._attempt(retrying, probe_then_open)
         except _Abandoned:
             raise
         except Exception as error:
@@ -240,6 +286,7 @@ class SinkWorker:
         if self._abandoned.is_set():  # an open that hung past the close timeout came back too late
             raise _Abandoned
         self.counters.opened = True
+        self._on_open()
         _log.info("sink %s opened", self.sink.name)
 
     def _log_open_retry(self, state: RetryCallState) -> None:

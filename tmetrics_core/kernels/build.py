@@ -21,6 +21,7 @@ from typing import Sequence
 __all__ = ["build", "cache_dir", "compiler", "key", "version"]
 
 _log = logging.getLogger("tmetrics.kernel")
+_announced: list[Path] = []  # the cache directory, once the first build of the process has said so
 
 
 def cache_dir() -> Path:
@@ -60,13 +61,21 @@ def key(*parts: str) -> str:
 
 def build(target: Path, commands: Sequence[Sequence[str]], timeout: float = 300) -> None:
     """Write the library ``target`` with the first of ``commands`` (compiler, flags, sources and
-    libraries; the output option is added) that succeeds, atomically.
+    libraries; the output option is added) that succeeds, atomically. The first build of the
+    process says so once, with the cache directory.
 
     Raises:
         OSError: every command failed (the last one's error output, shortened).
         subprocess.SubprocessError: a command ran past ``timeout`` seconds.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
+    if not _announced:
+        _announced.append(target.parent)
+        # A warning, not info, so that it shows with no logging set up: the first due step
+        # otherwise sits silent for 10 to 30 s and looks hung.
+        _log.warning("tmetrics is compiling its CPU kernels (first use only; 10 to 30 s) into %s; later runs load "
+                     "them from there (TMETRICS_CACHE moves it, TMETRICS_FUSED_KERNEL=0 skips the kernels)",
+                     target.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     error = "no command given"

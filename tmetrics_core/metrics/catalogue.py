@@ -23,6 +23,7 @@ from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.activations import DEFAULT_MODULES, BackwardGain, ModuleRms, OutputEntropy
 from tmetrics_core.metrics.attention_heads import AttentionEntropy, AttentionLogitMax, AttentionLse, AttentionSink
 from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.metrics.cost import COST_CLASSES, cost_class
 from tmetrics_core.metrics.drift import ReplicaDrift
 from tmetrics_core.metrics.outliers import ChannelKurtosis, OutlierRatio
 from tmetrics_core.metrics.quant.metric import QUANT_STATS, QuantMetric
@@ -98,7 +99,13 @@ class CatalogueEntry:
             "name": self.name, "aliases": list(self.aliases), "source_kinds": list(self.source_kinds),
             "scopes": list(self.scopes), "formula": self.formula, "unit": self.unit,
             "baseline": self.baseline, "placements": self.placements, "options": sorted(self.options),
+            "cost": self.cost,
         }
+
+    @property
+    def cost(self) -> str:
+        """The relative cost class (:data:`~tmetrics_core.metrics.cost.COST_CLASSES`)."""
+        return cost_class(self.build(name=self.name))
 
 
 def _made(cls: type, kinds: Sequence[str], scope: str, **fixed: Any) -> Callable[..., TensorMetric]:
@@ -397,7 +404,8 @@ def build_metric(name: str, *, select: str | Sequence[str] | None = None,
 
 
 def describe_catalogue(fmt: Literal["table", "json"] = "table") -> str:
-    """The catalogue for ``tmetrics metrics``: name, source kinds, scopes, formula, baseline.
+    """The catalogue for ``tmetrics metrics``: name, source kinds, scopes, cost class, formula,
+    baseline, then what each cost class costs.
 
     ``"table"``: aligned plain text, formulas wrapped, aliases listed after the table.
     ``"json"``: ``{"metrics": [...entries...], "aliases": {...}}``.
@@ -409,14 +417,18 @@ def describe_catalogue(fmt: Literal["table", "json"] = "table") -> str:
         return json.dumps({"metrics": [e.describe() for e in _ENTRIES.values()], "aliases": ALIASES}, indent=2)
     if fmt != "table":
         raise ConfigError(f"got {fmt!r}; need 'table' or 'json'", path="format")
-    headers = ("name", "source kinds", "scope", "formula", "baseline")
-    rows = [(e.name, ", ".join(e.source_kinds), ", ".join(e.scopes), e.formula, e.baseline) for e in _ENTRIES.values()]
-    widths = [max(len(r[0]) for r in rows), 21, 13, 46, 36]
+    headers = ("name", "source kinds", "scope", "cost", "formula", "baseline")
+    rows = [(e.name, ", ".join(e.source_kinds), ", ".join(e.scopes), e.cost, e.formula, e.baseline)
+            for e in _ENTRIES.values()]
+    widths = [max(len(r[0]) for r in rows), 21, 13, 11, 46, 36]
     lines = [_line(headers, widths), _line(tuple("-" * w for w in widths), widths)]
     for row in rows:
         cells = [textwrap.wrap(cell, w) or [""] if i else [cell] for i, (cell, w) in enumerate(zip(row, widths))]
         for j in range(max(len(c) for c in cells)):
             lines.append(_line(tuple(c[j] if j < len(c) else "" for c in cells), widths))
+    lines.append("")
+    lines.append("cost classes, cheapest first:")
+    lines += [f"  {name}: {meaning}" for name, meaning in COST_CLASSES.items()]
     lines.append("")
     lines.append("aliases (Megatron-LM names): " + ", ".join(f"{a} -> {c}" for a, c in sorted(ALIASES.items())))
     return "\n".join(lines)

@@ -47,7 +47,7 @@ from tmetrics_core.records import Histogram
 __all__ = ["HistogramMetric", "LogBins", "LogHistogram", "QuantileMetric"]
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
-_CHUNK = 1 << 20
+_GROUP = 1 << 22
 _MAX_PER_OCTAVE = 4096
 
 
@@ -100,26 +100,40 @@ class LogBins:
     def count(self, tensor: torch.Tensor) -> torch.Tensor:
         """Count every element of ``tensor`` (any shape, float or integer) into the bins.
 
-        Returns a float64 vector of length :attr:`size` on the tensor's device. Runs in chunks
-        of 2**20 elements, so temporary memory stays bounded.
+        Returns a float64 vector of length :attr:`size` on the tensor's device.
         """
-        x = tensor.detach().reshape(-1)
-        device = x.device
+        return self.count_many([tensor])[0]
+
+    def count_many(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`count` of each tensor (all on one device), with a fixed number of torch
+        operations per 2**22 elements whatever the number of tensors: the tensors' pieces are
+        concatenated into groups of at most 2**22 elements (a tensor larger than that is cut),
+        each group is binned by one ``searchsorted``, and one ``bincount`` over ``piece * size +
+        bin`` counts every piece at once. One ``searchsorted`` per tensor cost 24 ms on a 24 ms
+        step of the demo model. Temporary memory stays bounded by the group size. Every element
+        is compared with the float32 edges exactly as alone (float64 when any tensor is), so
+        counts do not depend on grouping or sharding.
+        """
+        flat = [t.detach().reshape(-1) for t in tensors]
+        if not flat:
+            return []
+        device = flat[0].device
         nbins = 2 * self.bins + 4
-        total = torch.zeros(self.size, dtype=torch.int64, device=device)
-        if not x.numel():
-            return total.double()
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        totals = torch.zeros(len(flat), self.size, dtype=torch.int64, device=device)
+        work = torch.float64 if any(x.dtype == torch.float64 for x in flat) else torch.float32
         edges = torch.tensor(self.edges, dtype=work, device=device)
-        for chunk in x.split(_CHUNK):
-            values = chunk.to(work)
+        for owners, pieces in _groups(flat, _GROUP):
+            values = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).to(work)  # cat widens mixed dtypes exactly
             index = (torch.searchsorted(edges, values, right=True) - 1).clamp_(0, nbins - 1)
             index = torch.where(values == 0, nbins, index)
             index = torch.where(torch.isnan(values), nbins + 1, index)
             index = torch.where(torch.isposinf(values), nbins + 2, index)
             index = torch.where(torch.isneginf(values), nbins + 3, index)
-            total += torch.bincount(index, minlength=self.size)
-        return total.double()
+            sizes = torch.tensor([p.numel() for p in pieces], device=device)
+            index += torch.repeat_interleave(torch.arange(len(pieces), device=device) * self.size, sizes)
+            counts = torch.bincount(index, minlength=len(pieces) * self.size).view(len(pieces), self.size)
+            totals.index_add_(0, torch.tensor(owners, device=device), counts)
+        return list(totals.double().unbind(0))
 
     def histogram(self, vector: Sequence[float]) -> Histogram:
         """The merged count vector as a :class:`~tmetrics_core.records.Histogram`."""
@@ -155,6 +169,26 @@ class LogBins:
             if rank < seen:
                 return value
         raise AssertionError(f"rank {rank} beyond {n} counted values")
+
+
+def _groups(flat: Sequence[torch.Tensor], limit: int) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """``flat``'s non-empty tensors cut into pieces of at most ``limit`` elements and packed, in
+    order, into groups of at most ``limit`` elements: ``(owner index of each piece, pieces)``."""
+    groups: list[tuple[list[int], list[torch.Tensor]]] = []
+    owners: list[int] = []
+    pieces: list[torch.Tensor] = []
+    held = 0
+    for owner, x in enumerate(flat):
+        for piece in x.split(limit) if x.numel() else ():
+            if held + piece.numel() > limit and pieces:
+                groups.append((owners, pieces))
+                owners, pieces, held = [], [], 0
+            owners.append(owner)
+            pieces.append(piece)
+            held += piece.numel()
+    if pieces:
+        groups.append((owners, pieces))
+    return groups
 
 
 @lru_cache(maxsize=64)
@@ -198,7 +232,14 @@ class LogHistogram(Statistic):
         return self.bins.size
 
     def compute(self, tensors, sites, topology):
-        return [self.bins.count(t) for t in tensors]
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        for indices in by_device.values():
+            for i, vector in zip(indices, self.bins.count_many([tensors[i] for i in indices]), strict=True):
+                out[i] = vector
+        return out
 
 
 class HistogramMetric(StatMetric):

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.keys import PLAIN_RULES, KeyRules, index_widths
-from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus, show_value
 
 __all__ = ["ConsoleSink"]
 
@@ -146,4 +146,4 @@ class ConsoleSink:
 
 
 def _number(value: float) -> str:
-    return f"{value:.4g}"
+    return show_value(value)

@@ -28,6 +28,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AlertWriter",
     "MetricSink",
+    "RemoteSink",
     "available_sinks",
     "build_sinks",
     "load_sink_class",
@@ -92,6 +93,22 @@ class AlertWriter(Protocol):
     def write_alerts(self, alerts: Sequence[Alert], step: int) -> None:
         """Show the alerts raised at ``step`` (``open`` and ``closed`` events, the step's first
         opening first). Raising means none of them was shown."""
+        ...
+
+
+@runtime_checkable
+class RemoteSink(Protocol):
+    """What a sink whose backend is a server adds: one optional method, so that an unreachable
+    server is said within seconds. Its client library may retry a refused connection for
+    minutes inside ``open`` (MLflow's HTTP client does: 4 min before the first error); the hub's
+    worker calls ``probe`` before each ``open`` attempt and skips the attempt while it raises."""
+
+    def probe(self, timeout: float) -> None:
+        """One connection attempt to the backend, at most ``timeout`` seconds, no retries.
+
+        Raises:
+            SinkError: the backend cannot be reached; the message names it and the cause.
+        """
         ...
 
 

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tmetrics_core.records import HEADS_STAT, Histogram, Labels, MetricRecord, RunInfo
+from tmetrics_core.records import HEADS_STAT, Histogram, Labels, MetricRecord, RunInfo, show_value
 from tmetrics_core.sinks.keys import KeyBook, KeyRules, index_widths
 
 __all__ = ["EXPERT_SCALARS_UP_TO", "HEAD_HEATMAP_STAT", "HEATMAP_STAT", "Heatmap", "Rendered", "StepRenderer"]
@@ -78,7 +78,7 @@ class Heatmap:
         """``layer-router-expert-bias, step 5: 4 layers x 8 experts, min -1 max 2.5 (viridis, ...)``."""
         bounds = self.bounds()
         rows, columns = self.values.shape
-        scale = "no finite value" if bounds is None else f"min {bounds[0]:.4g} max {bounds[1]:.4g}"
+        scale = "no finite value" if bounds is None else f"min {show_value(bounds[0])} max {show_value(bounds[1])}"
         return (f"{self.title}, step {self.step}: {rows} layers (rows) x {columns} {self.columns} (columns), {scale} "
                 f"(viridis, linear; magenta: NaN or infinite; black: no value)")
 
