@@ -297,7 +297,8 @@ class TensorMetrics:
         same hooks on every step (a hook added or removed is a recompile)."""
         token_metrics = [m for m, _ in self.metrics if set(m.source_kinds) & TOKEN_KINDS]
         kinds = frozenset(k for m in token_metrics for k in m.source_kinds)
-        patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
+        # A metric built without modules: (layer-activation-rms) hooks its documented defaults.
+        patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, getattr(m, "modules", ())))
         mine = self._owner
         handles = self.index.install(functools.partial(record, owner=mine),
                                      functools.partial(record_residual, owner=mine),
@@ -450,7 +451,8 @@ class TensorMetrics:
                 metric = next(m for m, _ in self.metrics if m.name == name)  # _due: another step's, a step later
                 log.warning("tmetrics: metric %r found nothing to measure on any rank at step %d and wrote no record: "
                             "%s. Said once; later steps without anything to measure write no record either.", name,
-                            step, what_feeds(metric.source_kinds, self.modules.get(name, ())))
+                            step, what_feeds(metric.source_kinds,
+                                                     self.modules.get(name, getattr(metric, "modules", ()))))
         if self.hub is not None and records:
             self.hub.submit(records, step)
 
