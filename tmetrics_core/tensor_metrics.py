@@ -57,6 +57,7 @@ from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.feeds import what_feeds
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.optimizers import unwrap_optimizer
+from tmetrics_core.sources.adapters import AdapterWatch
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
@@ -151,6 +152,7 @@ class TensorMetrics:
                                        qkv_select=[g for m, _ in self.metrics for g in getattr(m, "select", ())],
                                        share=lambda mine: share_holdings(mine, self.executor))
         self.index = ModuleIndex(model, layer_offset=layer_offset)
+        self._adapters = AdapterWatch(model)
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
         self.flat: dict[str, list[FlatBuffer]] = {}
         for fb in flat_buffers:  # several of a kind: dense and expert buffers, per dtype or bucket
@@ -259,6 +261,7 @@ class TensorMetrics:
         self._first_step, self._step, self._due = first, step, due
         if self._due:
             self._last_due = step
+            self._adapters.check(step, say=self.logs)
         self._unfed = set()
         self.params.begin(step, [m for m, _ in self._due])
         token_metrics = [m for m, _ in self._due if set(m.source_kinds) & TOKEN_KINDS]
@@ -467,8 +470,12 @@ class TensorMetrics:
         everyone = self.executor.gather_objects(sorted(self.params.no_grad))
         if self.topology.global_rank != 0 or not any(everyone):
             return
-        missing = sorted({name for names in everyone for name in names})
-        ranks = [r for r, names in enumerate(everyone) if names]
+        # Frozen tensors (requires_grad False everywhere: PEFT's base weights) have none by design.
+        frozen = {e.name for e in self.manifest.entries if e.frozen}
+        missing = sorted({name for names in everyone for name in names} - frozen)
+        ranks = [r for r, names in enumerate(everyone) if set(names) - frozen]
+        if not missing:
+            return
         log.warning("tmetrics: at step %d, %d parameter(s) had no gradient (.grad and .main_grad None) on rank(s) %s "
                     "and are left out of gradient statistics (not counted as zeros): %s%s", step, len(missing), ranks,
                     missing[:20], " ..." if len(missing) > 20 else "")
