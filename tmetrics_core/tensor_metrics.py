@@ -59,6 +59,7 @@ from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.adapters import AdapterWatch
 from tmetrics_core.sources.modules import ModuleIndex
+from tmetrics_core.sources.padding import install_padding
 from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
@@ -308,6 +309,8 @@ class TensorMetrics:
                                      residual="residual_accumulator" in kinds,
                                      contribution="residual_contribution" in kinds, logits="logits" in kinds,
                                      patterns=patterns)
+        if token_metrics:
+            handles += install_padding(self.model, functools.partial(record, owner=mine), say=self.logs)
         if self.routers and kinds & ROUTER_OUTPUT_KINDS:
             handles += install_routers(self.routers, functools.partial(record, owner=mine),
                                        functools.partial(fail, owner=mine), functools.partial(fail_unless, owner=mine),
