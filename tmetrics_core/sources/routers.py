@@ -281,8 +281,8 @@ def _scores(router: Router, parts: dict[str, Any], fail_unless: FailUnless) -> t
         name = _expected(router)
         scores = SCORE_FUNCTIONS[name](flat)
         ratio = w / scores.gather(1, ids).double()
-        fits = ((ratio - ratio[:, :1]).abs() <= tolerance * ratio[:, :1].abs()).all()
-        fail_unless(fits, f"router {router.path}: under torch.compile its scores were taken as {name} of its "
+        proportional = ((ratio - ratio[:, :1]).abs() <= tolerance * ratio[:, :1].abs()).all()
+        fail_unless(proportional, f"router {router.path}: under torch.compile its scores were taken as {name} of its "
                           f"logits (from its class), but its top-k weights do not fit {name}; observe router_scores "
                           "with tm.observe(...), or run one step uncompiled first", frozenset({"router_scores"}))
         return scores, None
