@@ -32,10 +32,13 @@ def _lora(**extra) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["lora", "dora", "ia3"])
 def test_names(kind):
-    model = (_lora() if kind == "lora" else _lora(use_dora=True) if kind == "dora" else
+    model = (_lora(modules_to_save=["lm_head"]) if kind == "lora" else _lora(use_dora=True) if kind == "dora" else
              get_peft_model(tiny_llama(), IA3Config(target_modules=["k_proj", "down_proj"],
                                                     feedforward_modules=["down_proj"])))
     names = {cn.original: cn for cn in canonicalize(model.named_parameters())}
+    if kind == "lora":  # the trained copy of a module saved whole, beside its frozen original
+        assert names["base_model.model.lm_head.original_module.weight"].name == "head.weight"
+        assert names["base_model.model.lm_head.modules_to_save.default.weight"].name == "head.trained_copy.weight"
     prefix = "base_model.model.model.layers.1."
     if kind == "ia3":
         assert names[prefix + "self_attn.k_proj.base_layer.weight"].name == "layers.1.attn.k.weight"
@@ -46,8 +49,8 @@ def test_names(kind):
     assert (a.name, a.layer, a.component, a.family) == (
         "layers.1.attn.q.lora_A.weight", 1, "attn.q.lora_A", "layers.*.attn.q.lora_A.weight")
     assert names[prefix + "self_attn.v_proj.lora_B.default.weight"].name == "layers.1.attn.v.lora_B.weight"
-    assert names["base_model.model.lm_head.weight"].name == "head.weight"
     if kind == "dora":
+        assert names["base_model.model.lm_head.weight"].name == "head.weight"
         magnitude = names[prefix + "self_attn.q_proj.lora_magnitude_vector.default.weight"]
         assert magnitude.name == "layers.1.attn.q.lora_magnitude.weight"
 
