@@ -30,7 +30,7 @@ import torch
 from torch._library.effects import EffectType
 
 __all__ = ["Observer", "fail", "fail_unless", "new_owner", "observe", "observing", "record", "record_residual", "register_modules",
-           "watched"]
+           "suspended", "watched"]
 
 
 class Observer(Protocol):
@@ -176,6 +176,17 @@ def observing(observer: Observer) -> Iterator[Observer]:
     token = _ACTIVE.set(observer)
     try:
         yield observer
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """No observation reaches any observer inside the block: for a framework's forward that is not
+    training (``torch.distributed.pipelining``'s shape inference on placeholder inputs)."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
     finally:
         _ACTIVE.reset(token)
 

@@ -60,6 +60,7 @@ from tmetrics_core.sources.optimizers import unwrap_optimizer
 from tmetrics_core.sources.adapters import AdapterWatch
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.padding import install_padding
+from tmetrics_core.sources.pipelining import quiet_shape_inference
 from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
 from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
@@ -154,6 +155,7 @@ class TensorMetrics:
                                        share=lambda mine: share_holdings(mine, self.executor))
         self.index = ModuleIndex(model, layer_offset=layer_offset)
         self._adapters = AdapterWatch(model)
+        quiet_shape_inference()
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
         self.flat: dict[str, list[FlatBuffer]] = {}
         for fb in flat_buffers:  # several of a kind: dense and expert buffers, per dtype or bucket
@@ -257,6 +259,8 @@ class TensorMetrics:
                 "increase, and one optimizer step is one scope. Wrap all micro-batches of an optimizer step "
                 "(every forward and backward, then optimizer.step()) in one `with metrics.step(n)`; "
                 "gradients accumulate and are read once, before the update")
+        if self._first_step is None:
+            quiet_shape_inference()  # pipelining imported after construction: its first-step shape pass
         first = step if self._first_step is None else self._first_step
         due = [(m, i) for m, i in self.metrics if step % i == 0 or step == first]  # may raise: no state set yet
         self._first_step, self._step, self._due = first, step, due
