@@ -66,3 +66,35 @@ def test_one_block_at_three_depths_gets_one_record_per_depth():
             assert got[key] == pytest.approx(value, rel=1e-6), key
         assert got[(names[0], 0)] < got[(names[0], 2)]  # no depth summed into layer 0
     tm.close()
+
+
+class Looped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):  # layer 1 runs twice per forward: one layer, its calls pooled
+            x = self.layers[1](self.layers[0](x) if _ == 0 else x)
+        return x
+
+
+def test_a_block_run_twice_at_one_position_is_pooled_with_a_word(caplog):
+    model = Looped()
+    tm = TensorMetrics(model, metrics=[(build_metric("layer-residual-accumulator-l2"), 1)])
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(4))
+    with caplog.at_level("WARNING", logger="tmetrics"):
+        for step in (1, 2):
+            with tm.step(step):
+                model(x).sum().backward()
+    got = {r.layer: r.value for r in tm.last_records}
+    tm.close()
+    with torch.no_grad():
+        h0 = model.layers[0](x)
+        h1 = model.layers[1](h0)
+        h2 = model.layers[1](h1)
+    assert got[0] == pytest.approx(h0.double().norm().item(), rel=1e-6)
+    assert got[1] == pytest.approx(torch.cat([h1, h2]).double().norm().item(), rel=1e-6)
+    said = [r.message for r in caplog.records if "ran more than once in one forward" in r.message]
+    assert len(said) == 1 and "block layers.1 " in said[0]

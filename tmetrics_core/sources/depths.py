@@ -33,15 +33,22 @@ class Depths:
         model: the model whose forward starts a new count (a forward pre-hook resets it).
         shared: ``(block, [(path, layer) per position in key order])`` for each block held at
             two or more positions; the first position is the block itself.
+        paths: ``id(block) -> path`` of every block, for the word below.
+
+    A block held at one position and run more than once in one forward (a loop over one block,
+    or a list entry called twice) is one layer: its record pools the calls, and each
+    rank says so once (counted uncompiled only, and not during backward recomputation).
     """
 
-    def __init__(self, model: torch.nn.Module, shared: list[tuple[torch.nn.Module, list[tuple[str, int]]]]) -> None:
+    def __init__(self, model: torch.nn.Module, shared: list[tuple[torch.nn.Module, list[tuple[str, int]]]],
+                 paths: dict[int, str]) -> None:
         self._model = model
         self._at: dict[int, list[torch.nn.Module]] = {}
         self._paths: list[tuple[str, torch.nn.Module, int]] = []
         self._calls: dict[int, int] = {}
         self._current: dict[int, int] = {}
-        self._said = False
+        self._said = self._said_pooled = self._forwards = False
+        self._paths_of = dict(paths)
         for block, positions in shared:
             stand_ins = [block]
             for path, layer in positions[1:]:
@@ -62,22 +69,38 @@ class Depths:
         """``record_residual`` for ``block``'s hook: the module passed on is the stand-in of the
         current call's position (the block itself when it is not shared)."""
         stand_ins = self._at.get(id(block))
-        if stand_ins is None:
-            return record_residual
         key = id(block)
+        if stand_ins is None:
+            def once_per_forward(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *,
+                                 accumulator: bool) -> None:
+                if not (self._said_pooled or torch.compiler.is_compiling()
+                        or torch._C._current_graph_task_id() != -1):  # not recomputation in backward
+                    calls = self._calls[key] = self._calls.get(key, 0) + 1
+                    if calls == 2 and self._forwards:
+                        self._said_pooled = True
+                        log.warning("tmetrics: block %s ran more than once in one forward: its residual record "
+                                    "pools every call (one record for the layer, not one per depth). Hold the block "
+                                    "at one list position per depth (nn.ModuleList([block] * n)) for a record per "
+                                    "depth. Said once.", self._paths_of.get(key, "?"))
+                record_residual(module, h, x, accumulator=accumulator)
+            return once_per_forward
 
         def at_depth(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *, accumulator: bool) -> None:
             record_residual(stand_ins[self._current.get(key, 0) % len(stand_ins)], h, x, accumulator=accumulator)
         return at_depth
 
     def install(self) -> list[Any]:
-        """The counting hooks (none when no block is shared); returns their handles."""
-        if not self._at:
-            return []
-        handles = [self._model.register_forward_pre_hook(lambda module, args: self._calls.clear())]
+        """The counting hooks: the model's forward starts a count; returns their handles."""
+        handles = [self._model.register_forward_pre_hook(self._new_forward)]
         for key, stand_ins in self._at.items():
             handles.append(stand_ins[0].register_forward_pre_hook(self._counter(key, len(stand_ins))))
         return handles
+
+    def _new_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() and not self._at:
+            return  # only the word counts: nothing to trace into a graph
+        self._calls.clear()
+        self._forwards = True
 
     def _counter(self, key: int, positions: int) -> Callable[..., None]:
         def count(module: torch.nn.Module, args: Any) -> None:

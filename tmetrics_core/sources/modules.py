@@ -78,7 +78,7 @@ class ModuleIndex:
                                             for k in at]))
             if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
                 self.head = (path, module)
-        self.depths = Depths(model, shared)
+        self.depths = Depths(model, shared, {id(m): p for p, _, m in self.blocks})
         """Blocks at several positions of their list: a stand-in module per later position."""
         for path, stand_in, layer in self.depths.stand_ins():
             self.paths[id(stand_in)] = path
