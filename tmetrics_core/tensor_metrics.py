@@ -462,7 +462,7 @@ class TensorMetrics:
                 log.warning("tmetrics: metric %r found nothing to measure on any rank at step %d and wrote no record: "
                             "%s. Said once; later steps without anything to measure write no record either.", name,
                             step, what_feeds(metric.source_kinds,
-                                                     self.modules.get(name, getattr(metric, "modules", ()))))
+                                             self.modules.get(name, getattr(metric, "modules", ()))))
         if self.hub is not None and records:
             self.hub.submit(records, step)
 

@@ -56,3 +56,27 @@ def test_a_mask_of_another_shape_is_said_once(caplog):
                 model(input_ids=ids, attention_mask=additive)
     tm.close()
     assert sum("padding tokens are counted" in r.message for r in caplog.records) == 1
+
+
+def test_the_model_inside_a_wrapper_is_hooked():
+    class Wrapper(torch.nn.Module):  # as a LightningModule holds a Hugging Face model
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_llama()
+
+        def forward(self, ids, mask):
+            return self.net(input_ids=ids, attention_mask=mask).logits
+
+    model = Wrapper()
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 4:] = 0
+    outs: list[torch.Tensor] = []
+    model.net.model.layers[1].register_forward_hook(lambda m, a, o: outs.append(
+        (o[0] if isinstance(o, tuple) else o).detach().double().reshape(-1, 16)[mask.reshape(-1).bool()]))
+    tm = TensorMetrics(model, metrics=[(build_metric("layer-residual-accumulator-rms"), 1)])
+    ids = torch.randint(VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    with tm.step(1):
+        model(ids, mask).float().pow(2).mean().backward()
+    got = {r.labels.layer: r.value for r in tm.last_records}
+    tm.close()
+    assert got[1] == pytest.approx(_rms(outs), rel=1e-6)

@@ -48,7 +48,8 @@ class ModuleIndex:
         """Module path -> canonical module name (see :func:`_canonical_modules`), where it has one."""
         renamed: dict[str, str] = {}  # local block path -> global one (pipeline stages' ModuleLists)
         by_raw = _canonical_modules(model, layer_offset)
-        bases = {stack.path: stack.base for stack in find_stacks([strip_wrappers(n) for n, _ in model.named_parameters()])}
+        stacks = find_stacks([strip_wrappers(name) for name, _ in model.named_parameters()])
+        bases = {stack.path: stack.base for stack in stacks}
         lists = set(_BLOCK_LISTS) | set(bases)
         block_paths: set[str] = set()
         layers: dict[str, int] = {}  # global block path -> layer id
