@@ -106,5 +106,6 @@ def test_blocks_found_by_structure(make: Callable):
 
 def test_no_repeated_blocks_says_what_was_found():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
-    with pytest.raises(ConfigError, match=r"the model itself \(2 entries: its entries are single modules, not blocks\)"):
+    why = r"the model itself \(2 entries: its entries are single modules, not blocks\)"
+    with pytest.raises(ConfigError, match=why):
         TensorMetrics(model, metrics=[(build_metric("layer-grad-l2"), 1)])
