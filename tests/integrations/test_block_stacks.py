@@ -12,6 +12,7 @@ import torch
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.naming.canonical import canonicalize
+from tmetrics_core.naming.stacks import Stack, find_stacks
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 transformers = pytest.importorskip("transformers")
@@ -109,3 +110,13 @@ def test_no_repeated_blocks_says_what_was_found():
     why = r"the model itself \(2 entries: its entries are single modules, not blocks\)"
     with pytest.raises(ConfigError, match=why):
         TensorMetrics(model, metrics=[(build_metric("layer-grad-l2"), 1)])
+
+
+def test_experts_of_a_single_block_are_not_a_stack():
+    """A pipeline stage holding one MoE layer: its experts are not blocks; a model wrapped whole
+    in an nn.Sequential keeps its blocks."""
+    def names(prefix: str, layers: range) -> list[str]:
+        return [f"{prefix}layers.{i}.moe.experts.{e}.fc1.weight" for i in layers for e in range(4)] + [
+            f"{prefix}layers.{i}.attn.q.weight" for i in layers]
+    assert find_stacks(names("", range(1, 2))) == ()
+    assert find_stacks([*names("0.", range(3)), "1.weight"]) == (Stack("0.layers", (0, 1, 2), 0),)

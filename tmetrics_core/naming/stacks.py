@@ -7,8 +7,9 @@ keys ``k`` (a ``ModuleList``, ``Sequential`` or integer-keyed ``ModuleDict``), e
 parameter of a submodule (``rest`` has a dot: a block is a composite module, not one Linear of an
 MLP ``Sequential``), and every block shares a parameter path with another one (like blocks; a
 model whose first layers are dense and the rest MoE still shares its norms and attention). Only
-the outermost such lists count: experts inside a block, or T5's ``block.{k}.layer.{j}``, are not
-stacks of their own.
+lists outside every other stack count, and outside every named list of one entry: experts
+inside a block (also the one block of a pipeline stage), or T5's ``block.{k}.layer.{j}``, are not
+stacks of their own; the blocks of a model wrapped whole in an ``nn.Sequential`` are.
 
 Layer ids are global and follow the stacks in the order their first parameter appears (the
 registration order: an encoder before its decoder): stack ``s`` starts at ``base`` = the sum,
@@ -65,12 +66,15 @@ def find_stacks(names: Sequence[str]) -> tuple[Stack, ...]:
     """The outermost block stacks among cleaned parameter ``names``, with their layer bases."""
     candidates = _candidates(names)
     chosen: list[tuple[str, tuple[int, ...]]] = []
-    for path in sorted((p for p, blocks in candidates.items() if _is_stack(blocks)), key=lambda p: p.count(".")):
-        inside = any(path.startswith(f"{outer}.{key}.") for outer, keys in chosen for key in keys)
-        if not inside:
-            chosen.append((path, tuple(sorted(candidates[path]))))
-    order = {path: n for n, path in enumerate(candidates)}
-    chosen.sort(key=lambda pk: order[pk[0]])
+    # Lists that enclose others: stacks, and named lists of one entry (a pipeline stage's one
+    # layer holding its experts); not a model wrapped whole in an nn.Sequential.
+    enclosing = [(outer, entries) for outer, entries in candidates.items()
+                 if _is_stack(entries) or (outer and len(entries) == 1)]
+    for path, blocks in candidates.items():
+        inside = any(path.startswith(f"{outer}.{key}." if outer else f"{key}.")
+                     for outer, entries in enclosing for key in entries)
+        if _is_stack(blocks) and not inside:
+            chosen.append((path, tuple(sorted(blocks))))
     out, base = [], 0
     for path, keys in chosen:
         out.append(Stack(path=path, keys=keys, base=base))
