@@ -33,6 +33,7 @@ from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.catalogue import build_metric, catalogue_entries, metric_names, resolve_metric
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.naming.nearest import nearest
+from tmetrics_core.naming.stacks import describe_lists
 from tmetrics_core.site import Site
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.sources.optimizer_state import state_keys
@@ -329,8 +330,9 @@ def _check_metric(tm: TensorMetrics, index: int, metric: TensorMetric, present: 
                           "expert tensors as DTensors", path=path)
     if kinds & {"residual_accumulator", "residual_contribution", "residual_grad", "residual_input_grad"} \
             and not present["blocks"]:
-        raise _Absent(f"metric {metric.name!r} needs transformer blocks under one of layers, h, blocks, "
-                      "decoder.layers; none found in the model", path=path)
+        raise _Absent(f"metric {metric.name!r} needs the model's blocks (a ModuleList, Sequential or "
+                      "integer-keyed ModuleDict of two or more like blocks, under any prefix); in this "
+                      f"model, {describe_lists([e.original for e in tm.manifest.entries])}", path=path)
     if kinds & {"logits", "logits_grad"} and not present["head"]:
         raise _Absent(f"metric {metric.name!r} needs the output head (head, lm_head, output or "
                       "output_layer as an nn.Linear); none found", path=path)
@@ -439,9 +441,10 @@ def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manif
     scope = getattr(metric, "scope", None)
     if scope in ("layer", "expert") and not any(s.layer is not None for s in matched):
         return (f"metric {metric.name!r} is per {scope}, but no tensor got a layer index: tmetrics finds "
-                "layers in block paths such as layers.3. or model.layers.3. (see `tmetrics names --factory "
-                f"module:function` for how yours are named, e.g. {[e.name for e in manifest.entries[:3]]}); "
-                "use a global- or tensor- metric, or keep the blocks in a ModuleList named layers")
+                "layers in a ModuleList, Sequential or integer-keyed ModuleDict of two or more like blocks "
+                f"under any prefix; in this model, {describe_lists([e.original for e in manifest.entries])} "
+                f"(`tmetrics names --factory module:function` shows how yours are named, e.g. "
+                f"{[e.name for e in manifest.entries[:3]]}); use a global- or tensor- metric")
     supported = {e.name: e.placements for e in catalogue_entries()}.get(metric.name)
     where = f"its select {list(select)} matches" if select else "the model has"
     return (f"metric {metric.name!r} can use none of the {len(matched)} tensors {where}, e.g. "

@@ -33,7 +33,7 @@ from torch._library.effects import EffectType
 from tmetrics_core.attention_spec import AttentionSpec
 
 __all__ = ["Observer", "fail", "fail_unless", "in_backward", "new_owner", "observe", "observing", "record",
-           "record_attention", "record_residual", "register_modules", "tap", "watched"]
+           "record_attention", "record_residual", "register_modules", "suspended", "tap", "watched"]
 
 
 class Observer(Protocol):
@@ -286,6 +286,17 @@ def observing(observer: Observer) -> Iterator[Observer]:
     token = _ACTIVE.set(observer)
     try:
         yield observer
+    finally:
+        _ACTIVE.reset(token)
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """No observation reaches any observer inside the block: for a framework's forward that is not
+    training (``torch.distributed.pipelining``'s shape inference on placeholder inputs)."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
     finally:
         _ACTIVE.reset(token)
 

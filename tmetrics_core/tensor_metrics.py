@@ -62,7 +62,10 @@ from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.grad_scaler import ScalerWatch
 from tmetrics_core.sources.optimizer_state import torch_optimizers
 from tmetrics_core.sources.optimizers import unwrap_optimizer
+from tmetrics_core.sources.adapters import AdapterWatch
 from tmetrics_core.sources.modules import ModuleIndex
+from tmetrics_core.sources.padding import install_padding
+from tmetrics_core.sources.pipelining import quiet_shape_inference
 from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
 from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
@@ -189,6 +192,8 @@ class TensorMetrics:
         self._stale = False
         """The parameters had changed since they were planned when this step read them."""
         self.index = ModuleIndex(model, layer_offset=layer_offset)
+        self._adapters = AdapterWatch(model)
+        quiet_shape_inference()
         self.modules = {name: tuple(p) for name, p in (modules or {}).items()}
         defaults = {m.name: tuple(getattr(m, "modules", ())) for m, _ in self.metrics if "activation_grad" in m.source_kinds}
         self._token_modules = {**self.modules, **{n: g for n, g in defaults.items() if g and n not in self.modules}}
@@ -326,12 +331,15 @@ class TensorMetrics:
                 "increase, and one optimizer step is one scope. Wrap all micro-batches of an optimizer step "
                 "(every forward and backward, then optimizer.step()) in one `with metrics.step(n)`; "
                 "gradients accumulate and are read once, before the update")
+        if self._first_step is None:
+            quiet_shape_inference()  # pipelining imported after construction: its first-step shape pass
         first = step if self._first_step is None else self._first_step
         due = [(m, i) for m, i in self.metrics if step % i == 0 or step == first]  # may raise: no state set yet
         self._first_step, self._step, self._due = first, step, due
         self._last_entered = step
         if self._due:
             self._last_due = step
+            self._adapters.check(step, say=self.logs)
         self._unfed = set()
         if self._due and self._replan_due:
             self._replan(step)
@@ -444,7 +452,8 @@ class TensorMetrics:
         same hooks on every step (a hook added or removed is a recompile)."""
         token_metrics = [m for m, _ in self.metrics if set(m.source_kinds) & TOKEN_KINDS]
         kinds = frozenset(k for m in token_metrics for k in m.source_kinds)
-        patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, ()))
+        # A metric built without modules: (layer-activation-rms) hooks its documented defaults.
+        patterns = tuple(p for m in token_metrics for p in self.modules.get(m.name, getattr(m, "modules", ())))
         mine = self._owner
         handles = self.index.install(functools.partial(record, owner=mine),
                                      functools.partial(record_residual, owner=mine),
@@ -454,6 +463,8 @@ class TensorMetrics:
                                      grads=kinds & GRAD_KINDS,
                                      grad_patterns=tuple(p for m in token_metrics if "activation_grad" in m.source_kinds
                                                          for p in self._token_modules.get(m.name, ())))
+        if token_metrics:
+            handles += install_padding(self.model, functools.partial(record, owner=mine), say=self.logs)
         if self.routers and kinds & ROUTER_OUTPUT_KINDS:
             handles += install_routers(self.routers, functools.partial(record, owner=mine),
                                        functools.partial(fail, owner=mine), functools.partial(fail_unless, owner=mine),
@@ -656,7 +667,8 @@ class TensorMetrics:
                 metric = next(m for m, _ in self.metrics if m.name == name)  # _due: another step's, a step later
                 log.warning("tmetrics: metric %r found nothing to measure on any rank at step %d and wrote no record: "
                             "%s. Said once; later steps without anything to measure write no record either.", name,
-                            step, what_feeds(metric.source_kinds, self.modules.get(name, ())))
+                            step, what_feeds(metric.source_kinds,
+                                             self.modules.get(name, getattr(metric, "modules", ()))))
         if self.hub is not None and records:
             self.hub.submit(records, step)
 
@@ -671,8 +683,12 @@ class TensorMetrics:
         everyone = self.executor.gather_objects(sorted(self.params.no_grad))
         if self.topology.global_rank != 0 or not any(everyone):
             return
-        missing = sorted({name for names in everyone for name in names})
-        ranks = [r for r, names in enumerate(everyone) if names]
+        # Frozen tensors (requires_grad False everywhere: PEFT's base weights) have none by design.
+        frozen = {e.name for e in self.manifest.entries if e.frozen}
+        missing = sorted({name for names in everyone for name in names} - frozen)
+        ranks = [r for r, names in enumerate(everyone) if set(names) - frozen]
+        if not missing:
+            return
         log.warning("tmetrics: at step %d, %d parameter(s) had no gradient (.grad and .main_grad None) on rank(s) %s "
                     "and are left out of gradient statistics (not counted as zeros): %s%s", step, len(missing), ranks,
                     missing[:20], " ..." if len(missing) > 20 else "")

@@ -21,8 +21,18 @@ Layer ``i`` and expert ``e`` are global: ``layer_offset`` (the pipeline stage's 
 and ``expert_offset`` (the expert-parallel rank's first expert) are added to the numbers in
 the framework's names. Wrapper prefixes are dropped first: ``module.`` at the front (DDP,
 Megatron's ``Float16Module``) and ``_orig_mod.``, ``_fsdp_wrapped_module.``,
-``_checkpoint_wrapped_module.`` anywhere. Names no layout knows keep their cleaned path; inside
-a known block they keep their path below it, under ``layers.{i}.``.
+``_checkpoint_wrapped_module.`` anywhere (PEFT's pieces too: `strip_wrappers`). Names no layout
+knows keep their cleaned path; inside a known block they keep their path below it, under
+``layers.{i}.``.
+
+Blocks are found by structure as well (`tmetrics_core.naming.stacks`): a name inside a list of
+repeated blocks no layout knows (``gpt_neox.layers.3.attention.dense.weight``) is
+``layers.3.attention.dense.weight``. A model with several stacks (an encoder and a decoder)
+numbers them one after the other: the decoder's first block follows the encoder's last, and
+the family of a structurally named tensor keeps its stack's path
+(``decoder.block.*.layer.0.SelfAttention.q.weight``), so an encoder's and a decoder's tensors
+never share one. PEFT adapter tensors are named below the module they adapt
+(`tmetrics_core.naming.adapters`): ``layers.3.attn.q.lora_A.weight``.
 """
 
 from __future__ import annotations
@@ -33,7 +43,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.naming.adapters import split_adapter
 from tmetrics_core.naming.layouts import LAYOUTS, Layout, RuleMatch, component_of
+from tmetrics_core.naming.stacks import Stack, find_stacks, locate
 
 __all__ = [
     "COMPONENTS",
@@ -62,8 +74,10 @@ COMPONENTS: frozenset[str] = frozenset(
 )
 """Every component a layout table can produce (the canonical vocabulary)."""
 
-_WRAPPERS_ANYWHERE = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_WRAPPERS_ANYWHERE = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
+                                "base_layer", "original_module"})
 _WRAPPER_AT_FRONT = "module"
+_PEFT_AT_FRONT = ("base_model", "model")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +149,18 @@ def strip_wrappers(original: str) -> str:
     ``module`` is dropped at the front only (DDP, nested ``module.module.``), since a user
     module may be called ``module``; ``_orig_mod`` (``torch.compile``),
     ``_fsdp_wrapped_module`` (FSDP1) and ``_checkpoint_wrapped_module`` (checkpoint wrapper)
-    anywhere, since they wrap inner blocks too.
+    anywhere, since they wrap inner blocks too. PEFT's ``base_model.model.`` (a ``PeftModel``)
+    goes at the front, after those, and its ``base_layer`` and ``original_module`` (the module an
+    adapter wraps) anywhere: the base weights keep the unwrapped model's names.
     """
-    if _WRAPPER_AT_FRONT not in original and "_orig_mod" not in original:
+    if (_WRAPPER_AT_FRONT not in original and "_orig_mod" not in original and "base_" not in original):
         return original
     kept: list[str] = []
     for piece in original.split("."):
         if piece in _WRAPPERS_ANYWHERE or (piece == _WRAPPER_AT_FRONT and not kept):
+            continue
+        if [*kept, piece] == list(_PEFT_AT_FRONT):
+            kept.clear()
             continue
         kept.append(piece)
     return ".".join(kept) if kept else original
@@ -242,15 +261,20 @@ def canonicalize(
 
     cleaned = [strip_wrappers(original) for original, _ in kept]
     chosen = _layout(layout) if layout is not None else _layout(detect_layout(cleaned))
+    stacks = find_stacks(cleaned)
     owners: dict[str, str] = {}
     entries: list[CanonicalName] = []
     for index, ((original, tensor), clean) in enumerate(zip(kept, cleaned)):
-        found = chosen.match(clean) if chosen is not None else None
-        entry = _entry(original, clean, chosen, found, layer_offset, expert_offset)
+        adapter = split_adapter(clean)
+        named = adapter[0] if adapter is not None else clean
+        found = chosen.match(named) if chosen is not None else None
+        entry = _entry(original, named, chosen, found, layer_offset, expert_offset, stacks)
+        if adapter is not None:
+            entry = _adapter_entry(entry, adapter[1])
         if index in tied:
             entry = replace(entry, tied=tuple(tied[index]))
         pieces = [entry]
-        if split_stacked and found is not None and found.rule.each:
+        if split_stacked and found is not None and found.rule.each and adapter is None:
             pieces = _slices(entry, found, tuple(tensor.shape), expert_offset)
         if qkv_groups and original in qkv_groups:
             pieces = qkv_views(entry, tuple(tensor.shape), *qkv_groups[original])
@@ -305,13 +329,17 @@ def _entry(
     found: RuleMatch | None,
     layer_offset: int,
     expert_offset: int,
+    stacks: Sequence[Stack] = (),
 ) -> CanonicalName:
-    """The entry for ``clean`` given what ``layout`` matched (``found``), offsets applied."""
-    if layout is None:
-        return _unknown(original, clean)
+    """The entry for ``clean`` given what ``layout`` matched (``found``), offsets applied; inside
+    a block of ``stacks``, the stack's base is added to the layer (0 for a model's only stack)."""
+    where = locate(stacks, clean)
+    base = where[0].base if where is not None else 0
+    if layout is None or (found is None and layout.match_block(clean) is None):
+        return _unknown(original, clean) if where is None else _stacked(original, where, layer_offset, len(stacks))
     if found is not None:
         rule = found.rule
-        layer = None if found.layer is None else found.layer + layer_offset
+        layer = None if found.layer is None else found.layer + layer_offset + base
         expert = None if found.expert is None else found.expert + expert_offset
         name = rule.target.format(L=layer, E=expert, P=found.leaf)
         return CanonicalName(
@@ -326,10 +354,9 @@ def _entry(
             layout=layout.name,
         )
     inside = layout.match_block(clean)
-    if inside is None:
-        return _unknown(original, clean)
+    assert inside is not None, clean
     layer, rest = inside
-    layer += layer_offset
+    layer += layer_offset + base
     return CanonicalName(
         name=f"layers.{layer}.{rest}",
         original=original,
@@ -339,6 +366,28 @@ def _entry(
         family=f"layers.*.{rest}",
         layout=layout.name,
     )
+
+
+def _stacked(original: str, where: tuple[Stack, int, str], layer_offset: int, stacks: int) -> CanonicalName:
+    """A name inside a structurally found block: ``layers.{i}.{path below the block}``."""
+    stack, key, rest = where
+    layer = stack.base + key + layer_offset
+    return CanonicalName(
+        name=f"layers.{layer}.{rest}",
+        original=original,
+        layer=layer,
+        expert=None,
+        component=component_of(rest),
+        family=f"layers.*.{rest}" if stacks == 1 else f"{stack.path}.*.{rest}",
+    )
+
+
+def _adapter_entry(base: CanonicalName, suffix: str) -> CanonicalName:
+    """An adapter tensor's entry: ``suffix`` below the canonical module of the weight it adapts."""
+    module, family = base.name.rpartition(".")[0], base.family.rpartition(".")[0]
+    piece = suffix.split(".")[0]
+    return replace(base, name=f"{module}.{suffix}", family=f"{family}.{suffix}",
+                   component=f"{base.component}.{piece}", transposed=False)
 
 
 def _unknown(original: str, clean: str) -> CanonicalName:

@@ -4,10 +4,13 @@
 keeps them (adding or removing a hook on a compiled module is a recompile): a hook passes its
 tensors to ``tmetrics_core.observe``, which drops them after one context-variable read on a
 step where no due metric watches their kind, and compiles into the graph as a custom operator
-(see there). Blocks are found in the usual block lists (``layers``, ``h``,
-``blocks``, ``decoder.layers``, wrapped or not); the head under ``head``, ``lm_head``,
-``output`` or ``output_layer``. The same forward hooks tap the tensors whose cotangents a
-metric reads (``tmetrics_core.observe.tap``): a tensor hook on a due step only.
+(see there). Blocks are the entries of the stacks of repeated blocks the parameter names show,
+under any prefix (`tmetrics_core.naming.stacks`), with the usual list names (``layers``, ``h``,
+``blocks``, ``decoder.layers``) as hints for a model of one block; the head under ``head``,
+``lm_head``, ``output`` or ``output_layer``. One block object at several positions of its list
+(ALBERT-style sharing) is observed at each call depth as the layer of that position
+(`tmetrics_core.sources.depths`), its cotangents too. The same forward hooks tap the tensors
+whose cotangents a metric reads (``tmetrics_core.observe.tap``): a tensor hook on a due step only.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tmetrics_core.naming.canonical import canonicalize, strip_wrappers
+from tmetrics_core.naming.stacks import find_stacks
 from tmetrics_core.observe import register_modules
+from tmetrics_core.sources.depths import Depths
 
 __all__ = ["ModuleIndex"]
 
@@ -32,6 +37,7 @@ class ModuleIndex:
 
     ``layer_offset`` is added to list positions of ``nn.ModuleList`` blocks (a pipeline stage
     holding layers 8..15 passes 8); ``nn.ModuleDict`` blocks keyed by integers keep their keys.
+    A block of a model's second stack (a decoder after its encoder) adds the stack's base.
     """
 
     def __init__(self, model: torch.nn.Module, *, layer_offset: int = 0) -> None:
@@ -43,26 +49,43 @@ class ModuleIndex:
         """Module path -> canonical module name (see :func:`_canonical_modules`), where it has one."""
         renamed: dict[str, str] = {}  # local block path -> global one (pipeline stages' ModuleLists)
         by_raw = _canonical_modules(model, layer_offset)
+        stacks = find_stacks([strip_wrappers(name) for name, _ in model.named_parameters()])
+        bases = {stack.path: stack.base for stack in stacks}
+        lists = set(_BLOCK_LISTS) | set(bases)
         block_paths: set[str] = set()
+        layers: dict[str, int] = {}  # global block path -> layer id
+        shared: list[tuple[torch.nn.Module, list[tuple[str, int]]]] = []
         for raw, module in model.named_modules():
             path = strip_wrappers(raw) if raw else ""
             parent, _, key = path.rpartition(".")
-            if parent in _BLOCK_LISTS and key.isdigit() and raw:
+            if parent in lists and key.isdigit() and raw:
                 offset = layer_offset if isinstance(_parent(model, raw), torch.nn.ModuleList) else 0
-                renamed[path] = f"{parent}.{int(key) + offset}"
+                renamed[path] = f"{parent}.{int(key) + offset}".lstrip(".")  # "" : the model is the list
+                layers[renamed[path]] = bases.get(parent, 0) + int(key) + offset
             path = _global_path(path, renamed)
             self.paths[id(module)] = path
             self.named.append((path, module))
             if raw in by_raw:
                 self.canonical[path] = by_raw[raw]
-            if (path in renamed.values() and path.rpartition(".")[0] in _BLOCK_LISTS
-                    and path not in block_paths):
+            if path in layers and path.rpartition(".")[0] in lists and path not in block_paths:
                 # A wrapper (checkpoint_wrapper, torch.compile's OptimizedModule, FSDP) and the
                 # block it wraps share one path: the outermost, listed first, is the block.
-                self.blocks.append((path, int(path.rpartition(".")[2]), module))
+                self.blocks.append((path, layers[path], module))
                 block_paths.add(path)
+                at = _positions(_parent(model, raw), module)
+                if len(at) > 1:
+                    listed, _, number = path.rpartition(".")
+                    shift = int(number) - int(key)  # the list's layer offset
+                    shared.append((module, [(f"{listed}.{k + shift}".lstrip("."), layers[path] - int(key) + k)
+                                            for k in at]))
             if path in _HEADS and isinstance(module, torch.nn.Linear) and self.head is None:
                 self.head = (path, module)
+        self.depths = Depths(model, shared, {id(m): p for p, _, m in self.blocks})
+        """Blocks at several positions of their list: a stand-in module per later position."""
+        for path, stand_in, layer in self.depths.stand_ins():
+            self.paths[id(stand_in)] = path
+            self.named.append((path, stand_in))
+            self.blocks.append((path, layer, stand_in))
         self._block_paths = sorted(((p, i) for p, i, _ in self.blocks), key=lambda pi: -len(pi[0]))
         register_modules(m for _, m in self.named)  # observations under torch.compile name them by id
 
@@ -129,8 +152,12 @@ class ModuleIndex:
         block_grads = grads & {"residual_grad", "residual_input_grad"} if tap is not None else frozenset()
         if residual or contribution or block_grads:
             for _, _, block in self.blocks:
-                handles.append(block.register_forward_hook(
-                    _residual_hook(record_residual, residual, contribution, tap, block_grads), with_kwargs=True))
+                if self.depths.is_stand_in(block):
+                    continue  # observed through the block it stands for
+                hook = _residual_hook(self.depths.wrap(block, record_residual), residual, contribution, tap,
+                                      block_grads, self.depths.current)
+                handles.append(block.register_forward_hook(hook, with_kwargs=True))
+            handles += self.depths.install()
         if (logits or "logits_grad" in grads) and self.head is not None:
             vocab = _logical_out(self.head[1])
             handles.append(self.head[1].register_forward_hook(_logits_hook(
@@ -176,9 +203,11 @@ def _canonical_modules(model: torch.nn.Module, layer_offset: int) -> dict[str, s
 
 
 def _residual_hook(record_residual: Callable[..., None], residual: bool, contribution: bool,
-                   tap: Callable[..., None] | None, grads: frozenset[str]):
+                   tap: Callable[..., None] | None, grads: frozenset[str],
+                   at_depth: Callable[[torch.nn.Module], torch.nn.Module]):
     """A block's input is its first positional argument, or its first tensor keyword argument
-    when called by keyword (Megatron-Core calls ``layer(hidden_states=..., ...)``)."""
+    when called by keyword (Megatron-Core calls ``layer(hidden_states=..., ...)``); its
+    cotangents are tapped as the site of the current call's depth (``at_depth``)."""
     def hook(module, args, kwargs, out):
         h = _unwrapped(out)  # a DTensor stays one: its Shard on the sequence dim is a population split
         given = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
@@ -189,9 +218,9 @@ def _residual_hook(record_residual: Callable[..., None], residual: bool, contrib
             record_residual(module, h, x, accumulator=residual)
         if tap is not None:
             if "residual_grad" in grads:
-                tap(module, "", h, kind="residual_grad", shard_dim=None)
+                tap(at_depth(module), "", h, kind="residual_grad", shard_dim=None)
             if "residual_input_grad" in grads and isinstance(given, torch.Tensor):
-                tap(module, "", given, kind="residual_input_grad", shard_dim=None)
+                tap(at_depth(module), "", given, kind="residual_input_grad", shard_dim=None)
     return hook
 
 
@@ -224,6 +253,14 @@ def _first(out: Any) -> torch.Tensor:
 
 def _logical_out(linear: torch.nn.Linear) -> int:
     return int(linear.weight.shape[0])
+
+
+def _positions(parent: torch.nn.Module | None, module: torch.nn.Module) -> list[int]:
+    """The integer keys under which ``parent`` (a list) holds ``module``: several when one block
+    object is reused (``named_modules`` lists it once, under its first key)."""
+    if parent is None:
+        return []
+    return [int(k) for k, m in parent._modules.items() if m is module and k.isdigit()]
 
 
 def _parent(model: torch.nn.Module, raw: str) -> torch.nn.Module | None:

@@ -199,7 +199,7 @@ def _hook(router: Router, record: Callable[..., None], fail: Fail, fail_unless: 
             fail(problem, ROUTER_OUTPUT_KINDS)
             return
         if "router_scores" in wanted and "router_scores" not in parts:
-            parts["router_scores"], problem = _scores(router, parts)
+            parts["router_scores"], problem = _scores(router, parts, fail_unless)
             if problem is not None:  # metrics reading scores would fall back to softmax(logits)
                 fail(problem, frozenset({"router_scores"}))
         for kind in ("router_logits", "router_scores", "router_topk"):
@@ -252,32 +252,40 @@ def _check(router: Router, parts: dict[str, Any]) -> str | None:
     return None
 
 
-def _scores(router: Router, parts: dict[str, Any]) -> tuple[torch.Tensor | None, str | None]:
+def _scores(router: Router, parts: dict[str, Any], fail_unless: FailUnless) -> tuple[torch.Tensor | None, str | None]:
     """The full scores ``[tokens, E]`` of a router returning logits, top-k weights and ids.
 
     The score function is found on the router's first observed call (one host synchronisation
     per router and run) and kept: the first of :data:`SCORE_FUNCTIONS` whose values at the chosen
     ids are proportional to the returned weights, row by row (relative tolerance
-    ``max(1e-4, 8 eps)`` of the weights' dtype), preferring one they equal exactly. Returns
-    ``(None, None)`` where the router returns no logits (nothing to derive); ``(None, reason)``
-    where no function fits, where the weights cannot tell them apart (one expert per token,
-    normalized), and under ``torch.compile`` until an uncompiled call has verified it."""
+    ``max(1e-4, 8 eps)`` of the weights' dtype), preferring one they equal exactly. Under
+    ``torch.compile``, where no value can be read on the host, before an uncompiled call has
+    found it: the function the router's class implies (`_expected`) is used, and whether the
+    weights fit it is a device flag handed to ``fail_unless`` (the metrics reading scores fail at
+    the step's end if not). Returns ``(None, None)`` where the router returns no logits (nothing
+    to derive); ``(None, reason)`` where no function fits, or where the weights cannot tell them
+    apart (one expert per token, normalized)."""
     logits, weights, chosen = parts.get("router_logits"), parts.get("topk_weights"), parts.get("router_topk")
     if logits is None:
         return None, None
     flat = logits.detach().reshape(-1, logits.shape[-1])
     if router.score_function:
         return SCORE_FUNCTIONS[router.score_function[0]](flat), None
-    if torch.compiler.is_compiling():
-        return None, (f"router {router.path}: its score function is verified from values on the host, which a "
-                      "compiled graph cannot do; run the model uncompiled for one step first, or observe "
-                      "router_scores with tm.observe(...)")
     if not isinstance(weights, torch.Tensor) or chosen is None or weights.shape != chosen.shape:
         return None, (f"router {router.path}: its top-k weights are not [tokens, {router.top_k}], so its score "
                       "function cannot be verified; observe router_scores with tm.observe(...) instead")
     w = weights.detach().reshape(-1, weights.shape[-1]).double()
     ids = chosen.reshape(-1, chosen.shape[-1])
     tolerance = max(1e-4, 8 * torch.finfo(weights.dtype).eps)
+    if torch.compiler.is_compiling():
+        name = _expected(router)
+        scores = SCORE_FUNCTIONS[name](flat)
+        ratio = w / scores.gather(1, ids).double()
+        proportional = ((ratio - ratio[:, :1]).abs() <= tolerance * ratio[:, :1].abs()).all()
+        fail_unless(proportional, f"router {router.path}: under torch.compile its scores were taken as {name} of its "
+                          f"logits (from its class), but its top-k weights do not fit {name}; observe router_scores "
+                          "with tm.observe(...), or run one step uncompiled first", frozenset({"router_scores"}))
+        return scores, None
     fits = []
     for name, function in SCORE_FUNCTIONS.items():
         scores = function(flat)
@@ -293,3 +301,11 @@ def _scores(router: Router, parts: dict[str, Any]) -> tuple[torch.Tensor | None,
     why = "neither" if not fits else "more than one"
     return None, (f"router {router.path}: its top-k weights fit {why} of the score functions "
                   f"{', '.join(SCORE_FUNCTIONS)} of its logits; observe router_scores with tm.observe(...) instead")
+
+
+def _expected(router: Router) -> str:
+    """The score function a router's class implies, read from the module, not from values:
+    ``sigmoid`` where it keeps a score-correction bias (DeepSeek-V3's ``e_score_correction_bias``:
+    sigmoid scoring with auxiliary-loss-free balancing), else ``softmax`` (Mixtral, Qwen-MoE,
+    OLMoE, Switch). Checked against the returned weights on the device (see `_scores`)."""
+    return "sigmoid" if hasattr(router.module, "e_score_correction_bias") else "softmax"
