@@ -156,7 +156,7 @@ def test_nvfp4_two_level_scales_golden():
 
 
 def test_against_torchao_casts():
-    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    import torchao.prototype.mx_formats.mx_tensor as mx
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
