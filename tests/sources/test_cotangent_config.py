@@ -30,7 +30,7 @@ def test_globs_matching_nothing_and_missing_blocks_or_head_are_refused():
     with pytest.raises(ConfigError, match="match no module"):
         _start(Net(), "layer-activation-grad-rms", ["layers.*.attn"])
     bare = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    with pytest.raises(ConfigError, match="needs transformer blocks"):
+    with pytest.raises(ConfigError, match="needs the model.s blocks"):
         _start(bare, "layer-backward-gain")
     with pytest.raises(ConfigError, match="needs the output head"):
         _start(bare, "output-logits-grad-l2")
