@@ -1,4 +1,4 @@
-"""Cotangent metrics on 2 gloo ranks equal float64 autograd of the same global batch in one
+"""Cotangent metrics on 2 gloo ranks (4 for FSDP2 over TP, 2 x 2) equal float64 autograd of the same global batch in one
 process (rel 1e-5): DDP and FSDP2 (each rank half the batch, 2 micro-batches: the averaging
 divided out), tensor parallelism with and without sequence parallelism (the residual stream a
 plain tensor holding all tokens, or each rank's half of the sequence); each site observed
@@ -147,3 +147,50 @@ def test_partial_cotangent_is_reduced_before_its_statistics(ranks):
         assert "Partial" in placements["partial"]
         assert sumsq == pytest.approx(truth, rel=1e-5)
     assert abs(naive / truth - 1) > 0.05  # the parts' sum of squares is not the truth
+
+
+def _fsdp_tp(rank: int, world: int) -> tuple[dict, dict[str, int]]:
+    """FSDP2 over dp x tensor parallelism over tp on a 2 x 2 mesh: each dp rank half the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tmetrics_core.sources.tokens import TokenObserver
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Net()
+    _parallelize_tp(model, mesh["tp"], sequence=False)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    counts: dict[str, int] = {}
+    original = TokenObserver.cotangent
+
+    def spy(self, module, name, grad, *, kind, shard_dim):
+        counts[kind] = counts.get(kind, 0) + 1
+        return original(self, module, name, grad, kind=kind, shard_dim=shard_dim)
+    TokenObserver.cotangent = spy  # type: ignore[method-assign]  # this rank's process only
+    try:
+        tm = TensorMetrics(model, metrics=[(build_metric(n, modules=["layers.*.mlp"] if "activation" in n else None), 1)
+                                           for n in METRICS], topology=Topology.from_mesh(mesh), timeout_s=60)
+        tokens, targets = batch(1)
+        dp = mesh["dp"].get_local_rank()
+        tokens, targets = (t[dp * BATCH // 2:(dp + 1) * BATCH // 2] for t in (tokens, targets))
+        n = tokens.shape[0]
+        with tm.step(1):
+            for k in range(MICRO):
+                rows = slice(k * n // MICRO, (k + 1) * n // MICRO)
+                (loss_of(model(tokens[rows]), targets[rows]) / MICRO).backward()
+        assert tm.failures == []
+        got = observed(tm.last_records)
+        tm.close()
+        return got, counts
+    finally:
+        TokenObserver.cotangent = original  # type: ignore[method-assign]
+
+
+def test_fsdp2_over_tp_2x2_equals_one_process():
+    want = expected(1)
+    for got, counts in run_distributed(_fsdp_tp, 4, timeout=300):
+        assert_close(got, want)
+        assert counts == {"residual_grad": MICRO * L, "residual_input_grad": MICRO * L,
+                          "activation_grad": MICRO * L, "logits_grad": MICRO}
