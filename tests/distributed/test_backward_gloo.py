@@ -6,6 +6,9 @@ once per micro-batch. And the Partial cotangent of a replicated DTensor activati
 by a column-parallel linear: reduced before its statistics, not summed as parts."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import pytest
 import torch
 
@@ -33,7 +36,9 @@ def _parallelize_tp(model: Net, mesh, sequence: bool) -> None:
         parallelize_module(block, mesh, plan)
 
 
-def _run(rank: int, world: int, layout: str) -> tuple[dict, dict[str, int]]:
+@contextlib.contextmanager
+def _counted() -> Iterator[dict[str, int]]:
+    """Cotangent observations by kind, in this rank's process, while the block runs."""
     from tmetrics_core.sources.tokens import TokenObserver
 
     counts: dict[str, int] = {}
@@ -44,9 +49,14 @@ def _run(rank: int, world: int, layout: str) -> tuple[dict, dict[str, int]]:
         return original(self, module, name, grad, kind=kind, shard_dim=shard_dim)
     TokenObserver.cotangent = spy  # type: ignore[method-assign]  # this rank's process only
     try:
-        return _measure(rank, world, layout), counts
+        yield counts
     finally:
         TokenObserver.cotangent = original  # type: ignore[method-assign]
+
+
+def _run(rank: int, world: int, layout: str) -> tuple[dict, dict[str, int]]:
+    with _counted() as counts:
+        return _measure(rank, world, layout), counts
 
 
 def _measure(rank: int, world: int, layout: str) -> dict:
@@ -154,22 +164,13 @@ def _fsdp_tp(rank: int, world: int) -> tuple[dict, dict[str, int]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tmetrics_core.sources.tokens import TokenObserver
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = Net()
     _parallelize_tp(model, mesh["tp"], sequence=False)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    counts: dict[str, int] = {}
-    original = TokenObserver.cotangent
-
-    def spy(self, module, name, grad, *, kind, shard_dim):
-        counts[kind] = counts.get(kind, 0) + 1
-        return original(self, module, name, grad, kind=kind, shard_dim=shard_dim)
-    TokenObserver.cotangent = spy  # type: ignore[method-assign]  # this rank's process only
-    try:
+    with _counted() as counts:
         tm = TensorMetrics(model, metrics=[(build_metric(n, modules=["layers.*.mlp"] if "activation" in n else None), 1)
                                            for n in METRICS], topology=Topology.from_mesh(mesh), timeout_s=60)
         tokens, targets = batch(1)
@@ -184,8 +185,6 @@ def _fsdp_tp(rank: int, world: int) -> tuple[dict, dict[str, int]]:
         got = observed(tm.last_records)
         tm.close()
         return got, counts
-    finally:
-        TokenObserver.cotangent = original  # type: ignore[method-assign]
 
 
 def test_fsdp2_over_tp_2x2_equals_one_process():
