@@ -38,7 +38,7 @@ loss scale of the step (see ``deepspeed_partitions._unscaled``). A step DeepSpee
 NaN gradients: its ``overflow``) still writes its gradient metrics (``layer-grad-nonfinite``
 counts the culprits; ``global-grad-l2`` is inf or NaN, as DeepSpeed's own norm); its update and
 optimizer-state metrics write nothing, with a reason naming the skip, said at WARNING once
-(later skips at INFO).
+(later skips at INFO). Cotangent metrics (``*-grad-*`` of activations) divide by the same scale.
 """
 
 from __future__ import annotations
@@ -261,10 +261,16 @@ class DeepSpeedSetup:
           optimizer-state metrics of the step with a reason naming the skip (its gradient
           metrics were read before it), said at WARNING on the logging rank once, at INFO after;
         - under ZeRO 3, a copy of this rank's partitions before a due step whose metrics read
-          updates, dropped after it."""
+          updates, dropped after it.
+
+        Under fp16 it also gives ``tracker`` DeepSpeed's loss scale (``optimizer.loss_scale``,
+        a float read at each step's first cotangent), which cotangent metrics divide by, as
+        they divide by a ``GradScaler``'s (:mod:`~tmetrics_core.sources.cotangents`)."""
         if not isinstance(self.optimizer, DeepSpeedSteps):
             return []
-        observer, updates = tracker.params, self.updates
+        observer, updates, wrapped = tracker.params, self.updates, self.optimizer.wrapped
+        if getattr(wrapped, "dtype", None) == torch.float16:
+            tracker._loss_scale = lambda: wrapped.loss_scale  # read where a GradScaler's scale is
 
         def skipped(*_: Any) -> None:
             if updates is not None:

@@ -35,7 +35,8 @@ CASES = [
          metrics=(*METRICS, "layer-residual-accumulator-l2")),
     Case("zero2-bf16", 2, bf16=True),
     Case("zero3-bf16", 3, bf16=True),
-    Case("zero2-fp16", 2, fp16=True),  # dynamic loss scaling: gradients read unscaled
+    Case("zero2-fp16", 2, fp16=True,  # dynamic loss scaling: gradients and cotangents read unscaled
+         metrics=(*METRICS, "layer-residual-grad-l2")),
     Case("zero2-fp16-skips", 2, fp16=True, steps=3, inject=(2, 3)),  # +inf in a gradient: DeepSpeed skips 2 and 3
     Case("zero3-fp16", 3, fp16=True, steps=3, inject=(3,)),  # ZeRO 3's float32 gradient partitions, one skip
     Case("accelerate-zero2", 2, gas=2, clip=1.0, path="accelerate"),

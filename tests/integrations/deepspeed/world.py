@@ -352,17 +352,19 @@ def reference(case: Case, world: int) -> dict[Key, float]:
     out: dict[Key, float] = {}
     named = list(model.named_parameters())
     residual = [0.0] * BLOCKS  # sums of squares of each block's output over the step's tokens
+    cotangent = [0.0] * BLOCKS  # and of the applied loss's cotangent there
 
     def add(layer: int) -> Any:
         def hook(module: Any, args: Any, output: torch.Tensor) -> None:
             residual[layer] += float(output.detach().square().sum())
+            output.register_hook(lambda g: cotangent.__setitem__(layer, cotangent[layer] + float(g.square().sum())))
         return hook
 
     for layer, block in enumerate(model.layers):
         block.register_forward_hook(add(layer))
     for step in range(1, case.steps + 1):
         optimizer.zero_grad()
-        residual[:] = [0.0] * BLOCKS
+        residual[:] = cotangent[:] = [0.0] * BLOCKS
         for micro in range(case.gas):
             x, y = batch(step, micro, world)
             for r in range(world):
@@ -383,6 +385,7 @@ def reference(case: Case, world: int) -> dict[Key, float]:
             mine = [n for n, _ in named if _layer(n) == layer]
             out[("layer-grad-l2", step, layer, None)] = _norm(grads[n] for n in mine)
             out[("layer-residual-accumulator-l2", step, layer, None)] = residual[layer] ** 0.5
+            out[("layer-residual-grad-l2", step, layer, None)] = cotangent[layer] ** 0.5
             out[("layer-param-l2", step, layer, None)] = _norm(before[n] for n in mine)
             out[("layer-update-ratio", step, layer, None)] = (
                 _norm(after[n] - before[n] for n in mine) / _norm(after[n] for n in mine))
