@@ -121,7 +121,8 @@ def _unscaled(optimizer: Any, fetch: Fetch) -> Fetch:
     scalar, a tensor on the partition's device were it one; never ``.item()``) is read with the
     gradient, in the step's pre-hook, before ``step()`` updates it. The quotient is float32 (a
     gradient below fp16's smallest normal number, 6.1e-5, is exact there); one cast and one
-    division per fragment read, on due steps only. Without fp16 (scale fixed at 1) ``fetch``
+    division per fp16 fragment read (one division into a new tensor for float32 ones: ZeRO 3's
+    partitions, offload's CPU buffers), on due steps only. Without fp16 (scale fixed at 1) ``fetch``
     is returned as it is.
     """
     if getattr(optimizer, "dtype", None) != torch.float16:
@@ -132,10 +133,10 @@ def _unscaled(optimizer: Any, fetch: Fetch) -> Fetch:
         if found is None:
             return None
         holder, at = found
-        wide = holder.detach().to(torch.float32)
         scale = optimizer.loss_scale
-        # DeepSpeed's own float32 tensor (ZeRO 3's fp32 partition) is divided into a new one.
-        return (wide.div_(scale) if wide is not holder else wide.div(scale)), at
+        if holder.dtype == torch.float32:  # DeepSpeed's own float32 gradients: never divided in place
+            return holder.detach().div(scale), at
+        return holder.detach().to(torch.float32).div_(scale), at
     return read
 
 
