@@ -39,6 +39,7 @@ CASES = [
          metrics=(*METRICS, "layer-residual-grad-l2")),
     Case("zero2-fp16-skips", 2, fp16=True, steps=3, inject=(2, 3)),  # +inf in a gradient: DeepSpeed skips 2 and 3
     Case("zero3-fp16", 3, fp16=True, steps=3, inject=(3,)),  # ZeRO 3's float32 gradient partitions, one skip
+    Case("zero2-fp16-offload", 2, fp16=True, extra={"offload_optimizer": {"device": "cpu"}}),  # float32 CPU grads
     Case("accelerate-zero2", 2, gas=2, clip=1.0, path="accelerate"),
     Case("trainer-zero2", 2, clip=1.0, path="trainer"),
 ]
@@ -104,6 +105,15 @@ def test_a_step_deepspeed_skips_writes_its_gradients_and_says_so_once(runs):
     assert [level for level, _ in said] == [logging.WARNING, logging.INFO]
     assert "DeepSpeed skipped the optimizer step of step 2" in said[0][1] and "once" in said[0][1]
     assert runs[1]["zero2-fp16-skips"]["said"] == []  # the logging rank only
+
+
+def test_reading_fp16_gradients_leaves_deepspeeds_training_alone(runs):
+    # tmetrics divides copies. Were DeepSpeed's float32 gradients (offload's CPU buffers, ZeRO 3's
+    # partitions) unscaled in place, DeepSpeed would unscale them again: with offload the step-2
+    # norm read 8.61968 instead of 8.61798.
+    plain = runs[0]["zero2-fp16"]["norms"]
+    assert runs[0]["zero2-fp16-offload"]["norms"] == pytest.approx(plain, rel=1e-6)
+    assert runs[0]["zero3-fp16"]["norms"][:2] == pytest.approx(plain, rel=1e-6)
 
 
 def test_a_zero3_due_step_gathers_no_parameter(runs):
