@@ -31,13 +31,20 @@ the forward uses; Adam state is the fp32 state of DeepSpeed's master partitions.
 
 **Refused** with a ``ConfigError`` naming the feature (:func:`refuse`): ZeRO's optimizer with
 another module, the pipeline engine, DeepSpeed-MoE, ZeRO++ hierarchical partitions, Ulysses
-sequence parallelism, fp16 with loss scaling, and without ZeRO gradient clipping and DeepSpeed's
-fp16/bf16 wrappers.
+sequence parallelism, and without ZeRO gradient clipping and DeepSpeed's fp16/bf16 wrappers.
+
+**fp16 with loss scaling** (ZeRO 1, 2 and 3): the gradients are read divided by DeepSpeed's
+loss scale of the step (see ``deepspeed_partitions._unscaled``). A step DeepSpeed skips (inf or
+NaN gradients: its ``overflow``) still writes its gradient metrics (``layer-grad-nonfinite``
+counts the culprits; ``global-grad-l2`` is inf or NaN, as DeepSpeed's own norm); its update and
+optimizer-state metrics write nothing, with a reason naming the skip, said at WARNING once
+(later skips at INFO). Cotangent metrics (``*-grad-*`` of activations) divide by the same scale.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,6 +60,8 @@ from tmetrics_core.integrations.megatron_shards import OwnedRanges
 from tmetrics_core.topology import Topology
 
 __all__ = ["DeepSpeedSetup", "DeepSpeedSteps", "Found", "found", "refuse", "setup", "topology"]
+
+log = logging.getLogger("tmetrics")
 
 
 def _engine_class() -> Any:
@@ -141,7 +150,7 @@ def topology(run: Found) -> Topology:
 def refuse(run: Found) -> None:
     """Raise ``ConfigError`` for what tmetrics does not read, naming it and what to do: the
     pipeline engine, DeepSpeed-MoE, Ulysses sequence parallelism, ZeRO++ hierarchical
-    partitions, fp16 with loss scaling, and without ZeRO: gradient clipping (it clips ``.grad``
+    partitions, and without ZeRO: gradient clipping (it clips ``.grad``
     before the step's hooks) and DeepSpeed's fp16/bf16 optimizer wrappers."""
     engine, optimizer = run.engine, run.optimizer
     if any(c.__name__ in ("PipelineEngine", "PipelineModule") and c.__module__.startswith("deepspeed.")
@@ -164,10 +173,6 @@ def refuse(run: Found) -> None:
         raise ConfigError(f"ZeRO++ hierarchical partitions (zero_hpz_partition_size={hpz}) keep a second copy of "
                           "ZeRO 3's parameters over a sub-group; tmetrics reads ZeRO's primary partitions only. "
                           "Leave zero_hpz_partition_size out of the DeepSpeed config")
-    if (engine is not None and engine.fp16_enabled()) or getattr(optimizer, "dtype", None) == torch.float16:
-        raise ConfigError("DeepSpeed fp16 with loss scaling: its partitions hold scaled gradients and a step it "
-                          "skips for overflow leaves no update; tmetrics does not read it yet. Use bf16 "
-                          "(\"bf16\": {\"enabled\": true}) or fp32")
     if run.stage == 0 and engine is not None and engine.gradient_clipping() > 0:
         raise ConfigError("DeepSpeed without ZeRO clips the gradients in .grad before its optimizer step, where "
                           "tmetrics reads them: the records would be of clipped gradients. Use ZeRO stage 1 or "
@@ -182,7 +187,10 @@ class DeepSpeedSteps:
     """DeepSpeed's optimizer seen as tmetrics sees a torch one: step pre/post hooks around its
     whole ``step()`` (ZeRO's: norm, unscale and clip, the inner torch step, the copy back and
     all-gather of the weights), the inner torch optimizer's ``defaults``; its ``state`` is
-    empty (ZeRO's Adam state is read from the partitions).
+    empty (ZeRO's Adam state is read from the partitions). A ``step()`` that DeepSpeed skipped
+    (its ``overflow`` set: inf or NaN gradients, under fp16 or with bf16's overflow check) runs
+    the skip hooks instead of the post hooks: the optimizer did not step, as with
+    ``torch.amp.GradScaler``.
     """
 
     def __init__(self, optimizer: Any) -> None:
@@ -191,13 +199,15 @@ class DeepSpeedSteps:
         self.state: dict[Any, Any] = {}
         self._pre: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._post: OrderedDict[int, Callable[..., None]] = OrderedDict()
+        self._skipped: OrderedDict[int, Callable[..., None]] = OrderedDict()
         original = optimizer.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
             for hook in list(self._pre.values()):
                 hook(self, args, kwargs)
             out = original(*args, **kwargs)
-            for hook in list(self._post.values()):
+            after = self._skipped if getattr(optimizer, "overflow", False) else self._post
+            for hook in list(after.values()):
                 hook(self, args, kwargs)
             return out
 
@@ -218,6 +228,13 @@ class DeepSpeedSteps:
         self._post[handle.id] = hook
         return handle
 
+    def register_step_skipped_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(self, args, kwargs)`` after a ``step()`` that DeepSpeed skipped, in place of the
+        post hooks."""
+        handle = RemovableHandle(self._skipped)
+        self._skipped[handle.id] = hook
+        return handle
+
 
 @dataclass
 class DeepSpeedSetup:
@@ -234,25 +251,55 @@ class DeepSpeedSetup:
     flat_buffers: list[OwnedRanges] = field(default_factory=list)
     constructing: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     updates: Zero3Updates | None = None
+    skip_said: bool = False
 
     def attach(self, tracker: Any) -> list[RemovableHandle]:
-        """Under ZeRO 3, the step hooks that copy this rank's partitions before a due step whose
-        metrics read updates and drop the copies after it (``tracker``: the ``TensorMetrics``
-        built with this setup, whose ``params.due`` names the step's due metrics); removed
-        with its hooks by ``close()``."""
-        updates = self.updates
-        if updates is None:
+        """The step hooks of this setup on ``tracker`` (the ``TensorMetrics`` built with it, whose
+        ``params.due`` names the step's due metrics), removed with its hooks by ``close()``:
+
+        - a step DeepSpeed skipped (see :class:`DeepSpeedSteps`) fails the due update and
+          optimizer-state metrics of the step with a reason naming the skip (its gradient
+          metrics were read before it), said at WARNING on the logging rank once, at INFO after;
+        - under ZeRO 3, a copy of this rank's partitions before a due step whose metrics read
+          updates, dropped after it.
+
+        Under fp16 it also gives ``tracker`` DeepSpeed's loss scale (``optimizer.loss_scale``,
+        a float read at each step's first cotangent), which cotangent metrics divide by, as
+        they divide by a ``GradScaler``'s (:mod:`~tmetrics_core.sources.cotangents`)."""
+        if not isinstance(self.optimizer, DeepSpeedSteps):
             return []
-        observer = tracker.params
+        observer, updates, wrapped = tracker.params, self.updates, self.optimizer.wrapped
+        if getattr(wrapped, "dtype", None) == torch.float16:
+            tracker._loss_scale = lambda: wrapped.loss_scale  # read where a GradScaler's scale is
+
+        def skipped(*_: Any) -> None:
+            if updates is not None:
+                updates.forget()
+            if not observer.due:
+                return
+            reason = (f"DeepSpeed skipped the optimizer step of step {observer.step}: a gradient was inf or NaN "
+                      f"(overflow; loss scale now {getattr(self.optimizer.wrapped, 'loss_scale', 1.0)}); "
+                      "layer-grad-nonfinite counts them. No update, the optimizer state unchanged")
+            observer.fail_post(reason)
+            if tracker.logs:
+                log.log(logging.INFO if self.skip_said else logging.WARNING, "tmetrics: %s%s", reason,
+                        "" if self.skip_said else ". Said at WARNING once; later skips at INFO")
+            self.skip_said = True
+
+        handles = [self.optimizer.register_step_skipped_hook(skipped)]
+        if updates is None:
+            return handles
+        zero3 = updates
 
         def before(*_: Any) -> None:
             if any("update" in m.source_kinds for m in observer.due):
-                updates.take()
+                zero3.take()
 
         def after(*_: Any) -> None:
-            updates.forget()
+            zero3.forget()
 
-        return [self.optimizer.register_step_pre_hook(before), self.optimizer.register_step_post_hook(after)]
+        return [*handles, self.optimizer.register_step_pre_hook(before),
+                self.optimizer.register_step_post_hook(after)]
 
 
 def setup(run: Found, topology: Topology) -> DeepSpeedSetup:

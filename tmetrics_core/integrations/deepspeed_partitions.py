@@ -13,7 +13,8 @@ where tmetrics reads it (never an all-gather; a copy only for ZeRO 3's updates):
     ZeRO 1/2: ``param._hp_mapping.get_lp_grad_fragment(i)``, the reduced, averaged gradient
     fragment of rank ``r``'s partition that DeepSpeed's clipping norm reads (its CPU copy under
     optimizer offload); the range is ``_hp_mapping.lp_fragment_address`` (none: the rank owns
-    nothing of the parameter). ZeRO 3: ``deepspeed.utils.safe_get_local_grad``.
+    nothing of the parameter). ZeRO 3: ``deepspeed.utils.safe_get_local_grad``. Under fp16,
+    divided by DeepSpeed's loss scale (:func:`_unscaled`).
 ``exp_avg``, ``exp_avg_sq``
     ZeRO 1/2: the inner torch optimizer's state of the parameter group's fp32 partition
     (``single_partition_of_fp32_groups``), at ``_hp_mapping.hp_fragment_address``. Not
@@ -106,9 +107,37 @@ def _stage12(optimizer: Any, dp_ranks: tuple[int, ...]) -> list[OwnedRanges]:
             return (value, mapping.hp_fragment_address.start) if value is not None else None
         return read
 
-    fetch = {"grad": grad, "exp_avg": state("exp_avg"), "exp_avg_sq": state("exp_avg_sq")}
+    fetch = {"grad": _unscaled(optimizer, grad), "exp_avg": state("exp_avg"), "exp_avg_sq": state("exp_avg_sq")}
     empty = torch.empty(0)
     return [OwnedRanges(kind, "dp", params, empty, 0, ranges=ranges, fetch=fetch[kind]) for kind in KINDS]
+
+
+def _unscaled(optimizer: Any, fetch: Fetch) -> Fetch:
+    """``fetch`` of the gradients, divided by DeepSpeed's loss scale under fp16.
+
+    With ``"fp16": {"enabled": true}`` the loss is multiplied by the loss scale before backward,
+    so ZeRO's partitions hold ``scale * gradient`` until its ``step()`` unscales them. The scale
+    (``optimizer.loss_scale``: a Python float in DeepSpeed 0.19.8, passed to the kernel as a
+    scalar, a tensor on the partition's device were it one; never ``.item()``) is read with the
+    gradient, in the step's pre-hook, before ``step()`` updates it. The quotient is float32 (a
+    gradient below fp16's smallest normal number, 6.1e-5, is exact there); one cast and one
+    division per fp16 fragment read (one division into a new tensor for float32 ones: ZeRO 3's
+    partitions, offload's CPU buffers), on due steps only. Without fp16 (scale fixed at 1) ``fetch``
+    is returned as it is.
+    """
+    if getattr(optimizer, "dtype", None) != torch.float16:
+        return fetch
+
+    def read(p: torch.nn.Parameter) -> tuple[torch.Tensor, int] | None:
+        found = fetch(p)
+        if found is None:
+            return None
+        holder, at = found
+        scale = optimizer.loss_scale
+        if holder.dtype == torch.float32:  # DeepSpeed's own float32 gradients: never divided in place
+            return holder.detach().div(scale), at
+        return holder.detach().to(torch.float32).div_(scale), at
+    return read
 
 
 def _stage3(optimizer: Any, dp_ranks: tuple[int, ...]) -> tuple[list[OwnedRanges], Zero3Updates]:
@@ -144,7 +173,8 @@ def _stage3(optimizer: Any, dp_ranks: tuple[int, ...]) -> tuple[list[OwnedRanges
         return read
 
     updates = Zero3Updates([p for p in params if ranges[id(p)][0] < ranges[id(p)][1]])
-    fetch = {"param": weights, "grad": grad, "exp_avg": state("exp_avg"), "exp_avg_sq": state("exp_avg_sq"),
+    fetch = {"param": weights, "grad": _unscaled(optimizer, grad), "exp_avg": state("exp_avg"),
+             "exp_avg_sq": state("exp_avg_sq"),
              "update": updates.fetch}
     empty = torch.empty(0)
     return [OwnedRanges(kind, "dp", params, empty, 0, ranges=ranges, fetch=fetch[kind])

@@ -161,6 +161,8 @@ class ParamObserver:
         self.no_grad: set[str] = set()
         """Parameters held here without a gradient this step."""
         self._done: set[str] = set()
+        self._failed: set[str] = set()
+        """Post metrics failed by :meth:`fail_post` this step: the program leaves them failed."""
         self._before: MutableMapping[str, torch.Tensor] | None = None
         self._spare: torch.Tensor | None = None
         unknown = sorted(set(flat) - FLAT_KINDS)
@@ -176,7 +178,7 @@ class ParamObserver:
         self.due = tuple(due)
         self.prepared, self.sites = {}, {}
         self.unfed, self.no_grad = set(), set()
-        self._done = set()
+        self._done, self._failed = set(), set()
         self._before = None
         self._plan = None
         self._verified_now, self._deferred = set(), None
@@ -222,6 +224,7 @@ class ParamObserver:
         optimizer step in one scope changed what they read after they read it."""
         for metric in self.plan().post:
             self.prepared[metric.name] = ({}, reason)
+            self._failed.add(metric.name)
 
     def done(self, phase: str) -> bool:
         """Whether ``phase`` was prepared this step."""
@@ -497,7 +500,8 @@ class ParamObserver:
         if states is None:
             return
         for metric, state in states:
-            self.prepared[metric.name] = (state, None)
+            if metric.name not in self._failed:
+                self.prepared[metric.name] = (state, None)
         self.sites.update(plan.sites)
 
     def _state_tensors(self, reads: Sequence[tuple[str, int]]) -> list[torch.Tensor | None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ class Case:
     interval: int = 1
     count_gathers: bool = False
     bf16: bool = False
+    fp16: bool = False  # dynamic loss scaling, from 2^8
+    inject: tuple[int, ...] = ()  # steps with +inf put into one gradient element: DeepSpeed skips them
     path: str = "engine"  # "engine": from_config(model=engine); "module": model=engine.module,
     # optimizer=engine.optimizer; "accelerate": attach() with a DeepSpeedPlugin; "trainer": the HF
     # Trainer with TrainingArguments(deepspeed=...) and TMetricsCallback
@@ -85,7 +88,8 @@ def ds_config(case: Case, world: int) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": case.gas,
             "train_batch_size": MICRO * case.gas * world, "gradient_clipping": case.clip,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True, "bf16": {"enabled": case.bf16},
-            "zero_force_ds_cpu_optimizer": False}  # the client torch optimizer under offload (no C++ op)
+            "zero_force_ds_cpu_optimizer": False,  # the client torch optimizer under offload (no C++ op)
+            **({"fp16": {"enabled": True, "initial_scale_power": 8}} if case.fp16 else {})}
 
 
 def tm_config(case: Case, run_dir: str) -> dict[str, Any]:
@@ -96,7 +100,8 @@ def tm_config(case: Case, run_dir: str) -> dict[str, Any]:
 def run_cases(rank: int, world: int, cases: list[Case], run_dir: str) -> dict[str, Any]:
     """Every case trained under DeepSpeed: ``{case: {"records": {key: value} (rank 0),
     "reference": {key: value} (rank 0), "norms": [DeepSpeed's norm per step], "gathers": [...],
-    "own": {key: value} (bf16)}}``, and ``{"refusals": {feature: message}}``."""
+    "own": {key: value} (bf16, fp16), "said": [(level, message)] of skipped steps}}``, and
+    ``{"refusals": {feature: message}}``."""
     os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed
 
@@ -130,28 +135,65 @@ def _train(case: Case, rank: int, world: int, run_dir: str) -> dict[str, Any]:
     gathers = _GatherCount() if case.count_gathers else None
     norms = []
     own: dict[Key, float] = {}
+    said = _Said()
+    injected = engine.module.layers[INJECTED].fc1.bias
     for step in range(1, case.steps + 1):
+        handle = injected.register_hook(_plus_inf) if step in case.inject else None
         if gathers is not None:
             gathers.count = 0
         with metrics.step(step):
             for micro in range(case.gas):
                 x, y = batch(step, micro, world)
                 rows = slice(rank * MICRO, (rank + 1) * MICRO)
-                dtype = torch.bfloat16 if case.bf16 else torch.float32
+                dtype = torch.bfloat16 if case.bf16 else torch.float16 if case.fp16 else torch.float32
                 loss = (engine(x[rows].to(dtype)).float() - y[rows]).square().mean()
                 engine.backward(loss)
-                before = _own_before(engine, step, own) if case.bf16 and micro == case.gas - 1 else None
+                low = case.bf16 or case.fp16
+                before = _own_before(engine, step, own) if low and micro == case.gas - 1 else None
                 engine.step()
-                if before is not None:
+                if before is not None and not engine.optimizer.overflow:
                     _own_after(engine, step, before, own)
+        if handle is not None:
+            handle.remove()
         norm = engine.get_global_grad_norm()  # None without ZeRO: DeepSpeed keeps none
         norms.append(float(norm) if norm is not None else math.nan)
         if gathers is not None:
             gathers.steps.append(gathers.count)
     metrics.close()
+    said.remove()
     if gathers is not None:
         gathers.remove()
-    return {"norms": norms, "gathers": gathers.steps if gathers is not None else [], "own": own}
+    return {"norms": norms, "gathers": gathers.steps if gathers is not None else [], "own": own,
+            "said": said.records}
+
+
+INJECTED = 1  # the block whose fc1.bias gets +inf in element 0 on the steps of Case.inject
+
+
+def _plus_inf(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = math.inf
+    return grad
+
+
+class _Said(logging.Handler):
+    """tmetrics' own line on a step DeepSpeed skipped, as ``(level, message)``, INFO included (the
+    executor's reports of the metrics that failed with it are not counted here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, str]] = []
+        self.level_was = logging.getLogger("tmetrics").level
+        logging.getLogger("tmetrics").setLevel(logging.INFO)
+        logging.getLogger("tmetrics").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("tmetrics: DeepSpeed skipped the optimizer step"):
+            self.records.append((record.levelno, record.getMessage()))
+
+    def remove(self) -> None:
+        logging.getLogger("tmetrics").removeHandler(self)
+        logging.getLogger("tmetrics").setLevel(self.level_was)
 
 
 def _full_weights(engine: Any) -> dict[str, torch.Tensor]:
@@ -166,10 +208,12 @@ def _full_weights(engine: Any) -> dict[str, torch.Tensor]:
 
 def _own_before(engine: Any, step: int, own: dict[Key, float]) -> dict[str, torch.Tensor]:
     """From DeepSpeed's own tensors, between the boundary's backward and its step: the reduced
-    gradients (``safe_get_full_grad``) and the weights; returns the weights."""
+    gradients (``safe_get_full_grad``, divided by the loss scale under fp16) and the weights;
+    returns the weights."""
     from deepspeed.utils import safe_get_full_grad
 
-    grads = {n: safe_get_full_grad(p).double() for n, p in engine.module.named_parameters()}
+    scale = engine.optimizer.loss_scale if engine.fp16_enabled() else 1.0
+    grads = {n: safe_get_full_grad(p).double() / scale for n, p in engine.module.named_parameters()}
     weights = _full_weights(engine)
     own[("global-grad-l2", step, None, None)] = _norm(grads.values())
     for layer in range(BLOCKS):
@@ -263,7 +307,7 @@ def _records(run_dir: str) -> dict[Key, Any]:
         r = json.loads(line)
         key = (r["metric"], r["step"], r["labels"].get("layer"), r["labels"].get("stat"))
         assert key not in out, f"{key} written twice"
-        out[key] = r["value"]
+        out[key] = float(r["value"]) if r["value"] in ("Infinity", "-Infinity", "NaN") else r["value"]
     return out
 
 
@@ -308,17 +352,19 @@ def reference(case: Case, world: int) -> dict[Key, float]:
     out: dict[Key, float] = {}
     named = list(model.named_parameters())
     residual = [0.0] * BLOCKS  # sums of squares of each block's output over the step's tokens
+    cotangent = [0.0] * BLOCKS  # and of the applied loss's cotangent there
 
     def add(layer: int) -> Any:
         def hook(module: Any, args: Any, output: torch.Tensor) -> None:
             residual[layer] += float(output.detach().square().sum())
+            output.register_hook(lambda g: cotangent.__setitem__(layer, cotangent[layer] + float(g.square().sum())))
         return hook
 
     for layer, block in enumerate(model.layers):
         block.register_forward_hook(add(layer))
     for step in range(1, case.steps + 1):
         optimizer.zero_grad()
-        residual[:] = [0.0] * BLOCKS
+        residual[:] = cotangent[:] = [0.0] * BLOCKS
         for micro in range(case.gas):
             x, y = batch(step, micro, world)
             for r in range(world):
@@ -327,20 +373,25 @@ def reference(case: Case, world: int) -> dict[Key, float]:
                 (loss / (world * case.gas)).backward()
         before = {n: p.detach().clone() for n, p in named}
         grads = {n: p.grad.detach().clone() for n, p in named}
-        if case.clip > 0:
+        if step in case.inject:  # DeepSpeed skips the step: no update, no state change
+            grads[f"layers.{INJECTED}.fc1.bias"].view(-1)[0] = math.inf
+        elif case.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
-        optimizer.step()
+        if step not in case.inject:
+            optimizer.step()
         after = {n: p.detach().clone() for n, p in named}
         out[("global-grad-l2", step, None, None)] = _norm(grads.values())
         for layer in range(BLOCKS):
             mine = [n for n, _ in named if _layer(n) == layer]
             out[("layer-grad-l2", step, layer, None)] = _norm(grads[n] for n in mine)
             out[("layer-residual-accumulator-l2", step, layer, None)] = residual[layer] ** 0.5
+            out[("layer-residual-grad-l2", step, layer, None)] = cotangent[layer] ** 0.5
             out[("layer-param-l2", step, layer, None)] = _norm(before[n] for n in mine)
             out[("layer-update-ratio", step, layer, None)] = (
                 _norm(after[n] - before[n] for n in mine) / _norm(after[n] for n in mine))
             for stat in ("nan", "posinf", "neginf", "total"):
-                out[("layer-grad-nonfinite", step, layer, stat)] = 0.0
+                out[("layer-grad-nonfinite", step, layer, stat)] = float(
+                    step in case.inject and layer == INJECTED and stat in ("posinf", "total"))
             for kind in ("exp_avg", "exp_avg_sq"):
                 states = [optimizer.state[p][kind] for n, p in named if n in mine]
                 count = sum(s.numel() for s in states)
@@ -365,7 +416,6 @@ def refusals(rank: int, world: int, run_dir: str) -> dict[str, str]:
     base = Case("refused", 2)
     builds: dict[str, Any] = {
         "zero0-clip": lambda: _engine(Net(), ds_config(Case("clip", 0, clip=1.0), world)),
-        "fp16": lambda: _engine(Net(), {**ds_config(base, world), "fp16": {"enabled": True}}),
         "moe": lambda: _engine(_MoeNet(), ds_config(base, world)),
         "hpz": lambda: _engine(Net(), {**ds_config(Case("hpz", 3, extra={"zero_hpz_partition_size": world}),
                                                      world)}),
