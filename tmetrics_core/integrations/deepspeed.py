@@ -46,17 +46,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.integrations.deepspeed_partitions import Zero3Updates, partitions
 from tmetrics_core.integrations.megatron_shards import OwnedRanges
+from tmetrics_core.integrations.step_hooks import StepHooks
 from tmetrics_core.topology import Topology
 
 __all__ = ["DeepSpeedSetup", "DeepSpeedSteps", "Found", "found", "refuse", "setup", "topology"]
@@ -183,7 +182,7 @@ def refuse(run: Found) -> None:
                           "client optimizer. Set zero_optimization.stage to 1 or more")
 
 
-class DeepSpeedSteps:
+class DeepSpeedSteps(StepHooks):
     """DeepSpeed's optimizer seen as tmetrics sees a torch one: step pre/post hooks around its
     whole ``step()`` (ZeRO's: norm, unscale and clip, the inner torch step, the copy back and
     all-gather of the weights), the inner torch optimizer's ``defaults``; its ``state`` is
@@ -194,46 +193,17 @@ class DeepSpeedSteps:
     """
 
     def __init__(self, optimizer: Any) -> None:
-        self.wrapped = optimizer  # not .optimizer: that would read as a wrapper to unwrap
+        super().__init__(optimizer)
         self.inner = optimizer.optimizer
         self.state: dict[Any, Any] = {}
-        self._pre: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self._post: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        self._skipped: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        original = optimizer.step
 
-        def step(*args: Any, **kwargs: Any) -> Any:
-            for hook in list(self._pre.values()):
-                hook(self, args, kwargs)
-            out = original(*args, **kwargs)
-            after = self._skipped if getattr(optimizer, "overflow", False) else self._post
-            for hook in list(after.values()):
-                hook(self, args, kwargs)
-            return out
-
-        optimizer.step = step
+    def skipped(self) -> bool:
+        return bool(getattr(self.wrapped, "overflow", False))
 
     @property
     def defaults(self) -> dict[str, Any]:
         """The inner torch optimizer's defaults (``betas`` tells Adam)."""
         return dict(self.inner.defaults)
-
-    def register_step_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        handle = RemovableHandle(self._pre)
-        self._pre[handle.id] = hook
-        return handle
-
-    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        handle = RemovableHandle(self._post)
-        self._post[handle.id] = hook
-        return handle
-
-    def register_step_skipped_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """``hook(self, args, kwargs)`` after a ``step()`` that DeepSpeed skipped, in place of the
-        post hooks."""
-        handle = RemovableHandle(self._skipped)
-        self._skipped[handle.id] = hook
-        return handle
 
 
 @dataclass
@@ -253,7 +223,7 @@ class DeepSpeedSetup:
     updates: Zero3Updates | None = None
     skip_said: bool = False
 
-    def attach(self, tracker: Any) -> list[RemovableHandle]:
+    def attach(self, tracker: Any) -> list[Any]:
         """The step hooks of this setup on ``tracker`` (the ``TensorMetrics`` built with it, whose
         ``params.due`` names the step's due metrics), removed with its hooks by ``close()``:
 
@@ -286,7 +256,7 @@ class DeepSpeedSetup:
                         "" if self.skip_said else ". Said at WARNING once; later skips at INFO")
             self.skip_said = True
 
-        handles = [self.optimizer.register_step_skipped_hook(skipped)]
+        handles: list[Any] = [self.optimizer.register_step_skipped_hook(skipped), self.optimizer]  # last: step back
         if updates is None:
             return handles
         zero3 = updates

@@ -59,17 +59,16 @@ metric is due.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.integrations.megatron_shards import OwnedRanges, is_distributed_optimizer, owned_ranges
+from tmetrics_core.integrations.step_hooks import StepHooks
 from tmetrics_core.observe import fail_unless, observe, watched
 from tmetrics_core.placements import Owned, Placement, Shard
 from tmetrics_core.topology import Topology
@@ -297,7 +296,7 @@ class _StateView:
         return default
 
 
-class MegatronSteps:
+class MegatronSteps(StepHooks):
     """A Megatron optimizer seen as tmetrics sees a torch one: step pre/post hooks around its
     ``step()`` (gradients are read before it: ``main_grad`` under Megatron's DDP, the update
     after it), ``defaults`` and ``state`` of its inner torch optimizer(s).
@@ -307,21 +306,8 @@ class MegatronSteps:
     """
 
     def __init__(self, optimizer: Any) -> None:
-        self.wrapped = optimizer  # not .optimizer: that would read as a wrapper to unwrap
+        super().__init__(optimizer)
         self.inner = [(o.optimizer, _main_copies(o)) for o in _leaves(optimizer)]
-        self._pre: OrderedDict[int, Callable[..., None]] = OrderedDict()  # weakly referenced by handles
-        self._post: OrderedDict[int, Callable[..., None]] = OrderedDict()
-        original = optimizer.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            for hook in list(self._pre.values()):
-                hook(self, args, kwargs)
-            out = original(*args, **kwargs)
-            for hook in list(self._post.values()):
-                hook(self, args, kwargs)
-            return out
-
-        optimizer.step = step
         self.state = _StateView(self)
 
     @property
@@ -334,15 +320,6 @@ class MegatronSteps:
         """The first inner torch optimizer's defaults (``betas`` tells Adam)."""
         return dict(self.inner[0][0].defaults) if self.inner else {}
 
-    def register_step_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        handle = RemovableHandle(self._pre)
-        self._pre[handle.id] = hook
-        return handle
-
-    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        handle = RemovableHandle(self._post)
-        self._post[handle.id] = hook
-        return handle
 
 
 def is_megatron_optimizer(optimizer: Any) -> bool:
@@ -465,4 +442,5 @@ def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
               for s in owned_ranges(leaf, topology)]
     steps = MegatronSteps(optimizer) if megatron_optimizer else optimizer
     return MegatronSetup(model=inner, optimizer=steps, placements=found, layer_offset=layer_offset,
-                         expert_offset=expert_offset, handles=observe_routers(inner), flat_buffers=shards)
+                         expert_offset=expert_offset, handles=[*observe_routers(inner), *([steps] if megatron_optimizer else [])],
+                         flat_buffers=shards)
