@@ -285,6 +285,39 @@ def test_replay_by_sink_name_into_jsonl(tmp_path, sample_run, step_records, fail
         replay(spool, failing_sink(), options={"path": "x"})
 
 
+def test_interrupt_spools_a_backlog_the_sink_cannot_write_by_the_drain_deadline_at_once(
+    tmp_path, sample_run, step_records, recording_sink, record_rows, caplog
+):
+    """Ctrl-C with a slow tracker: the drain does not spend its deadline writing part of a
+    backlog whose rest is spooled anyway; every record ends written or spooled, and a sink
+    that keeps up still gets every record."""
+    from tmetrics_core.records import MetricRecord
+
+    class SlowSink(type(recording_sink())):  # type: ignore[misc]
+        def write(self, records, step):
+            time.sleep(0.05)
+            super().write(records, step)
+
+    slow, fast = SlowSink("slow"), recording_sink()
+    hub = make_hub([slow, fast], tmp_path, interrupt_timeout=2.0)
+    hub.open(sample_run)
+    submitted = submit_steps(hub, step_records, [1], pace=slow)
+    submitted += submit_steps(hub, step_records, range(2, 62))  # 60 writes of 0.05 s: 3 s > the 1 s drain
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="tmetrics.hub"):
+        report = hub.close_interrupted()
+    took = time.monotonic() - started
+
+    assert took < 0.5, took  # one write in flight and the close, not the 1 s drain
+    assert "would not be written by the close's drain deadline" in caplog.text
+    assert slow.statuses == ["killed"] and fast.statuses == ["killed"]
+    spooled = [e for e in SpoolReader(spool_path(tmp_path / "spool", "slow")) if isinstance(e, MetricRecord)]
+    assert sorted(record_rows(slow.records + spooled)) == sorted(record_rows(submitted))
+    assert report["slow"].spooled == len(spooled) > 0 and report["slow"].written == len(slow.records)
+    assert record_rows(fast.records) == record_rows(submitted) and report["recording"].spooled == 0
+    accounted(report["slow"])
+
+
 def test_null_hub_does_nothing(step_records, sample_run):
     hub = NullHub()
     hub.open(sample_run)

@@ -1,6 +1,6 @@
 """Ctrl-C in the README's loop (issue 35, item 3): no ``with``, no ``finally``, three trackers.
 
-The process exits promptly and every tracker run is ended, read back from its store: the MLflow
+The process exits within 3 s and every tracker run is ended, read back from its store: the MLflow
 run KILLED, the W&B offline run with its exit record, the TensorBoard events flushed. Before,
 the exit took 7.5 s and W&B's own exit hook had torn its service down before tmetrics closed
 ("sink wandb: close('failed') failed ... the backend run may be left open").
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tmetrics_core.hub.spool import SpoolReader
+from tmetrics_core.records import MetricRecord
 from tests.sinks.readback_tensorboard import read_log
 from tests.sinks.readback_wandb import find_run_file, read_run
 
@@ -25,6 +27,10 @@ pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[2]
 CLOSE_BOUND_S = 3.0  # the close, from the signal to the hub's report (interrupt_timeout_s 2 s + spool)
+# The exit, from the signal to the process gone: the close (0.1-0.5 s: a backlog MLflow cannot write
+# by the drain deadline is spooled at once) plus CPython's teardown, mostly its full garbage
+# collections over the ~4,600 modules torch, MLflow and W&B load (1.2-2.2 s at load 1-5).
+EXIT_BOUND_S = 3.0
 
 
 def test_ctrl_c_in_the_readme_loop_exits_promptly_and_ends_every_tracker_run(tmp_path):
@@ -52,7 +58,7 @@ def test_ctrl_c_in_the_readme_loop_exits_promptly_and_ends_every_tracker_run(tmp
     closed_at = float(re.search(r"^(\d+\.\d+) tmetrics\.hub tmetrics sinks at close \(run killed\)", output, re.M)[1])
     print(f"close ended {closed_at - sent:.2f} s after SIGINT; the process exited after {exit_s:.2f} s")
     assert closed_at - sent < CLOSE_BOUND_S, output[-3000:]
-    assert exit_s < 15, output[-3000:]  # the rest is the interpreter's and the trackers' own teardown
+    assert exit_s < EXIT_BOUND_S, output[-3000:]
     assert not re.search(r"close\('killed'\) failed|crashed", output), output[-3000:]
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -65,3 +71,10 @@ def test_ctrl_c_in_the_readme_loop_exits_promptly_and_ends_every_tracker_run(tmp
     assert wandb_run.column("global-grad-l2")
     steps = [s for s, _ in read_log(tmp_path / "tb").scalars("global-grad-l2")]
     assert steps and steps == list(range(1, len(steps) + 1))
+    # No step lost: what MLflow did not write by the close is in its spool, for `tmetrics replay`.
+    (key,) = [k for k in run.data.metrics if k.endswith("global-grad-l2")]
+    in_mlflow = {m.step for m in client.get_metric_history(run.info.run_id, key)}
+    spool = re.search(r"tmetrics replay (\S+) --sink mlflow", output)
+    spooled = set() if spool is None else {
+        r.step for r in SpoolReader(spool[1]) if isinstance(r, MetricRecord) and r.metric == "global-grad-l2"}
+    assert in_mlflow | spooled == set(steps), (len(in_mlflow), len(spooled), len(steps))

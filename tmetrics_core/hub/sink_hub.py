@@ -56,7 +56,8 @@ class SinkHub:
             and between probes of a sink that keeps failing, seconds.
         close_timeout: how long :meth:`close` waits for the sinks to drain and close, seconds
             (the config's ``run.close_timeout_s``). Half of it goes to draining the queues: what
-            a sink has not written by then is spooled and the sink is closed; a sink still busy
+            a sink has not written by then (or, at its average write time, would not have) is
+            spooled and the sink is closed; a sink still busy
             at the end is left (not closed) and its rest spooled. Also the default bound of
             :meth:`flush`.
         interrupt_timeout: the same bound for :meth:`close_interrupted` (Ctrl-C), seconds, so

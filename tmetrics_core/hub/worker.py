@@ -15,6 +15,9 @@ The worker owns every call to its sink. Its life:
    thus costs one attempt per probe interval, not ``retries`` attempts per step.
 3. **close**: after the queue is drained, ``sink.close(status)`` (retried like a write). The
    drain has a deadline: what is still queued then goes to the spool, and the sink is closed.
+   A backlog that the sink's measured write time says cannot be written by the deadline goes
+   to the spool at once, so a sink that is behind (a Ctrl-C with a slow tracker) does not hold
+   the close for the whole drain only to spool the rest anyway.
 
 Ownership of each item is decided under one lock: an item is in the queue, in flight in the
 worker, or handed to the spool, never two of these. When ``SinkHub.close`` gives up on a worker
@@ -106,6 +109,7 @@ class SinkWorker:
         self._on_open = on_open
         self._probe_timeout = probe_timeout
         self._drain_until = float("inf")
+        self._write_s: float | None = None  # moving average of one successful write, seconds
         self.counters = SinkCounters(sink.name)
         self._spiller = spiller
         self._queue_size = queue_size
@@ -217,7 +221,7 @@ class SinkWorker:
             while True:
                 if self._abandoned.is_set():
                     raise _Abandoned
-                if self._closing.is_set() and self._queue and time.monotonic() >= self._drain_until:
+                if self._closing.is_set() and self._queue and self._misses_drain_deadline():
                     self._spool_at_deadline()
                 if self._queue:
                     item = self._queue.popleft()
@@ -229,16 +233,24 @@ class SinkWorker:
                     return None
                 self._cond.wait()
 
+    def _misses_drain_deadline(self) -> bool:
+        """The close's drain deadline has passed, or the queue would not be written by then at
+        the sink's average write time (the caller holds the lock)."""
+        now = time.monotonic()
+        expected = 0.0 if self._write_s is None else self._write_s * len(self._queue)
+        return now + expected > self._drain_until
+
     def _spool_at_deadline(self) -> None:
-        """The close's drain deadline passed with items queued (the caller holds the lock):
-        they go to the spool, and the sink is closed next."""
+        """The queue would not be written by the close's drain deadline (the caller holds the
+        lock): it goes to the spool, and the sink is closed next."""
         left = list(self._queue)
         self._queue.clear()
         self._queued_records = 0
         for item in _merged(left):
             self._spiller.offer(self.counters, item)
-        _log.warning("sink %s: %d records still queued at the close's drain deadline go to the spool; the sink "
-                     "is closed now", self.sink.name, sum(len(i.records) for i in left if isinstance(i, Batch)))
+        _log.warning("sink %s: %d queued records would not be written by the close's drain deadline (%d writes "
+                     "of about %.3f s); they go to the spool and the sink is closed now", self.sink.name,
+                     sum(len(i.records) for i in left if isinstance(i, Batch)), len(left), self._write_s or 0.0)
 
     def _release(self, *, spill: bool, written: int = 0, retried: int = 0) -> None:
         """End ownership of the in-flight item: spill it when asked, count what was written.
@@ -333,12 +345,16 @@ class SinkWorker:
         attempts = 1 if self._down_until is not None else self._retries + 1
         if isinstance(item, Batch):
             records, step = item.records, item.step
+            started = time.monotonic()
             ok, retried = self._try(
                 lambda: self.sink.write(records, step),
                 attempts=attempts,
                 what=f"write of step {step}",
                 then=self._spool_note(),
             )
+            if ok and not retried:
+                took = time.monotonic() - started
+                self._write_s = took if self._write_s is None else 0.8 * self._write_s + 0.2 * took
             if ok and item.alerts:
                 self._write_alerts(item)
         else:
