@@ -73,3 +73,20 @@ def test_uneven_fed_load_and_early_churn_raise_nothing():
     churn = [(512.0, 512.0, 0.0, 0.0), (0.0, 512.0, 512.0, 0.0)] * 3
     uneven = [(400.0, 300.0, 200.0, 124.0), (500.0, 300.0, 180.0, 44.0)] * 6
     assert opened(churn + uneven) == []
+
+
+def test_a_starvation_before_a_fault_is_not_named_as_its_first():
+    # layer 3's expert 3 starves from due index 6 (named at 7, step 35), layer 2's expert 3 dies at index 8:
+    # the death starts its own cluster, and the starved alert, outside any cluster, names itself
+    engine = AlertEngine(parse_alerts("default"))
+    firsts = {}
+    for index, step in enumerate(due_steps(10)):
+        dead = index >= 8
+        records = [MetricRecord("layer-expert-tokens", step, spread(FAIR if dead else 0.0), Labels(layer=2)),
+                   MetricRecord("layer-expert-tokens", step, (FAIR + 0.98 * FAIR / 3,) * 3 + (0.02 * FAIR,)
+                                if index >= 6 else spread(0.0), Labels(layer=3))]
+        for alert in engine.observe(records, step):
+            firsts[(alert.rule, alert.labels.layer)] = (alert.step, alert.first["rule"], alert.first["layer"])
+    assert firsts[("starved-expert", 3)] == (35, "starved-expert", 3)
+    assert firsts[("dead-expert", 2)] == (40, "dead-expert", 2)
+    assert firsts[("starved-expert", 2)] == (45, "dead-expert", 2)
