@@ -61,7 +61,9 @@ def run_demo(run_dir: Path, *, steps: int, seed: int, inject: str | None, reuse:
     config.write_text(json.dumps(CONFIG))
     command = [sys.executable, "-m", "tmetrics_core.demo", "--steps", str(steps), "--seed", str(seed),
                "--config", str(config), "--run-dir", str(run_dir)] + (["--inject", inject] if inject else [])
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
 
 
 def replay(run_dir: Path) -> tuple[list[Alert], dict[int, list[MetricRecord]]]:

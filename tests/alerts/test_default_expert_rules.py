@@ -90,3 +90,11 @@ def test_a_starvation_before_a_fault_is_not_named_as_its_first():
     assert firsts[("starved-expert", 3)] == (35, "starved-expert", 3)
     assert firsts[("dead-expert", 2)] == (40, "dead-expert", 2)
     assert firsts[("starved-expert", 2)] == (45, "dead-expert", 2)
+
+
+def test_a_load_hovering_around_the_share_is_one_alert():
+    # expert 3 dips under 0.1 of fair for 2 due steps, then moves between 0.05 and 0.15: one
+    # alert, which closes only at 0.2 of fair (its fair share at index 16)
+    hover = [spread(FAIR * (1 - share)) for share in (0.05, 0.05, 0.15, 0.05, 0.15, 0.05, 0.05, 0.15)]
+    got = opened([spread(0.0)] * 8 + hover + [spread(0.0)] + hover)
+    assert got == [(9, "starved-expert", 3), (18, "starved-expert", 3)], got

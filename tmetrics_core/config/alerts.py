@@ -185,7 +185,9 @@ class StuckRule(_Rule):
     mode: Literal["zero", "unchanged", "starved"] = "zero"
     """``zero``, ``unchanged``, or ``starved``: a vector element (tokens per expert) below
     ``share`` x its vector's mean (a fair load) for ``steps`` due values in a row, which names an
-    expert the router starves slowly, as well as one that dies at once, before its count is 0."""
+    expert the router starves slowly, as well as one that dies at once, before its count is 0. A
+    starved alert closes when the element is back at 2 x ``share`` x the mean, so a load hovering
+    around the share raises one alert, not one per dip."""
     steps: int = 2
     """Consecutive due values it takes (>= 1 for zero, >= 2 for unchanged)."""
     atol: float = 0.0
