@@ -136,8 +136,9 @@ def test_first_to_trip_orders_by_step_then_jump_then_labels():
 def test_default_set_and_gradient_nonfinite_on_by_default():
     config = load_config({"alerts": "default"}).alerts
     names = [r.name for r in config.active_rules]
-    assert names == ["grad-norm-spike", "update-ratio-spike", "nonfinite-gradients", "dead-expert", "load-imbalance"]
-    assert config.rules[4].scope == {"stat": "max-over-mean"}  # the stat name layer-expert-load-imbalance uses
+    assert names == ["grad-norm-spike", "update-ratio-spike", "nonfinite-gradients", "dead-expert", "starved-expert",
+                     "load-imbalance"]
+    assert config.rules[5].scope == {"stat": "max-over-mean"}  # the stat name layer-expert-load-imbalance uses
     assert [r.name for r in AlertsConfig().active_rules] == ["nonfinite-gradients"]
     eng = AlertEngine(AlertsConfig())
     assert [a.metric for a in eng.observe([R("global-grad-l2", 1, math.nan), R("output-entropy", 1, math.nan)], 1)] \

@@ -10,7 +10,9 @@ one open alert per rule: a rule that trips opens an ``open`` alert, later trips 
 the first due value back at the baseline emits a ``closed`` alert. An alert opening more than
 ``cluster_steps`` steps after the current cluster's first alert starts a new cluster; every alert
 of a cluster names its first one (earliest step; within a step, the biggest jump, then the most specific
-labels), which is how a run says which layer or expert went wrong first.
+labels), which is how a run says which layer or expert went wrong first. A ``starved`` stuck rule
+(a slow condition, not an event) joins a cluster but never starts one: outside a cluster it names
+itself.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Sequence, cast
 
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.alerts.rules import Tracker, tracker_for
-from tmetrics_core.config.alerts import AlertRule, AlertsConfig
+from tmetrics_core.config.alerts import AlertRule, AlertsConfig, StuckRule
 from tmetrics_core.records import Labels, MetricRecord
 
 __all__ = ["AlertEngine"]
@@ -123,16 +125,28 @@ class AlertEngine:
             return []
         ranked = sorted(opened, key=lambda o: (-_jump(o[1], o[2]),
                                                -sum(x is not None for x in (o[0][1][1].layer, o[0][1][1].expert))))
-        if self._cluster_start is None or step - self._cluster_start > self.config.cluster_steps:
+        events = [o for o in ranked if not self._slow(o[0][0])]
+        if events and (self._cluster_start is None or step - self._cluster_start > self.config.cluster_steps):
             self._cluster_start = step
-            (index, series), _, _ = ranked[0]
-            rule = self.rules[index]
-            self._first = {"step": step, "rule": rule.name, "metric": series[0]} | series[1].as_dict()
+            self._first = self._name(events[0][0], step)
         alerts = []
         for key, number, baseline in ranked:
-            self._opened[key] = (step, self._first)
-            alerts.append(self._alert(key, step, "open", number, baseline, opened=step, first=self._first))
+            joins = self._cluster_start is not None and step - self._cluster_start <= self.config.cluster_steps
+            first = self._first if joins else self._name(key, step)
+            self._opened[key] = (step, first)
+            alerts.append(self._alert(key, step, "open", number, baseline, opened=step, first=first))
         return alerts
+
+    def _slow(self, index: int) -> bool:
+        """A rule that names a slow condition (a starved expert), not an event: it joins a
+        cluster but never starts one, so a starvation that began earlier cannot be named as the
+        first of a later fault; outside a cluster it names itself."""
+        rule = self.rules[index]
+        return isinstance(rule, StuckRule) and rule.mode == "starved"
+
+    def _name(self, key: tuple[int, _SeriesKey], step: int) -> dict[str, Any]:
+        index, (metric, labels) = key
+        return {"step": step, "rule": self.rules[index].name, "metric": metric} | labels.as_dict()
 
     def _alert(self, key: tuple[int, _SeriesKey], step: int, state: str, value: float, baseline: float | None,
                *, opened: int, first: dict[str, Any]) -> Alert:

@@ -21,6 +21,7 @@ Event = Optional[tuple[Literal["trip", "recover"], Optional[float]]]
 """``("trip" | "recover", baseline)`` or ``None``."""
 
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+_STARVED_CLOSE = 2.0  # a starved alert closes at this multiple of its share of the mean
 
 
 class SpikeTracker:
@@ -148,6 +149,7 @@ class StuckTracker:
             return None
         self.seen += 1
         atol = self.rule.atol
+        fed = True  # starved mode: back at twice the share, so an open alert may close
         if self.rule.mode == "zero":
             stuck = abs(value) <= atol
             baseline = self.before
@@ -157,6 +159,8 @@ class StuckTracker:
         elif self.rule.mode == "starved":
             assert self.rule.share is not None  # checked by StuckRule
             stuck = mean is not None and mean > 0 and value < self.rule.share * mean
+            # an open alert closes only at twice the share, so a load hovering at the share is one alert
+            fed = mean is not None and mean > 0 and value >= _STARVED_CLOSE * self.rule.share * mean
             baseline = self.before
             if not stuck:
                 self.before = value
@@ -172,7 +176,7 @@ class StuckTracker:
         if self.run >= self.rule.steps and not self.open and due:
             self.open = True
             return ("trip", value if self.rule.mode == "unchanged" else baseline)
-        if self.open and not stuck:
+        if self.open and not stuck and (self.rule.mode != "starved" or fed):
             self.open = False
             return ("recover", value)
         return None

@@ -185,7 +185,9 @@ class StuckRule(_Rule):
     mode: Literal["zero", "unchanged", "starved"] = "zero"
     """``zero``, ``unchanged``, or ``starved``: a vector element (tokens per expert) below
     ``share`` x its vector's mean (a fair load) for ``steps`` due values in a row, which names an
-    expert the router starves slowly, as well as one that dies at once, before its count is 0."""
+    expert the router starves slowly, as well as one that dies at once, before its count is 0. A
+    starved alert closes when the element is back at 2 x ``share`` x the mean, so a load hovering
+    around the share raises one alert, not one per dip."""
     steps: int = 2
     """Consecutive due values it takes (>= 1 for zero, >= 2 for unchanged)."""
     atol: float = 0.0
@@ -226,22 +228,30 @@ GRADIENT_NONFINITE = NonfiniteRule(name="nonfinite-gradients", metric="*grad*")
 """Non-finite values (and non-zero ``*-nonfinite`` counts) of every gradient metric."""
 
 DEFAULT_RULES: tuple[AlertRule, ...] = (
-    SpikeRule(name="grad-norm-spike", metric="layer-grad-l2", scope={"layer": "*"}, factor=10.0, warmup=10),
-    SpikeRule(name="update-ratio-spike", metric="layer-update-ratio", scope={"layer": "*"}, factor=10.0, warmup=10),
+    SpikeRule(name="grad-norm-spike", metric="layer-grad-l2", scope={"layer": "*"}, factor=10.0, warmup=8),
+    SpikeRule(name="update-ratio-spike", metric="layer-update-ratio", scope={"layer": "*"}, factor=10.0, warmup=8),
     GRADIENT_NONFINITE,
     StuckRule(name="dead-expert", metric="layer-expert-tokens", scope={"layer": "*", "expert": "*"},
-              mode="zero", steps=1, warmup=10, share=0.5),
+              mode="zero", steps=1, warmup=6, share=0.5),
+    StuckRule(name="starved-expert", metric="layer-expert-tokens", scope={"layer": "*", "expert": "*"},
+              mode="starved", steps=2, warmup=6, share=0.1),
     ThresholdRule(name="load-imbalance", metric="layer-expert-load-imbalance", scope={"stat": "max-over-mean"},
                   above=4.0),
 )
 """``alerts: default``, for the demo bundle (metrics logged every 5 steps):
 
 - ``grad-norm-spike``, ``update-ratio-spike``: a layer's gradient L2 norm or update ratio over 10x
-  the median of its last 20 due values, after 10 due values (early training moves them by more);
+  the median of its last 20 due values, after 8 due values (early training moves them by more;
+  with metrics every 5 steps from step 1, step 40 is the first that can trip, where a 120-step
+  demo injects its faults);
 - ``nonfinite-gradients``: :data:`GRADIENT_NONFINITE`;
 - ``dead-expert``: an expert that got at least half of its fair share of tokens at one due
-  step and none at the next, after 10 due values (the demo's router starves and revives experts
-  slowly in clean runs; a slowly starved expert is not reported);
+  step and none at the next, after 6 due values (the demo's router empties and refills experts
+  in its first 25 steps); named at the due step of the death;
+- ``starved-expert``: an expert below 0.1 of its fair share (its layer's mean tokens) for 2 due
+  values in a row, after 6 due values: the slow kind of death, named at most 1 due step after its
+  load reaches 0 (an expert at 0 tokens is below any share), and the experts the demo's router
+  starves by itself (genuinely starved: true alarms, counted in docs/alerts.md);
 - ``load-imbalance``: max over mean tokens per expert above 4. The ratio is at most
   experts / top-k, so this fires only for models where that exceeds 4 (64 experts, top-8: up to 8);
   the demo (4 experts, top-2) routes every token of some layers through one expert in clean runs
