@@ -12,7 +12,9 @@ Each variant is a :class:`~tmetrics_core.demo.train.Trainer` on its own copy of 
   squared and all-reduced over the world first, one collective per tensor.
 
 Records stay in memory for tmetrics (no sink): sink costs are measured by
-``bench.sink_blocking``. The bundle is ``BUNDLE``.
+``bench.sink_blocking``. The bundle is ``BUNDLE``; :data:`BUNDLES` names it and the bundles
+of the backward, attention and low-precision metrics, whose names may carry recipes
+(``layer-param-quant:mxfp8+fp8-tensorwise``, see :func:`metric_of`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from tmetrics_core.demo.model import ModelConfig
 from tmetrics_core.demo.parallel import parallelize
 from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.demo.train import MetricsFactory, StepMetrics, TrainConfig, Trainer
+from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.tensor_metrics import TensorMetrics
 
-__all__ = ["BUNDLE", "NEVER", "NormLoop", "WandbWatch", "make_trainer", "norm_loop_factory", "tmetrics_factory",
-           "wandb_factory"]
+__all__ = ["BUNDLE", "BUNDLES", "NEVER", "NormLoop", "WandbWatch", "make_trainer", "norm_loop_factory", "metric_of",
+           "tmetrics_factory", "wandb_factory"]
 
 BUNDLE = (
     "layer-param-l2", "layer-grad-l2", "layer-grad-absmax", "layer-update-ratio",
@@ -46,6 +49,16 @@ BUNDLE = (
 )
 """The standard bundle: per-layer parameter and gradient L2, gradient absmax, update ratio,
 residual RMS (stream and block contribution), router load and decision entropy."""
+
+BUNDLES = {
+    "standard": BUNDLE,
+    "backward": ("layer-residual-grad-rms", "layer-backward-gain", "layer-residual-grad-l2", "output-logits-grad-l2"),
+    "attention": ("layer-attn-logit-max", "layer-attn-entropy", "layer-attn-sink", "layer-attn-lse"),
+    "low-precision": ("layer-param-quant:mxfp8+fp8-tensorwise",),
+}
+"""Bundles by name: the standard one, the backward statistics (docs/backward.md: cotangents of
+the blocks' outputs and of the logits), the attention diagnostics (recomputed from the queries
+and keys of every layer) and the low-precision statistics of the parameters under two recipes."""
 
 NEVER = 10**9
 """An interval no benchmark reaches: after its first step (always due) nothing is due again."""
@@ -59,12 +72,23 @@ def make_trainer(metrics: MetricsFactory | None, *, dp: int = 1, corpus: ByteCor
     return Trainer(parallel, corpus or ByteCorpus.from_stdlib(), config, metrics=metrics)
 
 
+def metric_of(spec: str) -> TensorMetric:
+    """The metric a bundle entry names: ``name`` or ``name:recipe+recipe`` (the recipes of a
+    ``layer-*-quant`` metric).
+
+    Raises:
+        ConfigError: an unknown name or recipe, or recipes on a metric that takes none.
+    """
+    name, _, recipes = spec.partition(":")
+    return build_metric(name, recipe=tuple(recipes.split("+")) if recipes else None)
+
+
 def tmetrics_factory(interval: int, names: tuple[str, ...] = BUNDLE) -> MetricsFactory:
-    """TensorMetrics with the metrics ``names`` (default the standard bundle) every ``interval``
-    steps, no sink."""
+    """TensorMetrics with the metrics ``names`` (default the standard bundle; entries as
+    :func:`metric_of` reads them) every ``interval`` steps, no sink."""
     def build(model: nn.Module, optimizer: Optimizer, mesh: Any) -> StepMetrics:
         topology = Axes.from_mesh(mesh) if mesh is not None else None
-        return TensorMetrics(model, metrics=[(build_metric(name), interval) for name in names],
+        return TensorMetrics(model, metrics=[(metric_of(name), interval) for name in names],
                              optimizer=optimizer, topology=topology)
     return build
 

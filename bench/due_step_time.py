@@ -2,9 +2,12 @@
 
 :func:`due_step_time` builds the demo trainer with a bundle every step and times, over a few
 steps, the tmetrics code the training thread runs (step scope exit, optimizer hooks,
-``observe_gradients``, forward-hook observations) and, inside it, the passes over tensor
-elements: the C kernels (moments, row softmax sums) and the update snapshot copy. The rest is
-per-tensor and per-observation Python and small torch ops. Timed directly with
+``observe_gradients``, forward-hook observations, the attention observations and the cotangent
+hooks of the backward) and, inside it, the passes over tensor elements: the C kernels (moments,
+row softmax sums), the update snapshot copy, the attention metrics' chunked recompute of the
+scores and the low-precision emulation. The rest is per-tensor and per-observation Python and
+small torch ops. Beside it, the model's own attention kernel (``F.scaled_dot_product_attention``
+in the forward), the work the attention metrics re-read. Timed directly with
 ``time.perf_counter`` around those functions, so the figures are the in-step costs (slower
 than the same code in a warm loop: the model's kernels evict the caches between calls).
 
@@ -20,31 +23,43 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from bench.demo_variants import BUNDLE, make_trainer, tmetrics_factory
 from tmetrics_core import tensor_metrics
+import torch.nn.functional as F
+
 from tmetrics_core.kernels import foreach_moments, moments
+from tmetrics_core.metrics import attention_heads
+from tmetrics_core.metrics.quant import metric as quant_metric
 from tmetrics_core.sources import param_observer, tokens
 
 __all__ = ["DueStepTime", "due_step_time", "main", "program_gain"]
 
 _ENTRIES = ((tensor_metrics.TensorMetrics, "_pre_step"), (tensor_metrics.TensorMetrics, "_post_step"),
             (tensor_metrics.TensorMetrics, "observe_gradients"), (tensor_metrics.TensorMetrics, "_finish_step"),
-            (tokens.TokenObserver, "record"), (tokens.TokenObserver, "record_residual"))
+            (tokens.TokenObserver, "record"), (tokens.TokenObserver, "record_residual"),
+            (tokens.TokenObserver, "record_attention"), (tokens.TokenObserver, "tap"),
+            (tokens.TokenObserver, "cotangent"))
 """The tmetrics code of a step (never nested in one another)."""
 
 _PASSES = ((moments, "_run"), (moments, "row_softmax_sums"), (foreach_moments, "foreach_rows"),
-           (param_observer, "snapshot"))
+           (param_observer, "snapshot"), (attention_heads, "query_parts"), (quant_metric, "quant_rows"))
 """The passes over tensor elements (called only from inside the entries)."""
+
+_ATTENTION = ((F, "scaled_dot_product_attention"),)
+"""The model's attention kernel (called by the demo model, never by tmetrics)."""
 
 
 @dataclass(frozen=True)
 class DueStepTime:
-    """Milliseconds per due step: all tmetrics code, and its passes over tensor elements."""
+    """Milliseconds per due step: all tmetrics code, its passes over tensor elements, and the
+    model's attention kernels in the forward (not tmetrics code: the scale of the attention
+    metrics' recompute)."""
 
     total_ms: float
     passes_ms: float
+    attention_ms: float = 0.0
 
 
 @contextlib.contextmanager
@@ -74,25 +89,24 @@ def _timed(targets: tuple[tuple[Any, str], ...], clock: list[float]) -> Iterator
 def due_step_time(bundle: tuple[str, ...], steps: int = 20) -> DueStepTime:
     """Median over ``steps`` due steps (after 3 warm-up steps) of the tmetrics time and of its
     tensor passes, in ms, with the bundle every step on a fresh demo trainer."""
-    total, passes = [0.0], [0.0]
-    with _timed(_ENTRIES, total), _timed(_PASSES, passes):
+    total, passes, attention = [0.0], [0.0], [0.0]
+    with _timed(_ENTRIES, total), _timed(_PASSES, passes), _timed(_ATTENTION, attention):
         # Built inside: the optimizer hooks bind the wrapped methods.
         trainer = make_trainer(tmetrics_factory(1, bundle))
         for step in range(1, 4):
             trainer.step(step)
         per_step = []
         for step in range(4, 4 + steps):
-            before = (total[0], passes[0])
+            before = (total[0], passes[0], attention[0])
             trainer.step(step)
-            per_step.append((total[0] - before[0], passes[0] - before[1]))
+            per_step.append((total[0] - before[0], passes[0] - before[1], attention[0] - before[2]))
     trainer.metrics.close()
     return _median(per_step)
 
 
-def _median(per_step: list[tuple[float, float]]) -> DueStepTime:
-    totals = sorted(t for t, _ in per_step)
-    shares = sorted(p for _, p in per_step)
-    return DueStepTime(totals[len(totals) // 2] * 1e3, shares[len(shares) // 2] * 1e3)
+def _median(per_step: Sequence[tuple[float, ...]]) -> DueStepTime:
+    """Each column's median over the steps, in ms."""
+    return DueStepTime(*(sorted(column)[len(column) // 2] * 1e3 for column in zip(*per_step)))
 
 
 def program_gain(bundle: tuple[str, ...] = BUNDLE, steps: int = 40) -> tuple[DueStepTime, DueStepTime]:

@@ -1,6 +1,6 @@
 """How tmetrics' cost grows with the world size and with the number of tensors.
 
-    python -m bench.scaling [--large] [--plot PATH] [--no-world] [--no-tensors] [--no-flat]
+    python -m bench.scaling [--large] [--plot PATH] [--no-world] [--no-tensors] [--no-flat] [--quant]
 
 Table 1, a simulated world (``bench.recording``): 8 to 16,384 ranks on a pp x dp x ep x tp mesh,
 the demo transformer (4 layers, 8 experts per MoE block, 128 tensors, attention weights declared
@@ -25,6 +25,12 @@ a figure when matplotlib is installed.
 Table 3, flat buffers: two rows of table 2 on a ``dp`` axis of one rank, the gradients read from
 ``.grad``, from one flat buffer holding their values (ZeRO's layout), and as per-parameter parts
 of ``main_grad`` (Megatron's distributed optimizer: ``OwnedRanges``).
+
+Table 4 (``--quant``), low-precision statistics: ``layer-param-quant`` due every step with one
+recipe at a time (:data:`QUANT_RECIPES`), measured as table 2's rows on tensor counts and sizes
+(:data:`QUANT_CASES`): torch ops and CPU ms per due step, per tensor and per million elements.
+The backward metrics need a forward and a backward, which these rows (an optimizer step on set
+gradients) do not run: ``bench.step_overhead --compare backward=1`` measures them.
 """
 
 from __future__ import annotations
@@ -150,9 +156,10 @@ def _moe(layers: int, experts: int, width: int) -> Transformer:
     return Transformer(config)
 
 
-def _tensor_case(layers: int, experts: int, width: int, rounds: int, device: str, gradients: str | None = None
-                 ) -> dict[str, Any]:
-    """One row: table 2's (``gradients`` None, through ``from_config``), or table 3's (the same
+def _tensor_case(layers: int, experts: int, width: int, rounds: int, device: str, gradients: str | None = None,
+                 entries: list[Any] | None = None) -> dict[str, Any]:
+    """One row: table 2's (``gradients`` None, through ``from_config``; table 4's with the config
+    metric entries ``entries`` in place of :data:`TENSOR_METRICS`), or table 3's (the same
     metrics on a ``dp`` axis of one rank, the gradients read from ``.grad``, from one flat
     buffer holding their values (``"flat buffer"``: ZeRO's layout) or as each parameter's part
     of ``main_grad`` (``"megatron parts"``: Megatron's distributed optimizer))."""
@@ -176,7 +183,7 @@ def _tensor_case(layers: int, experts: int, width: int, rounds: int, device: str
                                 topology=Topology([Axis("dp", 1, 0, None, (0,))], global_rank=0, world_size=1),
                                 flat_buffers=buffers)
         return _measure(metrics, model, optimizer, rounds, device)
-    config = {"metrics": [f"{name}:1" for name in TENSOR_METRICS], "sinks": {}}
+    config = {"metrics": entries or [f"{name}:1" for name in TENSOR_METRICS], "sinks": {}}
     with tempfile.TemporaryDirectory(prefix="bench-scaling-") as run_dir:
         return _measure(TensorMetrics.from_config(config, model=model, optimizer=optimizer, run_dir=run_dir),
                         model, optimizer, rounds, device)
@@ -273,7 +280,7 @@ def _measure(metrics: TensorMetrics, model: Transformer, optimizer: torch.optim.
     seconds = max(statistics.median(with_tm) - statistics.median(without), 0.0)
     outside = max(seconds - statistics.median(kernel), 0.0)
     config = model.config
-    return {"tensors": len(params), "layers": config.n_layers, "experts": config.n_experts, "width": config.d_model,
+    return {"tensors": len(params), "elements": sum(p.numel() for p in params), "layers": config.n_layers, "experts": config.n_experts, "width": config.d_model,
             "ops": tm_ops,
             "ms": seconds * 1e3, "us per tensor": seconds * 1e6 / len(params),
             "outside us per tensor": outside * 1e6 / len(params),
@@ -341,6 +348,37 @@ def print_flat(rows: list[dict[str, Any]]) -> None:
         print(f"{r['tensors']:>7} {r['gradients']:>14} | {r['ops']:>18} | {r['ms']:>20.2f} {r['us per tensor']:>9.1f}")
 
 
+QUANT_RECIPES = ("fp8-tensorwise", "fp8-rowwise", "fp8-block", "mxfp8", "nvfp4")
+"""Table 4's recipes, one per row (docs/low-precision.md)."""
+
+QUANT_CASES = ((2, 16, 8), (16, 8, 8), (2, 16, 64))
+"""Table 4's (layers, experts, width): 114 and 499 tiny tensors (per-tensor cost), then 114
+tensors of width 64 (per-element cost)."""
+
+
+def quant_table(device: str = "cpu") -> list[dict[str, Any]]:
+    """Table 4's rows: each case with ``layer-param-quant`` of each recipe due every step."""
+    rows = []
+    for layers, experts, width in QUANT_CASES:
+        for recipe in QUANT_RECIPES:
+            entry = {"name": "layer-param-quant", "interval": 1, "recipe": [recipe]}
+            row = _tensor_case(layers, experts, width, rounds=5, device=device, entries=[entry])
+            rows.append(row | {"recipe": recipe})
+    return rows
+
+
+def print_quant(rows: list[dict[str, Any]]) -> None:
+    print("Table 4: low-precision statistics, one process, layer-param-quant due every step, one recipe per row")
+    head = (f"{'tensors':>7} {'elements':>9} {'recipe':>14} | {'torch ops/due step':>18} | "
+            f"{'tmetrics ms/due step':>20} {'us/tensor':>9} {'ms/M elements':>13}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['tensors']:>7} {r['elements']:>9} {r['recipe']:>14} | {r['ops']:>18} | {r['ms']:>20.2f} "
+              f"{r['us per tensor']:>9.1f} {r['ms'] * 1e6 / r['elements']:>13.1f}")
+    print("As table 2: thread CPU time of the due step less the bare optimizer step; torch ops above the bare step's.")
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> str:
     try:
         import matplotlib
@@ -375,6 +413,7 @@ def main() -> None:
     parser.add_argument("--no-world", action="store_true")
     parser.add_argument("--no-tensors", action="store_true")
     parser.add_argument("--no-flat", action="store_true")
+    parser.add_argument("--quant", action="store_true", help="add table 4, the low-precision statistics per recipe")
     parser.add_argument("--device", default="cpu", help="device of table 2 (bench.gpu_overhead passes cuda)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -389,6 +428,9 @@ def main() -> None:
     if not args.no_flat:
         print()
         print_flat(flat_table(args.device))
+    if args.quant:
+        print()
+        print_quant(quant_table(args.device))
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

@@ -1,6 +1,7 @@
 """What tmetrics costs a training step of the demo model, next to the usual alternatives.
 
     python -m bench.step_overhead [--rounds 30] [--steps 5] [--pairs 300] [--threads 2] [--no-ddp] [--no-memory]
+                                  [--bundle NAMES] [--compare BUNDLE=INTERVAL ...]
 
 Table 1, one process (``--threads`` intra-op threads): the demo model's full step (forward,
 backward, clipping, AdamW) with the standard bundle (``bench.demo_variants.BUNDLE``) every 1,
@@ -21,7 +22,14 @@ code a not-due step runs (step scope, optimizer hooks, ``observe_gradients``) ti
 far below what paired rounds can resolve; the torch operations and host reads of that step are
 counted too (both should be zero). A due step's tmetrics code is also timed directly, with the
 part of it spent in passes over tensor elements (``bench.due_step_time``). ``--bundle``
-measures other metrics.
+measures other metrics (names, or a bundle of ``bench.demo_variants.BUNDLES``).
+
+``--compare backward=1 attention=100 low-precision=1`` adds each named bundle of
+``bench.demo_variants.BUNDLES`` to the same rounds, beside the bundle's rows: ``<name> every 1``
+(its cost when due, also as a ratio over ``tmetrics every 1``) and, for another interval,
+``<name> every N`` with its expected mean; under the table, per compared bundle, the torch ops
+and host reads of a due step and its tmetrics code timed directly, next to the model's own
+attention kernels of that step (the forward the attention metrics re-read).
 
 Table 2, two gloo ranks under DDP (1 thread each): the bundle every step against the bare loop
 and the per-parameter loop with one ``all_reduce`` per norm; collective calls per step.
@@ -34,19 +42,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.demo_variants import (
-    BUNDLE, NEVER, make_trainer, norm_loop_factory, tmetrics_factory, wandb_factory,
+    BUNDLE, BUNDLES, NEVER, make_trainer, norm_loop_factory, tmetrics_factory, wandb_factory,
 )
 from bench.due_step_time import DueStepTime, due_step_time
 from bench.peak_memory import HeapPeak, heap_in_use, max_rss_bytes
@@ -65,6 +75,26 @@ histogram's own cost, shown next to the bundle's (issue 35: +24 ms on a 24 ms st
 binned one tensor at a time)."""
 """The bare loop again, on a model built last: its ratio to ``bare`` is how far two copies of one
 loop differ by where their tensors sit in memory, the error of every separate-copy ratio."""
+
+
+def _compared(compare: dict[str, int]) -> dict[str, Any]:
+    """Variant name -> metrics factory of each compared bundle (name -> interval): every step,
+    and at its interval when that is another."""
+    out = {}
+    for name, interval in compare.items():
+        for every in dict.fromkeys((1, interval)):
+            out[f"{name} every {every}"] = tmetrics_factory(every, BUNDLES[name])
+    return out
+
+
+@dataclass(frozen=True)
+class Compared:
+    """What one compared bundle's due step does, beside its rows in the rounds."""
+
+    name: str
+    ops: tuple[int, int]
+    """Torch ops issued by tmetrics and host reads, one due step."""
+    time: DueStepTime
 
 
 def _variants(bundle: tuple[str, ...]) -> dict[str, Any]:
@@ -156,10 +186,11 @@ def _ops_of_step(trainer: Trainer, step: int) -> tuple[int, int]:
 
 
 def single_process(rounds: int, steps: int, bundle: tuple[str, ...], *, alternatives: bool = True,
-                   pairs: int = 300) -> list[str]:
+                   pairs: int = 300, compare: dict[str, int] | None = None) -> list[str]:
     corpus = ByteCorpus.from_stdlib()
     variants = {n: f for n, f in _variants(bundle).items()
                 if alternatives or n in ("bare", SECOND_BARE) or n.startswith("tmetrics")}
+    variants.update(_compared(compare or {}))
     trainers = {name: make_trainer(factory, corpus=corpus) for name, factory in variants.items()}
     runners = {name: _stepper(t) for name, t in trainers.items()}
     switched = _switched(make_trainer(tmetrics_factory(1, bundle), corpus=corpus))
@@ -175,11 +206,17 @@ def single_process(rounds: int, steps: int, bundle: tuple[str, ...], *, alternat
     idle_ops = _ops_of_step(idle, idle_run.count[0] + 1)  # type: ignore[attr-defined]
     due_ops = _ops_of_step(trainers["tmetrics every 1"], due_run.count[0] + 1)  # type: ignore[attr-defined]
     idle_us = _idle_code_us(idle, idle_run.count[0] + 2)  # type: ignore[attr-defined]
-    return _single_table(result, rounds, steps, idle_us, idle_ops, due_ops, due_step_time(bundle), stepwise)
+    compared = [Compared(name, _ops_of_step(trainers[f"{name} every 1"],
+                                            runners[f"{name} every 1"].count[0] + 1),  # type: ignore[attr-defined]
+                         due_step_time(BUNDLES[name]))
+                for name in compare or {}]
+    return _single_table(result, rounds, steps, idle_us, idle_ops, due_ops, due_step_time(bundle), stepwise,
+                         compared)
 
 
 def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: tuple[int, int],
-                  due_ops: tuple[int, int], due_time: DueStepTime, stepwise: PairedSteps | None) -> list[str]:
+                  due_ops: tuple[int, int], due_time: DueStepTime, stepwise: PairedSteps | None,
+                  compared: Sequence[Compared] = ()) -> list[str]:
     base = "bare"
     due = r.paired("tmetrics every 1", base) - 1
     idle = idle_us / (r.median_ms(base) * 1e3)  # timed directly: below the noise of paired rounds
@@ -187,8 +224,10 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
              f"per variant (bare step {r.median_ms(base):.1f} ms)",
              f"{'variant':<22} {'ms/step':>8} {'wall x':>7} {'cpu x':>7} {'mean x':>7} {'expected x':>10}"]
     for name in (n for n in r.wall if n not in SWITCHED):
-        interval = int(name.rsplit(" ", 1)[1]) if name.startswith("tmetrics every") else None
-        expected = f"{1 + (due + (interval - 1) * idle) / interval:>10.4f}" if interval else f"{'':>10}"
+        label, every, interval_text = name.rpartition(" every ")
+        interval = int(interval_text) if every else None
+        own = r.paired(f"{label} every 1", base) - 1 if interval else 0.0  # this bundle's due overhead
+        expected = f"{1 + (own + (interval - 1) * idle) / interval:>10.4f}" if interval else f"{'':>10}"
         lines.append(f"{name:<22} {r.median_ms(name):>8.1f} {r.paired(name, base):>7.3f} "
                      f"{r.paired(name, base, cpu=True):>7.3f} {r.mean(name, base):>7.3f} {expected}")
     lines += [
@@ -217,7 +256,23 @@ def _single_table(r: Rounds, rounds: int, steps: int, idle_us: float, idle_ops: 
         watch = r.paired("wandb.watch all/1", base) - 1
         ratio = watch / due if due > 0 else float("inf")
         lines.append(f"wandb.watch overhead / tmetrics-every-1 overhead: {ratio:.1f}x")
-    return lines
+    return lines + [line for c in compared for line in _compared_lines(r, c, due_time)]
+
+
+def _compared_lines(r: Rounds, c: Compared, standard: DueStepTime) -> list[str]:
+    """The lines of one compared bundle under table 1."""
+    own = f"{c.name} every 1"
+    t = c.time
+    return [
+        f"'{c.name}' bundle ({', '.join(BUNDLES[c.name])}): every 1 wall x {r.paired(own, 'bare'):.3f} over bare, "
+        f"{r.paired(own, 'tmetrics every 1'):.3f} over 'tmetrics every 1'",
+        f"  '{c.name}' ops per due step: {c.ops[0]} torch ops issued by tmetrics, {c.ops[1]} item()-style host reads; "
+        f"tmetrics code per due step timed directly (median of 20): {t.total_ms:.2f} ms "
+        f"({t.total_ms / r.median_ms('bare'):.1%} of a bare step; standard bundle {standard.total_ms:.2f} ms), "
+        f"{t.passes_ms:.2f} ms of it in passes over tensor elements; the model's attention kernels (SDPA forward, "
+        f"all layers) {t.attention_ms:.2f} ms per step, x{t.total_ms / t.attention_ms if t.attention_ms else math.nan:.2f} "
+        "of them",
+    ]
 
 
 def _ddp_rank(rank: int, world: int, rounds: int, steps: int, bundle: tuple[str, ...]) -> dict[str, Any]:
@@ -288,6 +343,19 @@ def memory(threads: int, bundle: tuple[str, ...]) -> list[str]:
     return lines
 
 
+def _parse_compare(parser: argparse.ArgumentParser, given: list[str]) -> dict[str, int]:
+    """``--compare`` items (``BUNDLE=INTERVAL``, interval 1 when left out) as name -> interval;
+    a name not in ``BUNDLES`` or an interval below 1 exits with a usage error."""
+    out = {}
+    for item in given:
+        name, _, interval = item.partition("=")
+        if name not in BUNDLES or not (interval or "1").isdigit() or int(interval or "1") < 1:
+            parser.error(f"--compare {item!r}: need BUNDLE=INTERVAL with BUNDLE one of {', '.join(BUNDLES)} "
+                         "and INTERVAL a positive integer, e.g. attention=100")
+        out[name] = int(interval or "1")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
@@ -300,10 +368,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-alternatives", action="store_true",
                         help="table 1 without wandb.watch and the norm loop (to compare metric choices)")
     parser.add_argument("--bundle", default=",".join(BUNDLE),
-                        help="comma-separated metric names to measure instead of the standard bundle")
+                        help="comma-separated metric names (name:recipe+recipe for layer-*-quant), or a bundle "
+                             f"name ({', '.join(BUNDLES)}), to measure instead of the standard bundle")
+    parser.add_argument("--compare", nargs="*", default=[], metavar="BUNDLE=INTERVAL",
+                        help=f"named bundles ({', '.join(BUNDLES)}) added to table 1 every 1 and at INTERVAL")
     parser.add_argument("--memory-variant", choices=MEMORY, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    bundle = tuple(n.strip() for n in args.bundle.split(",") if n.strip())
+    bundle = BUNDLES.get(args.bundle) or tuple(n.strip() for n in args.bundle.split(",") if n.strip())
+    compare = _parse_compare(parser, args.compare)
     if args.memory_variant:
         print(json.dumps(_memory_variant(args.memory_variant, args.threads, bundle)))
         return
@@ -311,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; "
           f"bundle: {', '.join(bundle)}")
     for line in single_process(args.rounds, args.steps, bundle, alternatives=not args.no_alternatives,
-                               pairs=args.pairs):
+                               pairs=args.pairs, compare=compare):
         print(line)
     if not args.no_ddp:
         print()

@@ -137,3 +137,31 @@ def test_release_ab_reads_the_figures_step_overhead_prints():
     without_pairs = "\n".join(_single_table(rounds, 2, 5, 9.0, (0, 0), (78, 0), DueStepTime(4.94, 2.53), None))
     with pytest.raises(ValueError, match="no paired single-step.*no --pairs"):
         parse(without_pairs)
+
+
+def test_bundle_entries_carry_recipes_and_compared_bundles_print_after_what_release_ab_reads():
+    """A bundle entry ``name:recipe+recipe`` builds the quant metric with those recipes; the lines of
+    a ``--compare`` bundle come under table 1 with its own ops and due-step time, and leave the
+    figures bench.release_ab reads those of the standard bundle."""
+    from bench.demo_variants import BUNDLES, metric_of
+    from bench.due_step_time import DueStepTime
+    from bench.release_ab import parse
+    from bench.rounds import PairedSteps
+    from bench.step_overhead import SECOND_BARE, SWITCHED, Compared, _single_table
+    from tmetrics_core.errors import ConfigError
+
+    assert [r.name for r in metric_of("layer-param-quant:mxfp8+fp8-tensorwise").recipes] == ["mxfp8", "fp8-tensorwise"]
+    with pytest.raises(ConfigError):
+        metric_of("layer-grad-l2:mxfp8")
+    names = ("bare", SECOND_BARE, "tmetrics every 1", "attention every 1", "attention every 100", *SWITCHED)
+    wall = {n: [0.1, 0.1] for n in names} | {"attention every 1": [0.15, 0.15], "attention every 100": [0.1005] * 2}
+    rounds = Rounds(wall=wall, cpu={n: [0.2, 0.2] for n in names})
+    stepwise = PairedSteps(differences=(0.004, 0.006), first_mean=0.08)
+    compared = [Compared("attention", (629, 0), DueStepTime(38.0, 35.0, 4.0))]
+    table = _single_table(rounds, 2, 5, 9.0, (0, 0), (78, 0), DueStepTime(4.94, 2.53), stepwise, compared)
+    row = next(line for line in table if line.startswith("attention every 100"))
+    assert row.split()[-1] == f"{1 + (0.5 + 99 * 9.0 / 100e3) / 100:.4f}"  # its own due overhead, not the bundle's
+    tail = "\n".join(table[-2:])
+    assert "every 1 wall x 1.500 over bare" in tail and "629 torch ops" in tail and "38.00 ms" in tail
+    assert "x9.50 of them" in tail and ", ".join(BUNDLES["attention"]) in tail
+    assert parse("\n".join(table)).ops == 78 and parse("\n".join(table)).code_ms == 4.94
