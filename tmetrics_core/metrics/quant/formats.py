@@ -19,6 +19,8 @@ from its absolute maximum in the four rounding modes of torchao's ``ScaleCalcula
 
 from __future__ import annotations
 
+import math
+
 import difflib
 from dataclasses import dataclass
 
@@ -57,7 +59,7 @@ class Format:
     def max_pow2(self) -> int:
         """``floor(log2(max))``: the exponent of the largest binade (8 for e4m3, 15 for e5m2, 2
         for e2m1), which MX scales target."""
-        return int(torch.tensor(self.max).log2().floor())
+        return math.floor(math.log2(self.max))  # host arithmetic: no tensor, no device read
 
 
 FORMATS: dict[str, Format] = {
