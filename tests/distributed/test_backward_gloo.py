@@ -74,11 +74,15 @@ def _measure(rank: int, world: int, layout: str) -> dict:
         fully_shard(model, mesh=mesh)
     else:
         _parallelize_tp(model, mesh, sequence=layout == "tp-sp")
+    return _step_records(model, mesh, rank if axis == "dp" else 0, world if axis == "dp" else 1)
+
+
+def _step_records(model: torch.nn.Module, mesh, part: int, parts: int) -> dict:
+    """One step of ``MICRO`` micro-batches over this rank's ``part`` of ``parts`` of the global
+    batch, every cotangent metric due; the records as :func:`observed` keys them."""
     tm = TensorMetrics(model, metrics=[(build_metric(n, modules=["layers.*.mlp"] if "activation" in n else None), 1)
                                        for n in METRICS], topology=Topology.from_mesh(mesh), timeout_s=60)
-    tokens, targets = batch(1)
-    if axis == "dp":  # each rank its half of the global batch
-        tokens, targets = (t[rank * BATCH // world:(rank + 1) * BATCH // world] for t in (tokens, targets))
+    tokens, targets = (t[part * BATCH // parts:(part + 1) * BATCH // parts] for t in batch(1))
     n = tokens.shape[0]
     with tm.step(1):
         for k in range(MICRO):
@@ -171,20 +175,7 @@ def _fsdp_tp(rank: int, world: int) -> tuple[dict, dict[str, int]]:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     with _counted() as counts:
-        tm = TensorMetrics(model, metrics=[(build_metric(n, modules=["layers.*.mlp"] if "activation" in n else None), 1)
-                                           for n in METRICS], topology=Topology.from_mesh(mesh), timeout_s=60)
-        tokens, targets = batch(1)
-        dp = mesh["dp"].get_local_rank()
-        tokens, targets = (t[dp * BATCH // 2:(dp + 1) * BATCH // 2] for t in (tokens, targets))
-        n = tokens.shape[0]
-        with tm.step(1):
-            for k in range(MICRO):
-                rows = slice(k * n // MICRO, (k + 1) * n // MICRO)
-                (loss_of(model(tokens[rows]), targets[rows]) / MICRO).backward()
-        assert tm.failures == []
-        got = observed(tm.last_records)
-        tm.close()
-        return got, counts
+        return _step_records(model, mesh, mesh["dp"].get_local_rank(), 2), counts
 
 
 def test_fsdp2_over_tp_2x2_equals_one_process():
