@@ -28,9 +28,9 @@ from contextvars import ContextVar
 from typing import Iterable, Iterator, Protocol
 
 import torch
-from torch._library.effects import EffectType
 
 from tmetrics_core.attention_spec import AttentionSpec
+from tmetrics_core import torch_private
 
 __all__ = ["Observer", "fail", "fail_unless", "in_backward", "new_owner", "observe", "observing", "record",
            "record_attention", "record_residual", "register_modules", "suspended", "tap", "watched"]
@@ -173,7 +173,7 @@ def tap(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, 
     observer = _grad_observer(owner)
     if observer is None or kind not in observer.kinds:
         return
-    if tensor.grad_fn is None and torch._C._current_graph_task_id() != -1:
+    if tensor.grad_fn is None and torch_private.in_backward():
         return  # a reentrant recomputation's detached input: the first forward tapped the tensor it copies
     observer.tap(module, name, tensor, kind=kind, shard_dim=shard_dim)
 
@@ -195,7 +195,7 @@ def in_backward(owner: int, observer: Observer) -> Iterator[None]:
 
 def _grad_observer(owner: int | None) -> Observer | None:
     observer = _current(owner)
-    if observer is None and owner is not None and torch._C._current_graph_task_id() != -1:
+    if observer is None and owner is not None and torch_private.in_backward():
         observer = _IN_BACKWARD.get(owner)  # a recomputation (reentrant checkpointing) on a device thread
     return observer if observer is not None and hasattr(observer, "tap") else None
 
@@ -434,4 +434,4 @@ for _op in ("tmetrics::observe", "tmetrics::observe_grad", "tmetrics::observe_re
             "tmetrics::fail_unless"):
     # An operator with no output and no mutated input would be dropped as dead code: an ordered
     # effect keeps it, in program order, in the forward graph.
-    torch.library._register_effectful_op(_op, EffectType.ORDERED)
+    torch_private.register_effectful_op(_op, torch_private.EffectType.ORDERED)

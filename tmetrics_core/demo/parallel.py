@@ -48,6 +48,7 @@ from tmetrics_core.demo.expert_collectives import all_gather, reduce_scatter
 from tmetrics_core.demo.model import Attention, ModelConfig, MoE, Transformer, fixed_shape_dispatch
 from tmetrics_core.demo.degrees import ParallelDegrees
 from tmetrics_core.errors import ConfigError
+from tmetrics_core import torch_private
 
 __all__ = ["ExpertParallelDispatch", "FullTensors", "ParallelModel", "parallelize"]
 
@@ -141,10 +142,8 @@ def _apply_data_parallel(model: Transformer, topology: ParallelDegrees, mesh: De
         fully_shard(model, mesh=dp_mesh)
         return model
     if topology.dp > 1 and topology.tp > 1:
-        # Why a private import: DDP rejects DTensor parameters; this is FSDP2's replicate mode.
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        replicate(model, mesh=mesh["dp"])
+        # DDP rejects DTensor parameters; FSDP2's replicate mode takes them.
+        torch_private.replicate_with_fsdp()(model, mesh=mesh["dp"])
         return model
     data_axis = "dp" if topology.dp > 1 else "ep" if topology.ep > 1 else None
     if data_axis is None:
@@ -315,7 +314,7 @@ class ParallelModel:
         if max_norm is not None and math.isfinite(norm):
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_([_local(g) for _, g in grads], coef)
+                torch_private.foreach_mul_([_local(g) for _, g in grads], coef)
         return norm
 
     def full_state(self) -> dict[str, FullTensors]:

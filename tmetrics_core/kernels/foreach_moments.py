@@ -41,6 +41,7 @@ from typing import Iterable, Sequence
 import torch
 
 from tmetrics_core.kernels import moments
+from tmetrics_core import torch_private
 
 __all__ = ["COLUMNS", "foreach_rows", "nonfinite_counts", "rows"]
 
@@ -98,7 +99,7 @@ def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
     device, acc = ts[0].device, _acc(ts[0])
     n = len(ts)
     nan = torch.full((n,), math.nan, dtype=torch.float64, device=device)
-    sumsq = torch.stack(torch._foreach_powsum(ts, 2, dtype=acc)).to(torch.float64)
+    sumsq = torch.stack(torch_private.foreach_powsum(ts, 2, dtype=acc)).to(torch.float64)
     cols = [sumsq, nan, nan, nan, nan]
     numels = tuple(map(torch.Tensor.numel, ts))
     if wanted & {"max", "min", "absmax"}:
@@ -106,9 +107,9 @@ def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
         some = ts if len(full) == n else [ts[i] for i in full]
         if "max" in wanted or "min" in wanted:
             cols[2] = _extreme(some, full, n, device, -math.inf)
-            cols[3] = -_extreme(torch._foreach_neg(some) if full else [], full, n, device, -math.inf)
+            cols[3] = -_extreme(torch_private.foreach_neg(some) if full else [], full, n, device, -math.inf)
         else:
-            peak = _filled(torch.stack(torch._foreach_norm(some, math.inf, dtype=acc))
+            peak = _filled(torch.stack(torch_private.foreach_norm(some, math.inf, dtype=acc))
                            if full else None, full, n, device, 0.0)
             cols[2], cols[3] = peak, -peak
     if "sum" in wanted:
@@ -129,25 +130,25 @@ def _sums(ts: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
     """``[len(ts)]`` float64 sums of the elements: the ``p=1`` norm of the positive parts less
     that of the negative parts, each of a clamped copy of the group (one temporary copy at a
     time, no concatenation; NaN and infinities propagate as in a plain sum)."""
-    above = torch._foreach_clamp_min(ts, 0.0)
-    positive = torch.stack(torch._foreach_norm(above, 1, dtype=acc))
+    above = torch_private.foreach_clamp_min(ts, 0.0)
+    positive = torch.stack(torch_private.foreach_norm(above, 1, dtype=acc))
     del above
-    below = torch._foreach_clamp_max(ts, 0.0)
-    negative = torch.stack(torch._foreach_norm(below, 1, dtype=acc))
+    below = torch_private.foreach_clamp_max(ts, 0.0)
+    negative = torch.stack(torch_private.foreach_norm(below, 1, dtype=acc))
     return (positive - negative).to(torch.float64)
 
 
 def _nonzero(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[len(ts)]`` float64 counts of the non-zero elements (NaN included) of each tensor: the
     ``p=0`` norm, counted in float64 so that it is exact for any tensor size."""
-    return torch.stack(torch._foreach_norm(list(ts), 0, dtype=torch.float64))
+    return torch.stack(torch_private.foreach_norm(list(ts), 0, dtype=torch.float64))
 
 
 def _extreme(ts: Sequence[torch.Tensor], full: list[int], n: int, device: torch.device, empty: float
              ) -> torch.Tensor:
     """The largest element of each non-empty tensor of ``ts`` (at rows ``full`` of ``n``),
     ``empty`` for the empty ones."""
-    values = torch.stack(torch._foreach_max(list(ts))).to(torch.float64) if full else None
+    values = torch.stack(torch_private.foreach_max(list(ts))).to(torch.float64) if full else None
     return _filled(values, full, n, device, empty)
 
 
@@ -208,13 +209,13 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             continue
         ts = [tensors[i] for i in members] if len(members) < n else list(tensors)
         largest = torch.finfo(dtype).max
-        every = _nonzero(torch._foreach_sub(ts, ts))
-        up = torch._foreach_clamp_min(ts, largest)
-        torch._foreach_sub_(up, largest)
+        every = _nonzero(torch_private.foreach_sub(ts, ts))
+        up = torch_private.foreach_clamp_min(ts, largest)
+        torch_private.foreach_sub_(up, largest)
         up_or_nan = _nonzero(up)
         del up
-        down = torch._foreach_clamp_max(ts, -largest)
-        torch._foreach_add_(down, largest)
+        down = torch_private.foreach_clamp_max(ts, -largest)
+        torch_private.foreach_add_(down, largest)
         down_or_nan = _nonzero(down)
         del down
         counts = torch.stack([up_or_nan + down_or_nan - every, every - down_or_nan, every - up_or_nan], 1).to(device)

@@ -38,6 +38,7 @@ import torch
 
 from tmetrics_core.kernels import build, tensor_lists
 from tmetrics_core.site import Site, SiteKey
+from tmetrics_core import torch_private
 
 if TYPE_CHECKING:
     from tmetrics_core.topology import Topology
@@ -303,7 +304,7 @@ def copied(tensors: Sequence[torch.Tensor], spare: torch.Tensor | None = None
     each at a byte offset aligned to 64 bytes, and where each copy lies in it (a :class:`Held`
     block, in the order of ``tensors``, keeping the buffer alive), made by one kernel call over
     ``torch.get_num_threads()`` threads: the update snapshot of the parameters, about 0.6x the
-    time of ``torch._foreach_mul(tensors, 1.0)`` on CPU, which launches a kernel and makes a
+    time of ``torch_private.foreach_mul(tensors, 1.0)`` on CPU, which launches a kernel and makes a
     tensor object per copy. ``spare``: a uint8 CPU buffer no one else reads, written into when
     it is large enough (an earlier snapshot's: fresh memory costs a page fault per 4 KiB on
     first write, some 3x the copy itself). None (nothing copied) when the kernel is off or

@@ -31,6 +31,7 @@ from typing import Mapping, Sequence
 import torch
 
 from tmetrics_core.kernels import build
+from tmetrics_core import torch_private
 
 __all__ = ["available", "pack"]
 
@@ -44,7 +45,7 @@ def _flags() -> list[str]:
     from torch.utils import cpp_extension  # imported only to build: it imports setuptools
 
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    abi = torch_private.cxx11_abi()
     return ["-O2", "-fPIC", "-shared", "-std=c++20", f"-DTORCH_EXTENSION_NAME={_NAME}",
             "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-isystem{path}" for path in includes)]

@@ -28,6 +28,7 @@ from tmetrics_core.observe import watched
 from tmetrics_core.metrics.attention_heads import KIND, AttentionObservation
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site
+from tmetrics_core import torch_private
 
 if TYPE_CHECKING:
     from tmetrics_core.sources.tokens import TokenObserver
@@ -40,7 +41,7 @@ def observe_attention(observer: "TokenObserver", module: torch.nn.Module, name: 
                       k: torch.Tensor, spec: AttentionSpec | None, shard_dim: int | None) -> None:
     """Prepare the due attention metrics of one observed attention call (see the module
     docstring); a metric that raises is recorded in ``observer.errors``, never raised."""
-    if torch._C._current_graph_task_id() != -1:
+    if torch_private.in_backward():
         return  # recomputation inside backward (activation checkpointing): observed in the forward
     spec = spec if spec is not None else AttentionSpec()
     path = observer.index.path(module)

@@ -20,6 +20,7 @@ import logging
 from typing import Any, Callable
 
 import torch
+from tmetrics_core import torch_private
 
 __all__ = ["Depths"]
 
@@ -74,7 +75,7 @@ class Depths:
             def once_per_forward(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *,
                                  accumulator: bool) -> None:
                 if not (self._said_pooled or torch.compiler.is_compiling()
-                        or torch._C._current_graph_task_id() != -1):  # not recomputation in backward
+                        or torch_private.in_backward()):  # not recomputation in backward
                     calls = self._calls[key] = self._calls.get(key, 0) + 1
                     if calls == 2 and self._forwards:
                         self._said_pooled = True

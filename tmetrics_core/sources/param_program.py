@@ -37,6 +37,7 @@ from tmetrics_core.metrics.statistics import NEUTRAL, Statistic
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.params import grads_of
 from tmetrics_core.topology import Topology
+from tmetrics_core import torch_private
 
 __all__ = ["ParamProgram", "PhasePlan"]
 
@@ -347,7 +348,7 @@ class ParamProgram:
             if (list(map(_SHAPE, now)) != list(map(_SHAPE, copies))
                     or list(map(_DTYPE, now)) != list(map(_DTYPE, copies))):
                 raise ValueError("a parameter's shape or dtype changed in the optimizer step")
-            updates = torch._foreach_sub(now, copies)
+            updates = torch_private.foreach_sub(now, copies)
             n = len(now)
             # Rows in the parts layout: update, after, before of each tensor in turn.
             blocks.append(moments_rows([*updates, *now, *copies], self._columns[1]).view(

@@ -20,6 +20,7 @@ import torch
 
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.sources.optimizer_state import state_value
+from tmetrics_core import torch_private
 
 __all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "STATE_KINDS", "grad_of", "grads_of", "local_view", "read_kind",
            "update_pairs"]
@@ -105,8 +106,8 @@ def read_kind(kind: str, manifest: Manifest, optimizer: Any,
         if stepped:
             # prev <- -(prev - p) = p - prev, in place, as two batched kernels for all tensors.
             prevs = [prev for _, prev in stepped]
-            torch._foreach_sub_(prevs, [now for now, _ in stepped])
-            torch._foreach_neg_(prevs)
+            torch_private.foreach_sub_(prevs, [now for now, _ in stepped])
+            torch_private.foreach_neg_(prevs)
         return [pair[1] if pair is not None else None for pair in pairs]
     out: list[torch.Tensor | None] = []
     for entry in manifest.entries:

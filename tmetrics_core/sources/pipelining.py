@@ -17,10 +17,11 @@ import sys
 from typing import Any
 
 from tmetrics_core.observe import suspended
+from tmetrics_core import torch_private
 
 __all__ = ["quiet_shape_inference"]
 
-_METHODS = ("_forward_metadata_inference", "_shape_inference")
+_METHODS = torch_private.PIPELINE_SHAPE_INFERENCE
 _MARK = "_tmetrics_suspended"
 
 

@@ -18,6 +18,7 @@ import torch
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.kernels import moments
 from tmetrics_core.sources.params import local_view
+from tmetrics_core import torch_private
 
 __all__ = ["Snapshot", "snapshot"]
 
@@ -162,7 +163,7 @@ def snapshot(manifest: Manifest, names: Sequence[str] | None = None,
         tensors = [manifest.viewed(n, t) for n, t in zip(chosen, tensors)]
     flat = moments.copied(tensors, spare) if tensors else None
     if flat is None:
-        copies = torch._foreach_mul(tensors, 1.0) if tensors else []
+        copies = torch_private.foreach_mul(tensors, 1.0) if tensors else []
         return Snapshot(copies=dict(zip(chosen, copies)))
     buffer, held = flat
     return Snapshot(flat=(buffer, chosen, held, tensors))

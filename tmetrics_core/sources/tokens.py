@@ -40,6 +40,7 @@ from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.attention_spec import AttentionSpec
 from tmetrics_core.sources.attention import observe_attention
+from tmetrics_core import torch_private
 
 __all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "SEQUENCE_CHECKED", "TOKEN_KINDS", "Route", "TokenObserver",
            "TokenSites"]
@@ -238,7 +239,7 @@ class TokenObserver:
         """:meth:`record` (also the fallback of :meth:`record_residual`, which does not call the
         public entry, so timing either entry never counts the other); ``factor`` multiplies
         the observation (a cotangent's scale)."""
-        if kind not in GRAD_KINDS and torch._C._current_graph_task_id() != -1:
+        if kind not in GRAD_KINDS and torch_private.in_backward():
             return  # recomputation inside backward (activation checkpointing)
         if factor is not None and type(tensor) is torch.Tensor:
             tensor, factor = tensor * factor, None
@@ -269,7 +270,7 @@ class TokenObserver:
         a route not known yet or not reading rows, padding to strip, a tensor the kernel does
         not take, the kernel off."""
         if (type(h) is not torch.Tensor or type(x) is not torch.Tensor or h.dim() < 2 or self._padding is not None
-                or torch._C._current_graph_task_id() != -1 or not h.is_cpu or not moments.available()):
+                or torch_private.in_backward() or not h.is_cpu or not moments.available()):
             return False
         known = self.known.routes
         width = h.shape[-1]

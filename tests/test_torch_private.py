@@ -1,0 +1,57 @@
+"""Every private torch name of `tmetrics_core.torch_private` exists in the pinned torch and does
+what tmetrics relies on; a torch upgrade that moves one fails here, naming it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.pipelining.stage as stage
+
+from tmetrics_core import torch_private
+
+
+def test_in_backward_is_true_only_inside_the_engine() -> None:
+    seen: list[bool] = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(torch_private.in_backward()) or g)
+    assert torch_private.in_backward() is False
+    y.sum().backward()
+    assert seen == [True]
+    assert torch_private.in_backward() is False
+
+
+def test_foreach_kernels_match_their_per_tensor_forms() -> None:
+    a = [torch.tensor([3.0, -4.0]), torch.tensor([1.0, 0.0, -2.0])]
+    b = [torch.tensor([1.0, 1.0]), torch.tensor([2.0, 2.0, 2.0])]
+    assert [float(t) for t in torch_private.foreach_norm(a)] == [5.0, float(torch.tensor(5.0).sqrt())]
+    assert [float(t) for t in torch_private.foreach_norm(a, 0)] == [2.0, 2.0]
+    assert [float(t) for t in torch_private.foreach_powsum(a, 2)] == [25.0, 5.0]
+    assert [float(t) for t in torch_private.foreach_max(a)] == [3.0, 1.0]
+    assert torch.equal(torch_private.foreach_neg(a)[0], -a[0])
+    assert torch.equal(torch_private.foreach_sub(a, b)[1], a[1] - b[1])
+    assert torch.equal(torch_private.foreach_mul(a, 2.0)[0], a[0] * 2)
+    assert torch.equal(torch_private.foreach_clamp_min(a, 0.0)[0], a[0].clamp_min(0))
+    assert torch.equal(torch_private.foreach_clamp_max(a, 0.0)[1], a[1].clamp_max(0))
+    c = [t.clone() for t in a]
+    torch_private.foreach_add_(c, b)
+    torch_private.foreach_sub_(c, b)
+    torch_private.foreach_mul_(c, 1.0)
+    torch_private.foreach_neg_(c)
+    torch_private.foreach_neg_(c)
+    assert all(torch.equal(x, y) for x, y in zip(c, a))
+
+
+def test_effect_registration_and_abi_flag_exist() -> None:
+    assert torch_private.EffectType.ORDERED.name == "ORDERED"
+    assert callable(torch_private.register_effectful_op)
+    assert torch_private.cxx11_abi() in (0, 1)
+
+
+def test_pipelining_stage_has_a_shape_inference_method() -> None:
+    methods = {name for cls in vars(stage).values() if isinstance(cls, type)
+               for name in torch_private.PIPELINE_SHAPE_INFERENCE if name in cls.__dict__}
+    assert methods, "torch.distributed.pipelining.stage has none of " + str(torch_private.PIPELINE_SHAPE_INFERENCE)
+
+
+def test_replicate_with_fsdp_is_importable() -> None:
+    assert callable(torch_private.replicate_with_fsdp())
