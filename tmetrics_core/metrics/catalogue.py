@@ -28,17 +28,8 @@ from tmetrics_core.metrics.drift import ReplicaDrift
 from tmetrics_core.metrics.outliers import ChannelKurtosis, OutlierRatio
 from tmetrics_core.metrics.quant.metric import QUANT_STATS, QuantMetric
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, MeanLineL2, NonFinite, Rms, ZeroFraction
-from tmetrics_core.metrics.router import (
-    DeadExperts,
-    DecisionEntropy,
-    ExpertBias,
-    ExpertLoadImbalance,
-    ExpertTokens,
-    RouterHealth,
-    RouterZLoss,
-    RoutingBalance,
-    SeqAuxDecomposition,
-)
+from tmetrics_core.metrics.router import DeadExperts, DecisionEntropy, ExpertLoadImbalance, ExpertTokens, RouterZLoss
+from tmetrics_core.metrics.router_families import ExpertBias, RouterHealth, RoutingBalance, SeqAuxDecomposition
 from tmetrics_core.metrics.sketches import HistogramMetric, QuantileMetric
 from tmetrics_core.metrics.updates import OptimizerStateRms, UpdateRatio
 
