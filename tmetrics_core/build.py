@@ -26,7 +26,8 @@ from fnmatch import fnmatchcase
 
 from tmetrics_core.alerts.engine import AlertEngine
 from tmetrics_core.topology import Topology
-from tmetrics_core.config.schema import Config, check_names, load_config, override_sinks
+from tmetrics_core.config.names import check_names
+from tmetrics_core.config.schema import Config, load_config, override_sinks
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.hub.sink_hub import NullHub, SinkHub
 from tmetrics_core.metrics.base import TensorMetric

@@ -13,16 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tmetrics_core.config.schema import (
-    Config,
-    DistributedConfig,
-    MetricConfig,
-    RunConfig,
-    check_names,
-    load_config,
-    override_sinks,
-    parse_metric_spec,
-)
+from tmetrics_core.config.names import check_names
+from tmetrics_core.config.schema import Config, load_config, override_sinks
+from tmetrics_core.config.sections import DistributedConfig, MetricConfig, RunConfig, parse_metric_spec
 from tmetrics_core.errors import ConfigError
 
 # The same configuration in every accepted form.

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tmetrics_core.config.schema import check_names, load_config
+from tmetrics_core.config.names import check_names
+from tmetrics_core.config.schema import load_config
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.catalogue import (

@@ -1,5 +1,5 @@
 """``tmetrics validate``: every problem of a config file at once, as a run would find them at
-start-up (without a model): the schema (:func:`~tmetrics_core.config.schema.config_problems`),
+start-up (without a model): the schema (:func:`~tmetrics_core.config.problems.config_problems`),
 each metric entry that parses against the catalogue (name and options), each sink's options,
 and, when all of that passes, metrics listed twice. A config that names no sink is valid but
 said to log nowhere (:data:`~tmetrics_core.build.NO_SINKS`)."""
@@ -13,7 +13,10 @@ from typing import Any
 
 from tmetrics_core.build import NO_SINKS
 from tmetrics_core.config.files import read_config_file
-from tmetrics_core.config.schema import Config, check_names, config_problems, load_config, parse_metric_spec
+from tmetrics_core.config.names import check_names
+from tmetrics_core.config.problems import config_problems
+from tmetrics_core.config.schema import Config, load_config
+from tmetrics_core.config.sections import parse_metric_spec
 from tmetrics_core.errors import ConfigError
 
 __all__ = ["NO_SINKS", "validate_file"]
