@@ -29,7 +29,7 @@ def validate_file(path: Path) -> Config:
         ConfigError: every problem found, one per line, each with its config path; or the one
             error of a file that cannot be read or parsed.
     """
-    from tmetrics_core.metrics.catalogue import metric_names, resolve_metric
+    from tmetrics_core.metrics.catalogue import metric_names, metric_options, resolve_metric
 
     data = read_config_file(path)  # a file that cannot be read or parsed: that one error
     problems = config_problems(data) if isinstance(data, Mapping) else config_problems(path)
@@ -39,14 +39,14 @@ def validate_file(path: Path) -> Config:
         raise _all(path, problems)
     try:
         return check_names(load_config(path), resolve_metric=resolve_metric, metric_names=metric_names(),
-                           sink_names=_installed_sinks())
+                           sink_names=_installed_sinks(), metric_options=metric_options)
     except ConfigError as exc:
         raise _all(path, [exc]) from None
 
 
 def _metric_problems(metrics: Any) -> list[ConfigError]:
     """Name and options of each metric entry that parses (the schema reports the others)."""
-    from tmetrics_core.metrics.catalogue import build_metric, metric_names, resolve_metric
+    from tmetrics_core.metrics.catalogue import build_metric, metric_names, metric_options, resolve_metric
 
     entries = [e for e in re.split(r"[\s,]+", metrics) if e] if isinstance(metrics, str) else metrics
     problems = []
@@ -58,13 +58,12 @@ def _metric_problems(metrics: Any) -> list[ConfigError]:
             continue
         try:  # the name, in the words a run would use
             check_names(Config(metrics=(mc,)), resolve_metric=resolve_metric, metric_names=metric_names(),
-                        sink_names=())
+                        sink_names=(), metric_options=metric_options)
         except ConfigError as exc:
             problems.append(ConfigError(_message(exc), path=exc.path.replace("metrics[0]", path, 1)))
             continue
         try:
-            build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins,
-                         sample=mc.sample)
+            build_metric(mc.name, **mc.option_values())
         except ConfigError as exc:
             problems.append(ConfigError(_message(exc), path=f"{path}.{exc.path}" if exc.path else path))
     return problems

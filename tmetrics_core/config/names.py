@@ -4,10 +4,11 @@ under their entry-point group. The catalogue is handed in, so the config imports
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from tmetrics_core.config.checks import child_path, suggest
+from tmetrics_core.config.metric_options import MetricOption, check_metric_options
 from tmetrics_core.config.schema import Config
 from tmetrics_core.config.sections import MetricConfig
 from tmetrics_core.errors import ConfigError
@@ -21,20 +22,25 @@ def check_names(
     resolve_metric: Callable[[str], str],
     metric_names: Iterable[str],
     sink_names: Iterable[str],
+    metric_options: Callable[[str], Sequence[MetricOption]],
 ) -> Config:
-    """Check metric and sink names against what is installed; return the config with every
-    metric alias replaced by its canonical name.
+    """Check metric and sink names against what is installed, and each metric's options against
+    what its catalogue entry declares; return the config with every metric alias replaced by its
+    canonical name and its own options checked (``strings`` values as tuples).
 
     Args:
         config: the config to check.
         resolve_metric: canonical name of a metric name or alias; raises ``KeyError`` when unknown.
         metric_names: known metric names, for close-match suggestions.
         sink_names: installed sink entry-point names.
+        metric_options: the options a canonical metric name declares.
 
     Raises:
         ConfigError: an unknown metric (``metrics[i].name``, with close matches); two entries with
             the same canonical metric, ``select`` and ``modules`` (``metrics[j]``, naming both); an
-            unknown sink (``sinks.<name>``, with the valid names).
+            unknown sink (``sinks.<name>``, with the valid names); an option the metric does not
+            declare, or a value of the wrong type (``metrics[i].<option>``, listing the options it
+            takes).
     """
     known_metrics = sorted(set(metric_names))
     first_entry: dict[str, int] = {}
@@ -60,7 +66,9 @@ def check_names(
                    "e.g. select: ['layers.0.*', 'layers.1.*']"),
                 path=f"metrics[{index}]",
             )
-        resolved.append(replace(metric, name=canonical))
+        given = check_metric_options(canonical, metric_options(canonical), metric.option_values(),
+                                     path=f"metrics[{index}]")
+        resolved.append(replace(metric, name=canonical, options={k: given[k] for k in metric.options}))
     known_sinks = sorted(set(sink_names))
     for name in config.sinks:
         if name not in known_sinks:
@@ -71,7 +79,6 @@ def check_names(
                 path=child_path("sinks", name),
             )
     return replace(config, metrics=tuple(resolved))
-
 
 
 def _entry(metric: MetricConfig, canonical: str) -> str:

@@ -110,6 +110,8 @@ class Config:
         an equal config. It may hold secrets from sink options: pass it through
         :func:`tmetrics_core.config.redact.redact` before logging it."""
         data: dict[str, Any] = plain(self)
+        for entry in data["metrics"]:  # a metric's own options sit flat in its entry, as written
+            entry.update(entry.pop("options"))
         return data
 
 

@@ -7,11 +7,13 @@ describes the whole shape); :func:`parse_metric_spec` reads one ``metrics`` entr
 
 from __future__ import annotations
 
+import copy
+import difflib
 import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tmetrics_core.config.checks import (
@@ -140,6 +142,21 @@ class MetricConfig:
     """Skip the metric, with one INFO line, where the model has no source for it (router
     outputs on a dense model, modules or tensors its globs do not match, no blocks or head,
     an optimizer without the state it reads), instead of refusing the config."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The metric's own options beyond the fields above (a metric from an installed package:
+    ``{name: layer-grad-rms-db, reference: 0.01}``), written flat in the entry like ``bins``.
+    :func:`~tmetrics_core.config.names.check_names` checks them, with the fields, against the
+    options the metric's catalogue entry declares. A key close to ``name``, ``interval``,
+    ``select``, ``modules`` or ``optional`` is read as a misspelling of it and refused when the
+    entry is read."""
+
+    def option_values(self) -> dict[str, Any]:
+        """The options this entry sets, by name (fields left at their default are not set),
+        as ``build_metric`` takes them."""
+        fields_set = {"select": self.select, "modules": self.modules, "bins": self.bins, "sample": self.sample,
+                      "recipe": self.recipe, "format": self.format, "scale_mode": self.scale_mode,
+                      "moments": self.moments}
+        return {k: v for k, v in fields_set.items() if v not in (None, ())} | self.options
 
     def __post_init__(self) -> None:
         check_name(self.name, path="name", what="a metric name such as 'layer-grad-l2'")
@@ -162,6 +179,13 @@ class MetricConfig:
         object.__setattr__(self, "moments", tuple(moments))
         if not isinstance(self.optional, bool):
             raise ConfigError(f"got {describe(self.optional)}; need true or false", path="optional")
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"got {describe(self.options)}; need a mapping of option names to values", path="options")
+        for key in self.options:
+            if not isinstance(key, str) or not key.isidentifier() or key in _ENTRY_KEYS:
+                raise ConfigError(f"option name {describe(key)} is not a plain key (letters, digits, '_') other "
+                                  f"than {', '.join(_ENTRY_KEYS)}", path="options")
+        object.__setattr__(self, "options", copy.deepcopy(dict(self.options)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,12 +242,17 @@ def parse_metric_spec(spec: str | Mapping[str, Any], *, path: str) -> MetricConf
 
     Raises:
         ConfigError: wrong type, several metrics in one string, an interval that is not a whole
-            number >= 1, a missing ``name``, or an unknown key.
+            number >= 1, a missing ``name``, or an unknown key close to a key every entry may have
+            (``intervall``); other unknown keys are the metric's own options (``options``).
     """
     if isinstance(spec, str):
         values = _split_spec(spec.strip(), path=path)
     elif isinstance(spec, Mapping):
-        values = keys_of(spec, path=path, valid=field_names(MetricConfig))
+        own = {k: v for k, v in spec.items() if isinstance(k, str) and k not in _ENTRY_KEYS
+               and not difflib.get_close_matches(k, _GENERAL_KEYS)}
+        values = keys_of({k: v for k, v in spec.items() if k not in own}, path=path, valid=_ENTRY_KEYS)
+        if own:
+            values["options"] = own
         if "name" not in values:
             raise ConfigError(
                 "missing key 'name'; give the metric name, e.g. {name: layer-grad-l2, interval: 10}", path=path
@@ -231,12 +260,18 @@ def parse_metric_spec(spec: str | Mapping[str, Any], *, path: str) -> MetricConf
     else:
         raise ConfigError(
             f"got {describe(spec)}; need 'NAME:INTERVAL' (e.g. 'layer-grad-l2:10') or a mapping with "
-            f"keys {', '.join(field_names(MetricConfig))}",
+            f"keys {', '.join(_ENTRY_KEYS)} or the metric's own options",
             path=path,
         )
     with under(path):
         return MetricConfig(**values)
 
+
+
+_ENTRY_KEYS = tuple(name for name in field_names(MetricConfig) if name != "options")
+"""The keys of a metric entry that are :class:`MetricConfig` fields; others are its own options."""
+_GENERAL_KEYS = ("name", "interval", "select", "modules", "optional")
+"""Keys every entry may have: an unknown key close to one of them is a misspelling, not an option."""
 
 
 def _split_spec(spec: str, *, path: str) -> dict[str, Any]:
