@@ -53,6 +53,18 @@ def entries():
 '''
 
 
+# An entry that does not build from its declared defaults (its option has none): left out.
+NEEDS_AN_OPTION = '''
+from tmetrics_core.metrics.entry import CatalogueEntry
+from tmetrics_core.metrics.norms import Rms
+
+
+def entries():
+    return [CatalogueEntry("layer-grad-needs", lambda *, name, window: Rms(name=name), ("grad",), ("layer",),
+                           "f", "u", "b", "p")]
+'''
+
+
 def _install(site: Path, dist: str, module: str | None, source: str, points: str) -> None:
     """What an installer leaves on ``site``: the module and its distribution's metadata."""
     if module is not None:
@@ -69,6 +81,7 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     site.mkdir()
     _install(site, "tmx-rms-db", "tmx_rms_db", FAMILY, "rms-db = tmx_rms_db:entries")
     _install(site, "tmx-broken", None, "", "broken = tmx_missing_module:entries")
+    _install(site, "tmx-needs", "tmx_needs", NEEDS_AN_OPTION, "needs = tmx_needs:entries")
     monkeypatch.syspath_prepend(str(site))
     return tmp_path
 
@@ -126,6 +139,7 @@ def test_tmetrics_metrics_lists_installed_entries_and_the_family_that_failed(ins
     table = describe_catalogue()
     assert "layer-grad-rms-db [rms-db (tmx-rms-db)]" in table
     assert "left out: broken (tmx-broken), tmx_missing_module:entries: ModuleNotFoundError" in table
+    assert "left out: needs (tmx-needs), tmx_needs:entries: TypeError" in table and "layer-grad-needs" not in table
     entry = next(m for m in json.loads(describe_catalogue("json"))["metrics"] if m["name"] == "layer-grad-rms-db")
     assert entry["options"] == [
         {"name": "select", "type": "strings", "default": None,

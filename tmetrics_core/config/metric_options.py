@@ -40,6 +40,8 @@ class MetricOption:
         type: one of :data:`OptionType`.
         default: the value ``build`` receives when the entry omits the option; ``None``: the
             option is not passed at all (the metric's own default applies, as ``meaning`` says).
+            An entry builds from its defaults alone: the catalogue builds each installed entry
+            so when it loads, and leaves out a family whose entries do not.
         meaning: what the option does, with its unit and valid range (``tmetrics metrics``
             prints it).
 

@@ -6,6 +6,7 @@ Shape (the README's Config section); every section and key is optional::
     metrics:
       - layer-param-l2:100                            # NAME[:INTERVAL], interval 1 when omitted
       - {name: layer-grad-l2, interval: 10, select: "layers.*.mlp.*"}
+      - {name: layer-grad-histogram, bins: 64}        # a metric's options, as its catalogue entry declares
     sinks:                                            # sink name -> its options (checked by the sink)
       tensorboard: {}
       mlflow: {tracking_uri: "sqlite:///runs/mlflow.db", experiment: demo}

@@ -72,18 +72,23 @@ class _Registry:
     failed: list[str] = field(default_factory=list)
 
 
-def _register(registry: _Registry, family: Callable[[], Iterable[CatalogueEntry]], origin: str) -> None:
-    """Add every entry ``family()`` returns, or none of them.
+def _register(registry: _Registry, family: Callable[[], Iterable[CatalogueEntry]], origin: str, *,
+              built_in: bool = False) -> None:
+    """Add every entry ``family()`` returns, or none of them. An installed family's entries are
+    each built once from their declared defaults (as ``tmetrics metrics`` builds them).
 
     Raises:
         ValueError: the family returns something else than entries, or a name or alias that is
             already registered (within the family or before it).
+        Exception: whatever building an installed entry from its defaults raises.
     """
     entries = list(family())
     taken = set(registry.entries) | set(registry.aliases)
     for entry in entries:
         if not isinstance(entry, CatalogueEntry):
             raise ValueError(f"it returned {type(entry).__name__}, not CatalogueEntry")
+        if not built_in:
+            entry.build(name=entry.name, **entry.defaults())
         for name in (entry.name, *entry.aliases):
             if name in taken:
                 owner = registry.origins.get(registry.aliases.get(name, name), origin)
@@ -100,7 +105,7 @@ def _load(path: tuple[str, ...]) -> _Registry:
     """The catalogue of the packages installed on ``path`` (``sys.path``: the cache key)."""
     registry = _Registry()
     for name, family in FAMILIES:
-        _register(registry, family, f"{_BUILT_IN}: {name}")
+        _register(registry, family, f"{_BUILT_IN}: {name}", built_in=True)
     for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = point.dist.name if point.dist is not None else "an unknown distribution"
         origin = f"{point.name} ({dist})"
