@@ -4,11 +4,12 @@
 Each reads one joint summary per layer (:func:`~tmetrics_core.metrics.router_sequences.layer_summary`:
 the per-sequence statistics and their definitions are there), shared by the four families.
 
+Aggregations: ``mean``/``max``/``min`` over the sequences of a layer (of all ranks and
+micro-batches), and ``global``: the same formula on the layer's whole-batch distributions (summed
 scores, summed assignment counts). Each family reports per layer and a cross-layer roll-up
 (``layer`` unset): means pool every sequence of every layer, max/min take the extreme layer,
 ``global`` values average the per-layer values; ``layer-router-health`` reports only the roll-up
 and, as ``worst-layer-<op>``, the worst layer's value (largest, or smallest for the margin).
-
 """
 
 from __future__ import annotations

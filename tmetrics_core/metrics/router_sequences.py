@@ -21,8 +21,6 @@ For each sequence ``g`` of a layer, with ``u = 1/E``:
 - bias statistics: mean, population std, RMS, range, max |b|, and Pearson correlations of ``b``
   with ``s``, ``a`` and ``c`` across experts (0 when either side is constant).
 
-Aggregations: ``mean``/``max``/``min`` over the sequences of a layer (of all ranks and
-
 Sequences: a ``router_topk`` site with ``Site.meta`` entry ``("seq_len", L)`` holds whole
 sequences of ``L`` tokens, row-major; sequences may be spread over ``dp`` ranks in any way, each
 whole on one rank. Without it (ragged sequences after padding removal), each observation (one
