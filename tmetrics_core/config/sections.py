@@ -19,6 +19,7 @@ from typing import Any, Literal
 from tmetrics_core.config.checks import (
     WHOLE_NUMBER,
     check_int,
+    child_path,
     check_name,
     describe,
     field_names,
@@ -184,7 +185,8 @@ class MetricConfig:
         for key in self.options:
             if not isinstance(key, str) or not key.isidentifier() or key in _ENTRY_KEYS:
                 raise ConfigError(f"option name {describe(key)} is not a plain key (letters, digits, '_') other "
-                                  f"than {', '.join(_ENTRY_KEYS)}", path="options")
+                                  f"than {', '.join(_ENTRY_KEYS)}",
+                                  path=child_path("", key) if isinstance(key, str) else "options")
         object.__setattr__(self, "options", copy.deepcopy(dict(self.options)))
 
 
@@ -265,7 +267,6 @@ def parse_metric_spec(spec: str | Mapping[str, Any], *, path: str) -> MetricConf
         )
     with under(path):
         return MetricConfig(**values)
-
 
 
 _ENTRY_KEYS = tuple(name for name in field_names(MetricConfig) if name != "options")
