@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tmetrics_core.errors import PlacementError
-from tmetrics_core.metrics.router import _check_rows
+from tmetrics_core.metrics.router import check_router_rows
 from tmetrics_core.metrics.softmax import RowSoftmax
 from tmetrics_core.placements import Shard, StridedShard, parse_placement
 from tmetrics_core.site import Site
@@ -39,8 +39,8 @@ def test_class_splits_must_be_plain_shards() -> None:
     strided = (("ep", StridedShard(1, split_factor=2)),)
     logits = Site("layers.0.moe.router", "router_logits", (-1, 8), placements=strided, layer=0, num_experts=8)
     with pytest.raises(PlacementError, match="split by expert"):
-        _check_rows(logits, "router-entropy", allow_class_split=True)
-    _check_rows(Site("layers.0.moe.router", "router_logits", (-1, 8), placements=(("ep", Shard(1)),), layer=0,
+        check_router_rows(logits, "router-entropy", allow_class_split=True)
+    check_router_rows(Site("layers.0.moe.router", "router_logits", (-1, 8), placements=(("ep", Shard(1)),), layer=0,
                      num_experts=8), "router-entropy", allow_class_split=True)
     rows = Site("layers.0.attn.probs", "activation", (-1, 8), placements=strided)
     with pytest.raises(PlacementError, match="interleaves the classes"):

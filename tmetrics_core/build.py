@@ -26,11 +26,12 @@ from fnmatch import fnmatchcase
 
 from tmetrics_core.alerts.engine import AlertEngine
 from tmetrics_core.topology import Topology
-from tmetrics_core.config.schema import Config, check_names, load_config, override_sinks
+from tmetrics_core.config.names import check_names
+from tmetrics_core.config.schema import Config, load_config, override_sinks
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.hub.sink_hub import NullHub, SinkHub
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.metrics.catalogue import build_metric, catalogue_entries, metric_names, resolve_metric
+from tmetrics_core.metrics.catalogue import build_metric, catalogue_entries, metric_names, metric_options, resolve_metric
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.naming.stacks import describe_lists
@@ -177,7 +178,7 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     if run_dir is not None:
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=os.fspath(run_dir)))
     config = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(),
-                         sink_names=[name for name, _ in available_sinks()])
+                         sink_names=[name for name, _ in available_sinks()], metric_options=metric_options)
     deepspeed = _deepspeed(model, optimizer)  # its engine gives model, optimizer and topology
     if deepspeed is not None and mesh is None and axes is None:
         topology = deepspeed.topology()
@@ -201,9 +202,7 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
     metrics = []
     for i, mc in enumerate(config.metrics):
         try:
-            metric = build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins,
-                                  sample=mc.sample, recipe=mc.recipe or None, format=mc.format,
-                                  scale_mode=mc.scale_mode, moments=mc.moments or None)
+            metric = build_metric(mc.name, **mc.option_values())
         except ConfigError as exc:
             raise ConfigError(str(exc), path=f"metrics[{i}]") from exc
         metrics.append((metric, mc.interval))

@@ -39,7 +39,7 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 import torch
 
 from tmetrics_core.build import check_against_model
-from tmetrics_core.config.schema import READ_RESULTS, ReadResults
+from tmetrics_core.config.sections import READ_RESULTS, ReadResults
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.backends import collective_device, control_group
 from tmetrics_core.distributed.collectives import Collectives

@@ -13,17 +13,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tmetrics_core.config.schema import (
-    Config,
-    DistributedConfig,
-    MetricConfig,
-    RunConfig,
-    check_names,
-    load_config,
-    override_sinks,
-    parse_metric_spec,
-)
+from tmetrics_core.config.names import check_names
+from tmetrics_core.config.schema import Config, load_config, override_sinks
+from tmetrics_core.config.sections import DistributedConfig, MetricConfig, RunConfig, parse_metric_spec
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.metrics.entry import MODULES, SELECT
 
 # The same configuration in every accepted form.
 EXPECTED = Config(
@@ -235,7 +229,8 @@ def resolve(name: str) -> str:
 
 
 def checked(data: dict[str, Any]) -> Config:
-    return check_names(load_config(data), resolve_metric=resolve, metric_names=METRICS, sink_names=SINKS)
+    return check_names(load_config(data), resolve_metric=resolve, metric_names=METRICS, sink_names=SINKS,
+                       metric_options=lambda name: (SELECT, MODULES))
 
 
 def test_check_names_resolves_aliases() -> None:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tmetrics_core.config.schema import check_names, load_config
+from tmetrics_core.config.names import check_names
+from tmetrics_core.config.schema import load_config
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.catalogue import (
@@ -16,6 +17,7 @@ from tmetrics_core.metrics.catalogue import (
     catalogue_entries,
     describe_catalogue,
     metric_names,
+    metric_options,
     resolve_metric,
 )
 from tmetrics_core.site import Site
@@ -117,11 +119,12 @@ def test_activation_rms_observes_only_chosen_modules():
 
 def test_config_aliases_resolve_to_canonical_names():
     config = load_config({"metrics": "global-wgrad-l2:10 layer-router-logits-sampled-median:5"})
-    checked = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(), sink_names=[])
+    checked = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(), sink_names=[],
+                          metric_options=metric_options)
     assert [m.name for m in checked.metrics] == ["global-grad-l2", "layer-router-logits-median"]
     with pytest.raises(ConfigError, match="repeats"):
         check_names(load_config({"metrics": ["global-wgrad-l2", "global-grad-l2"]}), resolve_metric=resolve_metric,
-                    metric_names=metric_names(), sink_names=[])
+                    metric_names=metric_names(), sink_names=[], metric_options=metric_options)
 
 
 def test_describe_catalogue_table_and_json():

@@ -1,5 +1,5 @@
 """``tmetrics validate``: every problem of a config file at once, as a run would find them at
-start-up (without a model): the schema (:func:`~tmetrics_core.config.schema.config_problems`),
+start-up (without a model): the schema (:func:`~tmetrics_core.config.problems.config_problems`),
 each metric entry that parses against the catalogue (name and options), each sink's options,
 and, when all of that passes, metrics listed twice. A config that names no sink is valid but
 said to log nowhere (:data:`~tmetrics_core.build.NO_SINKS`)."""
@@ -13,7 +13,10 @@ from typing import Any
 
 from tmetrics_core.build import NO_SINKS
 from tmetrics_core.config.files import read_config_file
-from tmetrics_core.config.schema import Config, check_names, config_problems, load_config, parse_metric_spec
+from tmetrics_core.config.names import check_names
+from tmetrics_core.config.problems import config_problems
+from tmetrics_core.config.schema import Config, load_config
+from tmetrics_core.config.sections import parse_metric_spec
 from tmetrics_core.errors import ConfigError
 
 __all__ = ["NO_SINKS", "validate_file"]
@@ -26,7 +29,7 @@ def validate_file(path: Path) -> Config:
         ConfigError: every problem found, one per line, each with its config path; or the one
             error of a file that cannot be read or parsed.
     """
-    from tmetrics_core.metrics.catalogue import metric_names, resolve_metric
+    from tmetrics_core.metrics.catalogue import metric_names, metric_options, resolve_metric
 
     data = read_config_file(path)  # a file that cannot be read or parsed: that one error
     problems = config_problems(data) if isinstance(data, Mapping) else config_problems(path)
@@ -36,14 +39,14 @@ def validate_file(path: Path) -> Config:
         raise _all(path, problems)
     try:
         return check_names(load_config(path), resolve_metric=resolve_metric, metric_names=metric_names(),
-                           sink_names=_installed_sinks())
+                           sink_names=_installed_sinks(), metric_options=metric_options)
     except ConfigError as exc:
         raise _all(path, [exc]) from None
 
 
 def _metric_problems(metrics: Any) -> list[ConfigError]:
     """Name and options of each metric entry that parses (the schema reports the others)."""
-    from tmetrics_core.metrics.catalogue import build_metric, metric_names, resolve_metric
+    from tmetrics_core.metrics.catalogue import build_metric, metric_names, metric_options, resolve_metric
 
     entries = [e for e in re.split(r"[\s,]+", metrics) if e] if isinstance(metrics, str) else metrics
     problems = []
@@ -55,13 +58,12 @@ def _metric_problems(metrics: Any) -> list[ConfigError]:
             continue
         try:  # the name, in the words a run would use
             check_names(Config(metrics=(mc,)), resolve_metric=resolve_metric, metric_names=metric_names(),
-                        sink_names=())
+                        sink_names=(), metric_options=metric_options)
         except ConfigError as exc:
             problems.append(ConfigError(_message(exc), path=exc.path.replace("metrics[0]", path, 1)))
             continue
         try:
-            build_metric(mc.name, select=mc.select or None, modules=mc.modules or None, bins=mc.bins,
-                         sample=mc.sample)
+            build_metric(mc.name, **mc.option_values())
         except ConfigError as exc:
             problems.append(ConfigError(_message(exc), path=f"{path}.{exc.path}" if exc.path else path))
     return problems

@@ -1,425 +1,211 @@
-"""The metric catalogue: every metric name, what it measures, and how to build it.
+"""The metric catalogue: a registry of the metrics a config can name, built in or installed.
 
-Names are kebab-case, scope first (``layer-grad-l2``). The Megatron-LM tensor-metrics names are
-accepted as aliases with the same meaning, so a ``--tensor-metrics NAME:INTERVAL`` list moves over
-unchanged (``global-wgrad-l2`` is ``global-grad-l2``; Megatron's other names are catalogue names
-already). Each entry says which source kinds it reads, how it groups them, its formula, unit,
-healthy baseline, the placements it supports, and which config options it takes.
+A metric family is a function returning :class:`~tmetrics_core.metrics.entry.CatalogueEntry`
+values. The built-in families (:mod:`tmetrics_core.metrics.builtin_entries`) and every family an
+installed package registers under the entry-point group ``tmetrics.metrics`` go through one
+call, :func:`_register`. A package adds a metric with one module and one line of its
+``pyproject.toml``::
+
+    [project.entry-points."tmetrics.metrics"]
+    my-family = "my_package.my_metrics:entries"
+
+Families load once per ``sys.path``. One that fails to import, returns something else than
+entries, or reuses a registered name is left out, with a warning, so an installed but broken
+plugin cannot stop a run that does not name its metrics; naming one of them gives an unknown
+metric error that says which family failed and why.
 
 ``tmetrics metrics`` prints :func:`describe_catalogue`; the config checks names with
-:func:`resolve_metric` and :func:`metric_names`; the runtime builds metrics with
-:func:`build_metric`.
+:func:`resolve_metric` and :func:`metric_names` and options with :func:`metric_options`; the
+runtime builds metrics with :func:`build_metric`.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib.metadata
 import json
+import logging
+import sys
 import textwrap
-from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Literal
 
+from tmetrics_core.config.metric_options import MetricOption, check_metric_options
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.metrics.activations import DEFAULT_MODULES, BackwardGain, ModuleRms, OutputEntropy
-from tmetrics_core.metrics.attention_heads import AttentionEntropy, AttentionLogitMax, AttentionLse, AttentionSink
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.metrics.cost import COST_CLASSES, cost_class
-from tmetrics_core.metrics.drift import ReplicaDrift
-from tmetrics_core.metrics.outliers import ChannelKurtosis, OutlierRatio
-from tmetrics_core.metrics.quant.metric import QUANT_STATS, QuantMetric
-from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, MeanLineL2, NonFinite, Rms, ZeroFraction
-from tmetrics_core.metrics.router import (
-    DeadExperts,
-    DecisionEntropy,
-    ExpertBias,
-    ExpertLoadImbalance,
-    ExpertTokens,
-    RouterHealth,
-    RouterZLoss,
-    RoutingBalance,
-    SeqAuxDecomposition,
-)
-from tmetrics_core.metrics.sketches import HistogramMetric, QuantileMetric
-from tmetrics_core.metrics.updates import OptimizerStateRms, UpdateRatio
+from tmetrics_core.metrics.builtin_entries import FAMILIES
+from tmetrics_core.metrics.cost import COST_CLASSES
+from tmetrics_core.metrics.entry import CatalogueEntry
 
 __all__ = [
     "ALIASES",
-    "CatalogueEntry",
+    "ENTRY_POINT_GROUP",
     "build_metric",
     "catalogue_entries",
     "describe_catalogue",
     "metric_names",
+    "metric_options",
     "resolve_metric",
 ]
 
-_ALL = "every placement: Replica, Shard(d), Shard(None), FlatShard, Owned; Partial reduced directly when linear, else materialized"
-_LINES = "Replica, Shard(d), FlatShard (one per tensor), Owned; Partial materialized; 2-D and wider tensors only"
-_COUNTS = "every placement; counts are not linear, so Partial is materialized first"
-_ROWS = "token rows split (Shard(None), Shard(0)), Owned, Replica, vocab/expert split Shard(1); not FlatShard"
-_ROUTER_ROWS = ("token rows split (Shard(None)), Owned, Replica; not Shard(1) (needs whole expert rows) nor "
-                "FlatShard; with seq_len, not split on cp, tp or pp (they cut sequences)")
-_TOPK = "token rows split (Shard(None)), Owned, Replica; not Shard(1) nor FlatShard"
-_DRIFT = "sites Replica on dp (others are not copies); Shard, FlatShard and Owned on other axes"
-_COTANGENT = ("; g is the cotangent of the loss the optimizer applies: the local one / (data-parallel averaging "
-              "x loss scale), micro-batches summed, so equal on every topology of one global batch (docs/backward.md)")
-_GRADS = ("DTensor cotangents of every placement (Partial reduced first, Replicate once, Shard and _StridedShard "
-          "as in the forward), token rows split by data, sequence or pipeline, vocab split Shard(1)")
+_log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "tmetrics.metrics"
+"""The entry-point group a package uses to add metric families: ``[project.entry-points."tmetrics.metrics"]``;
+each entry point names a function returning catalogue entries."""
+
+_BUILT_IN = "tmetrics (built in)"
+
+ALIASES: dict[str, str] = {alias: entry.name for _, family in FAMILIES for entry in family() for alias in entry.aliases}
+"""Alias -> canonical name of the built-in entries (the Megatron-LM names that differ from ours)."""
 
 
-@dataclass(frozen=True, slots=True)
-class CatalogueEntry:
-    """One catalogue metric.
+@dataclass(slots=True)
+class _Registry:
+    """The entries in registration order, their aliases, where each came from, and the families
+    left out (one line each)."""
 
-    Attributes:
-        name: canonical name.
-        build: makes the metric; called with ``name=`` and the options the entry takes.
-        source_kinds: site kinds the metric reads.
-        scopes: the labels its records carry (``layer``: one per layer; ``global``: one value,
-            or a cross-layer roll-up; ``tensor``/``family``: per tensor name or family).
-        formula, unit, baseline: what it computes, in which unit, and what a healthy run shows.
-        placements: placements it supports (others raise ``PlacementError`` at configuration).
-        options: config options it takes beyond ``interval``.
-        aliases: other accepted names (Megatron-LM).
+    entries: dict[str, CatalogueEntry] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+
+
+def _register(registry: _Registry, family: Callable[[], Iterable[CatalogueEntry]], origin: str, *,
+              built_in: bool = False) -> None:
+    """Add every entry ``family()`` returns, or none of them. An installed family's entries are
+    each built once from their declared defaults (as ``tmetrics metrics`` builds them).
+
+    Raises:
+        ValueError: the family returns something else than entries, or a name or alias that is
+            already registered (within the family or before it).
+        Exception: whatever building an installed entry from its defaults raises.
     """
-
-    name: str
-    build: Callable[..., TensorMetric]
-    source_kinds: tuple[str, ...]
-    scopes: tuple[str, ...]
-    formula: str
-    unit: str
-    baseline: str
-    placements: str
-    options: frozenset[str] = frozenset({"select"})
-    aliases: tuple[str, ...] = ()
-
-    def describe(self) -> dict[str, Any]:
-        """The entry as plain data (for JSON)."""
-        return {
-            "name": self.name, "aliases": list(self.aliases), "source_kinds": list(self.source_kinds),
-            "scopes": list(self.scopes), "formula": self.formula, "unit": self.unit,
-            "baseline": self.baseline, "placements": self.placements, "options": sorted(self.options),
-            "cost": self.cost,
-        }
-
-    @property
-    def cost(self) -> str:
-        """The relative cost class (:data:`~tmetrics_core.metrics.cost.COST_CLASSES`)."""
-        return cost_class(self.build(name=self.name))
+    entries = list(family())
+    taken = set(registry.entries) | set(registry.aliases)
+    for entry in entries:
+        if not isinstance(entry, CatalogueEntry):
+            raise ValueError(f"it returned {type(entry).__name__}, not CatalogueEntry")
+        if not built_in:
+            entry.build(name=entry.name, **entry.defaults())
+        for name in (entry.name, *entry.aliases):
+            if name in taken:
+                owner = registry.origins.get(registry.aliases.get(name, name), origin)
+                raise ValueError(f"metric name {name!r} is already registered by {owner}")
+            taken.add(name)
+    for entry in entries:
+        registry.entries[entry.name] = entry
+        registry.origins[entry.name] = origin
+        registry.aliases.update(dict.fromkeys(entry.aliases, entry.name))
 
 
-def _made(cls: type, kinds: Sequence[str], scope: str, **fixed: Any) -> Callable[..., TensorMetric]:
-    def build(**options: Any) -> TensorMetric:
-        return cls(source_kinds=tuple(kinds), scope=scope, **fixed, **options)
-    return build
+@functools.lru_cache(maxsize=4)
+def _load(path: tuple[str, ...]) -> _Registry:
+    """The catalogue of the packages installed on ``path`` (``sys.path``: the cache key)."""
+    registry = _Registry()
+    for name, family in FAMILIES:
+        _register(registry, family, f"{_BUILT_IN}: {name}", built_in=True)
+    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = point.dist.name if point.dist is not None else "an unknown distribution"
+        origin = f"{point.name} ({dist})"
+        try:
+            _register(registry, point.load(), origin)
+        except Exception as exc:  # a broken plugin must not stop runs that do not name it
+            line = f"{origin}, {point.value}: {type(exc).__name__}: {exc}"
+            registry.failed.append(line)
+            _log.warning("tmetrics: metric family %s is left out of the catalogue; fix or uninstall it "
+                         "(entry-point group %r)", line, ENTRY_POINT_GROUP)
+    return registry
 
 
-def _state_rms(*, moments: Sequence[str] = ("exp_avg", "exp_avg_sq"), **options: Any) -> TensorMetric:
-    """``layer-optimizer-state-rms`` of the ``moments`` the optimizer keeps (SGD and Muon keep
-    only the first: ``moments: [exp_avg]``)."""
-    return OptimizerStateRms(source_kinds=tuple(moments), scope="layer", **options)
-
-
-_SCOPE_WORDS = {"global": "all", "layer": "each layer's", "tensor": "each tensor's",
-                "family": "each family's (one tensor name across layers)",
-                "expert": "each (layer, global expert)'s routed-expert"}
-
-
-def _norm_entries() -> list[CatalogueEntry]:
-    out = []
-    for kind, word, unit in (("param", "param", "parameter units"), ("grad", "grad", "gradient units")):
-        for scope in ("global", "layer", "tensor", "family", "expert"):
-            base = ("equals torch.nn.utils.clip_grad_norm_'s total norm (before clipping); "
-                    if (kind, scope) == ("grad", "global") else "")
-            out.append(CatalogueEntry(
-                f"{scope}-{word}-l2", _made(L2Norm, [kind], scope), (kind,), (scope,),
-                f"sqrt(sum_i x_i^2) over {_SCOPE_WORDS[scope]} {word} elements", unit,
-                base + ("smooth; spikes flag instability" if kind == "grad" else "slow drift; sudden jumps flag bad steps"),
-                _ALL, aliases=(f"{scope}-wgrad-l2",) if kind == "grad" and scope in ("global", "layer") else ()))
-        out.append(CatalogueEntry(
-            f"layer-{word}-absmax", _made(AbsMax, [kind], "layer"), (kind,), ("layer",),
-            "max_i |x_i| over the layer", unit, "a few times the layer RMS; far larger means outliers", _ALL))
-        out.append(CatalogueEntry(
-            f"layer-{word}-rms", _made(Rms, [kind], "layer"), (kind,), ("layer",),
-            "sqrt(sum_i x_i^2 / N) over the layer", unit, "stable across steps; comparable across layers", _ALL))
-        out.append(CatalogueEntry(
-            f"layer-{word}-histogram", _made(HistogramMetric, [kind], "layer"), (kind,), ("layer",),
-            "counts in fixed signed log2 bins (bins per sign over 2^-40..2^24), zeros/NaN/Inf apart",
-            "count", "a smooth bell in log-magnitude; no NaN/Inf", _COUNTS,
-            options=frozenset({"select", "bins"})))
-    return out
-
-
-def _entries() -> list[CatalogueEntry]:
-    e = CatalogueEntry
-    entries = _norm_entries() + [
-        e("global-param-mean-row-l2", _made(MeanLineL2, ["param"], "global", dim=0), ("param",), ("global",),
-          "mean over rows r of matrices of sqrt(sum_j W_rj^2)", "parameter units",
-          "slow drift (init scale about sqrt(fan_in) * std)", _LINES),
-        e("global-param-mean-column-l2", _made(MeanLineL2, ["param"], "global", dim=1), ("param",), ("global",),
-          "mean over columns c of matrices of sqrt(sum_i W_ic^2)", "parameter units", "slow drift", _LINES),
-        e("layer-grad-nonfinite", _made(NonFinite, ["grad"], "layer"), ("grad",), ("layer",),
-          "#{g_i = NaN}, #{g_i = +Inf}, #{g_i = -Inf} (stats nan, posinf, neginf, total)", "count",
-          "all 0", _COUNTS),
-        e("layer-grad-zero-fraction", _made(ZeroFraction, ["grad"], "layer"), ("grad",), ("layer",),
-          "#{g_i = 0} / N", "fraction", "near 0; growth means dead units or vanished gradients", _COUNTS),
-        e("layer-update-ratio", _made(UpdateRatio, ["update", "param"], "layer"), ("update", "param"), ("layer",),
-          "||Δθ|| / ||θ|| over the layer's updated tensors (θ after the step)", "ratio",
-          "about 1e-3 per step with Adam; 1e-2 and above is unstable, 1e-5 stalled", _ALL),
-        e("layer-optimizer-state-rms", _state_rms, ("exp_avg", "exp_avg_sq"), ("layer",),
-          "sqrt(sum m_i^2 / N) for exp_avg and exp_avg_sq (stats)",
-          "gradient units / squared", "exp_avg near the gradient RMS, exp_avg_sq near its square", _ALL,
-          options=frozenset({"select", "moments"})),
-        e("dp-replica-drift", lambda **o: ReplicaDrift(source_kinds=("param",), scope="global", **o),
-          ("param",), ("global",),
-          "max - min over dp replicas: bit hash (stat tensors-differing), sum(x) (max-sum-diff), "
-          "sampled elements (sampled-max-diff)", "count / parameter units", "all 0", _DRIFT,
-          options=frozenset({"select", "sample"})),
-        # activations
-        e("layer-residual-accumulator-l2", _made(L2Norm, ["residual_accumulator"], "layer"),
-          ("residual_accumulator",), ("layer",),
-          "sqrt(sum over tokens and features of h^2), h = block output (residual stream)", "activation units",
-          "grows with depth and token count; compare with the -rms form", _ALL),
-        e("layer-residual-contribution-l2", _made(L2Norm, ["residual_contribution"], "layer"),
-          ("residual_contribution",), ("layer",),
-          "sqrt(sum over tokens and features of (h_out - h_in)^2)", "activation units",
-          "well below the accumulator L2; a layer near 0 is bypassed", _ALL),
-        e("layer-residual-accumulator-rms", _made(Rms, ["residual_accumulator"], "layer"),
-          ("residual_accumulator",), ("layer",), "sqrt(mean over tokens and features of h^2)",
-          "activation units", "order 1 after normalization; steady growth with depth", _ALL),
-        e("layer-residual-contribution-rms", _made(Rms, ["residual_contribution"], "layer"),
-          ("residual_contribution",), ("layer",), "sqrt(mean over tokens and features of (h_out - h_in)^2)",
-          "activation units", "below the accumulator RMS", _ALL),
-        e("global-output-logits-l2", _made(L2Norm, ["logits"], "global"), ("logits",), ("global",),
-          "sqrt(sum over tokens and vocabulary of z^2)", "logit units", "grows with token count; no spikes",
-          _ALL),
-        e("output-logits-max", _made(Max, ["logits"], "global"), ("logits",), ("global",),
-          "max over tokens and vocabulary of z", "logit units", "tens at most; hundreds risk softmax round-off",
-          _ALL),
-        e("output-entropy", _made(OutputEntropy, ["logits"], "global"), ("logits",), ("global",),
-          "(1/T) sum_t -sum_v p_tv log p_tv, p_t = softmax(z_t)", "nats",
-          "falls from log V as the model learns; collapse to 0 is overconfidence", _ROWS),
-        e("layer-activation-rms", lambda **o: ModuleRms(source_kinds=("activation",), scope="tensor", **o),
-          ("activation",), ("tensor",),
-          f"sqrt(mean of y^2) of each chosen module's output y (modules default {list(DEFAULT_MODULES)})",
-          "activation units", "order 1; steady across steps", _ALL,
-          options=frozenset({"select", "modules"})),
-        # router
-        e("layer-router-logits-l2", _made(L2Norm, ["router_logits"], "layer"), ("router_logits",), ("layer",),
-          "sqrt(sum over tokens and experts of z^2)", "logit units", "grows with tokens; no spikes", _ALL),
-        e("layer-router-logits-max", _made(Max, ["router_logits"], "layer"), ("router_logits",), ("layer",),
-          "max over tokens and experts of z", "logit units", "small (under 10s); growth precedes collapse", _ALL),
-        e("layer-router-logits-median", _made(QuantileMetric, ["router_logits"], "layer"), ("router_logits",),
-          ("layer",), "lower median of z from a merged log2 histogram (1024 bins/sign over 2^-20..2^12: "
-          "relative error <= 1.1%)", "logit units", "near 0, stable", _COUNTS,
-          options=frozenset({"select", "bins"}), aliases=("layer-router-logits-sampled-median",)),
-        e("layer-router-decision-entropy", _made(DecisionEntropy, ["router_scores", "router_logits"], "layer"),
-          ("router_scores", "router_logits"), ("layer",),
-          "(1/T) sum_t H(p_t) / log E (scores, or softmax of logits)", "fraction of log E",
-          "well inside (0, 1); 1 = no decision, 0 = collapsed", _ROWS),
-        e("layer-expert-tokens", _made(ExpertTokens, ["router_topk"], "layer"), ("router_topk",), ("layer",),
-          "tokens dispatched to each global expert (vector of length E)", "tokens", "about k T / E each", _TOPK),
-        e("layer-expert-load-imbalance", _made(ExpertLoadImbalance, ["router_topk"], "layer"), ("router_topk",),
-          ("layer",), "max_e n_e / mean_e n_e (stat max-over-mean); std_e n_e / mean_e n_e (stat cv)", "ratio",
-          "max-over-mean near 1, cv near 0", _TOPK),
-        e("layer-dead-experts", _made(DeadExperts, ["router_topk"], "layer"), ("router_topk",), ("layer",),
-          "#{experts with no dispatched token in the step}", "experts", "0", _TOPK),
-        e("layer-router-z-loss", _made(RouterZLoss, ["router_logits"], "layer"), ("router_logits",), ("layer",),
-          "(1/T) sum_t (logsumexp_e z_te)^2 (ST-MoE)", "logit units squared", "small and stable", _ROWS),
-        e("layer-router-health", lambda **o: RouterHealth(**o), ("router_topk", "router_scores", "router_logits",
-          "expert_bias"), ("global",),
-          "cross-layer roll-up and worst layer of sequence aux loss E sum a_i s_i, imbalances "
-          "E sum (x_i - 1/E)^2, whole-batch loss and gap, max-over-mean, top-k boundary margin",
-          "dimensionless", "losses and max-over-mean 1, imbalances and gap 0, margin large", _ROUTER_ROWS),
-        e("layer-router-routing-balance", lambda **o: RoutingBalance(**o), ("router_topk", "router_scores",
-          "router_logits", "expert_bias"), ("layer", "global"),
-          "dispatched vs unbiased top-k: E sum (c_i - 1/E)^2, 1/2 sum |a_i - c_i|, overlap, E max c, "
-          "inactive fraction; per sequence and whole batch", "dimensionless",
-          "imbalance 0, tv 0, overlap 1, max-over-mean 1, inactive 0", _ROUTER_ROWS),
-        e("layer-router-seq-aux-decomposition", lambda **o: SeqAuxDecomposition(**o),
-          ("router_topk", "router_scores", "router_logits", "expert_bias"), ("layer", "global"),
-          "E sum a_i s_i = 1 + coupling; assignment and score imbalance E sum (x_i - 1/E)^2; alignment",
-          "dimensionless", "loss 1, imbalances 0", _ROUTER_ROWS),
-        e("layer-router-expert-bias", lambda **o: ExpertBias(**o), ("router_topk", "router_scores",
-          "router_logits", "expert_bias"), ("layer", "global"),
-          "mean, std, rms, range, max|b| of the expert bias; corr(b, scores / aux load / dispatched load)",
-          "bias units / correlation", "bounded bias; negative correlation with scores", _ROUTER_ROWS),
-    ] + _quant_entries() + _cotangent_entries() + _attention_entries()
-    return entries
-
-
-_QUANT = ("Replica, Shard(d), Shard(None), Owned; FlatShard and shards that cut scale blocks only with "
-          "fp8-tensorwise; Partial materialized")
-
-
-def _quant_entries() -> list[CatalogueEntry]:
-    """``layer-{param,grad,activation,activation-grad}-quant`` (docs/low-precision.md). Cost per recipe and due
-    step: one read of each tensor and a float64 pass over its elements; tensorwise and nvfp4 on
-    a tensor cut across ranks add one MAX round and a copy of the local shard until it runs."""
-    out = []
-    for kind, word in (("param", "param"), ("grad", "grad"), ("activation", "activation"),
-                       ("activation_grad", "activation-grad")):
-        options = {"select", "recipe", "format", "scale_mode"} | ({"modules"} if kind.startswith("activation") else set())
-        out.append(CatalogueEntry(
-            f"layer-{word}-quant", _made(QuantMetric, [kind], "layer"), (kind,), ("layer",),
-            f"per recipe (default mxfp8): {', '.join(QUANT_STATS)} of x vs dq(x) (stats <recipe>.<quantity>); "
-            "cost per recipe and due step: one read and ~30 float64 passes per element, plus a MAX round and a "
-            "shard copy for fp8-tensorwise/nvfp4 on sharded tensors (docs/low-precision.md)",
-            "fraction / dB / x units / binades", "underflow and overflow near 0; sqnr-db above 30 for fp8",
-            _QUANT, options=frozenset(options)))
-    channels = "token rows split (Shard(None)), features split (Shard(1)), Owned, Replica; not FlatShard"
-    out.append(CatalogueEntry(
-        "layer-activation-channel-kurtosis", _made(ChannelKurtosis, ["activation"], "tensor"), ("activation",),
-        ("tensor",), "Pearson kurtosis over features c of r_c = sqrt(mean_t y_tc^2), per chosen module",
-        "dimensionless", "near 1.8-3; tens and above mean outlier channels", channels,
-        options=frozenset({"select", "modules"})))
-    out.append(CatalogueEntry(
-        "layer-activation-outlier-ratio", _made(OutlierRatio, ["activation"], "tensor"), ("activation",),
-        ("tensor",), "max_c r_c / median_c r_c, r_c = sqrt(mean_t y_tc^2), per chosen module", "ratio",
-        "a few; 100 and above defeats per-tensor and per-row scales", channels,
-        options=frozenset({"select", "modules"})))
-    return out
-
-
-
-def _cotangent_entries() -> list[CatalogueEntry]:
-    e = CatalogueEntry
-    g = "residual_grad"
-    unit = "loss units per activation unit"
-    return [
-        e("layer-residual-grad-l2", _made(L2Norm, [g], "layer"), (g,), ("layer",),
-          "sqrt(sum over tokens and features of g^2), g at the block output" + _COTANGENT, unit,
-          "smooth across steps; grows going down (lower layers) slowly; spikes flag instability", _GRADS),
-        e("layer-residual-grad-rms", _made(Rms, [g], "layer"), (g,), ("layer",),
-          "sqrt(mean over tokens and features of g^2), g at the block output" + _COTANGENT, unit,
-          "scales as 1/T (T tokens of the global batch) for a mean loss; within 10x across layers; steady", _GRADS),
-        e("layer-residual-grad-absmax", _made(AbsMax, [g], "layer"), (g,), ("layer",),
-          "max |g| over the layer's tokens and features, g at the block output" + _COTANGENT, unit,
-          "a few times to ~100x the RMS; far larger means a few tokens carry the gradient", _GRADS),
-        e("layer-residual-grad-nonfinite", _made(NonFinite, [g], "layer"), (g,), ("layer",),
-          "#{g = NaN}, #{g = +Inf}, #{g = -Inf} (stats nan, posinf, neginf, total), g at the block output"
-          + _COTANGENT, "count",
-          "all 0 (with a loss scaler: non-zero on the steps it skips)", _GRADS),
-        e("layer-residual-grad-histogram", _made(HistogramMetric, [g], "layer"), (g,), ("layer",),
-          "counts of g (at the block output) in fixed signed log2 bins (bins per sign over 2^-40..2^24), "
-          "zeros/NaN/Inf apart" + _COTANGENT,
-          "count", "a smooth bell in log-magnitude; mass near 2^-40 means the gradient underflows in low precision",
-          _COUNTS, options=frozenset({"select", "bins"})),
-        e("layer-activation-grad-rms",
-          lambda **o: ModuleRms(source_kinds=("activation_grad",), scope="tensor", **o), ("activation_grad",),
-          ("tensor",), "sqrt(mean of g^2), g at each chosen module's output (modules "
-          f"default {list(DEFAULT_MODULES)})" + _COTANGENT, unit, "same order across layers; steady across steps", _GRADS,
-          options=frozenset({"select", "modules"})),
-        e("output-logits-grad-l2", _made(L2Norm, ["logits_grad"], "global"), ("logits_grad",), ("global",),
-          "sqrt(sum over tokens and vocabulary of g^2), g = dL/dz at the output logits; for a mean "
-          "cross-entropy over T tokens g_t = (softmax(z_t) - onehot(y_t)) / T" + _COTANGENT, "loss units per logit",
-          "below sqrt(2/T) (T tokens); falls as the model learns", _GRADS),
-        e("layer-backward-gain", lambda **o: BackwardGain(source_kinds=(g, "residual_input_grad"), scope="layer", **o),
-          (g, "residual_input_grad"), ("layer",),
-          "RMS(g_in) / RMS(g_out): the RMS of g at the block's input over that at its output" + _COTANGENT,
-          "ratio", "near 1 (pre-norm residual); >> 1 layer after layer explodes, << 1 vanishes", _GRADS),
-    ]
-
-
-_HEADS = ("global heads: split on tp (Shard(0)) fill their slots; queries split (Shard(None)) merge by MAX and "
-          "SUM; keys split over AttentionSpec.key_split merge exactly by MAX then SUM; Owned (pipeline stages)")
-
-
-def _attention_entries() -> list[CatalogueEntry]:
-    """The attention metrics (``attn_qk`` sites): a vector over global heads (stat ``heads``) and
-    roll-ups per layer."""
-    return [CatalogueEntry(cls.name, _made(cls, ["attn_qk"], "layer"), ("attn_qk",), ("layer",),
-                           cls.formula, cls.unit, cls.baseline, _HEADS)
-            for cls in (AttentionLogitMax, AttentionEntropy, AttentionSink, AttentionLse)]
-
-
-_ENTRIES: dict[str, CatalogueEntry] = {entry.name: entry for entry in _entries()}
-ALIASES: dict[str, str] = {alias: entry.name for entry in _ENTRIES.values() for alias in entry.aliases}
-"""Alias -> canonical name (the Megatron-LM names that differ from ours)."""
+def _catalogue() -> _Registry:
+    return _load(tuple(sys.path))
 
 
 def catalogue_entries() -> list[CatalogueEntry]:
-    """Every entry, in catalogue order (parameters and gradients, activations, router)."""
-    return list(_ENTRIES.values())
+    """Every entry, in catalogue order: the built-in families, then installed ones."""
+    return list(_catalogue().entries.values())
 
 
 def metric_names() -> list[str]:
     """Canonical names and aliases, sorted (for close-match suggestions)."""
-    return sorted(set(_ENTRIES) | set(ALIASES))
+    registry = _catalogue()
+    return sorted(set(registry.entries) | set(registry.aliases))
 
 
 def resolve_metric(name: str) -> str:
     """The canonical name of ``name`` (a canonical name or an alias).
 
     Raises:
-        KeyError: unknown name; the message lists close matches.
+        KeyError: unknown name; the message lists close matches, and the installed families
+            that failed to load.
     """
-    if name in _ENTRIES:
+    registry = _catalogue()
+    if name in registry.entries:
         return name
-    if name in ALIASES:
-        return ALIASES[name]
+    if name in registry.aliases:
+        return registry.aliases[name]
     close = difflib.get_close_matches(name, metric_names(), n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise KeyError(f"unknown metric {name!r}{hint} (`tmetrics metrics` lists them all)")
+    failed = f"; installed metric families that failed to load: {'; '.join(registry.failed)}" if registry.failed else ""
+    raise KeyError(f"unknown metric {name!r}{hint} (`tmetrics metrics` lists them all){failed}")
 
 
-def build_metric(name: str, *, select: str | Sequence[str] | None = None,
-                 modules: str | Sequence[str] | None = None, bins: int | None = None,
-                 sample: int | None = None, recipe: str | Sequence[str] | None = None,
-                 format: str | None = None, scale_mode: str | None = None,
-                 moments: Sequence[str] | None = None) -> TensorMetric:
+def metric_options(name: str) -> tuple[MetricOption, ...]:
+    """The options the metric ``name`` (canonical or alias) declares.
+
+    Raises:
+        KeyError: unknown name (as :func:`resolve_metric`).
+    """
+    return _catalogue().entries[resolve_metric(name)].options
+
+
+def build_metric(name: str, **options: Any) -> TensorMetric:
     """Build the metric called ``name`` (canonical or alias); its ``name`` is canonical.
 
     Args:
-        select: globs on canonical tensor names narrowing the sites (empty: all).
-        modules: globs on module names (``layer-activation-rms`` only).
-        bins: log-spaced bins per sign (histograms and the router-logit median).
-        sample: element positions compared per tensor (``dp-replica-drift``).
-        recipe, format, scale_mode: low-precision recipes and their options (``layer-*-quant``).
-        moments: the optimizer moments read (``layer-optimizer-state-rms``): ``exp_avg``,
-            ``exp_avg_sq`` (empty: both).
+        options: the metric's options, each one its entry declares (``tmetrics metrics --json``
+            lists them): for the built-in metrics ``select`` (globs on canonical tensor names),
+            ``modules`` (globs on module names), ``bins``, ``sample``, ``recipe``, ``format``,
+            ``scale_mode``, ``moments``. ``None`` or an empty value is the same as omitting the
+            option; an omitted option with a declared default gets that default.
 
     Raises:
-        ConfigError: unknown name (``path="name"``, with close matches), or an option the metric
-            does not take (``path`` names the option; the message lists the ones it takes).
+        ConfigError: unknown name (``path="name"``, with close matches), an option the metric
+            does not declare or a value of the wrong type (``path`` names the option; the message
+            lists the options it takes).
     """
     try:
         canonical = resolve_metric(name)
     except KeyError as exc:
         raise ConfigError(str(exc.args[0]), path="name") from None
-    entry = _ENTRIES[canonical]
-    given = {"select": select, "modules": modules, "bins": bins, "sample": sample, "recipe": recipe,
-             "format": format, "scale_mode": scale_mode,
-             "moments": tuple(moments) if moments else None}
-    options = {k: v for k, v in given.items() if v not in (None, (), [], "")}
-    for option in options:
-        if option not in entry.options:
-            takes = ", ".join(sorted(entry.options))
-            raise ConfigError(
-                f"metric {canonical!r} takes no {option!r} option (it takes: {takes}); remove "
-                f"{option!r} from this metric's entry", path=option)
-    if "select" in options and select is not None:
-        options["select"] = (select,) if isinstance(select, str) else tuple(select)
-    return entry.build(name=canonical, **options)
+    entry = _catalogue().entries[canonical]
+    given = {k: v for k, v in options.items() if v is not None and not (isinstance(v, (str, tuple, list)) and not v)}
+    chosen = entry.defaults() | check_metric_options(canonical, entry.options, given)
+    return entry.build(name=canonical, **chosen)
 
 
 def describe_catalogue(fmt: Literal["table", "json"] = "table") -> str:
     """The catalogue for ``tmetrics metrics``: name, source kinds, scopes, cost class, formula,
-    baseline, then what each cost class costs.
+    baseline, then what each cost class costs, the aliases, and the metrics installed packages add.
 
-    ``"table"``: aligned plain text, formulas wrapped, aliases listed after the table.
-    ``"json"``: ``{"metrics": [...entries...], "aliases": {...}}``.
+    ``"table"``: aligned plain text, formulas wrapped, aliases and installed families listed
+    after the table.
+    ``"json"``: ``{"metrics": [...entries...], "aliases": {...}}``, each entry with its declared
+    options (name, type, default, meaning).
 
     Raises:
         ConfigError: ``fmt`` is neither ``"table"`` nor ``"json"``.
     """
+    registry = _catalogue()
+    entries = list(registry.entries.values())
     if fmt == "json":
-        return json.dumps({"metrics": [e.describe() for e in _ENTRIES.values()], "aliases": ALIASES}, indent=2)
+        return json.dumps({"metrics": [e.describe() for e in entries], "aliases": registry.aliases}, indent=2)
     if fmt != "table":
         raise ConfigError(f"got {fmt!r}; need 'table' or 'json'", path="format")
     headers = ("name", "source kinds", "scope", "cost", "formula", "baseline")
-    rows = [(e.name, ", ".join(e.source_kinds), ", ".join(e.scopes), e.cost, e.formula, e.baseline)
-            for e in _ENTRIES.values()]
+    rows = [(e.name, ", ".join(e.source_kinds), ", ".join(e.scopes), e.cost, e.formula, e.baseline) for e in entries]
     widths = [max(len(r[0]) for r in rows), 21, 13, 11, 46, 36]
     lines = [_line(headers, widths), _line(tuple("-" * w for w in widths), widths)]
     for row in rows:
@@ -430,7 +216,12 @@ def describe_catalogue(fmt: Literal["table", "json"] = "table") -> str:
     lines.append("cost classes, cheapest first:")
     lines += [f"  {name}: {meaning}" for name, meaning in COST_CLASSES.items()]
     lines.append("")
-    lines.append("aliases (Megatron-LM names): " + ", ".join(f"{a} -> {c}" for a, c in sorted(ALIASES.items())))
+    lines.append("aliases (Megatron-LM names): " + ", ".join(f"{a} -> {c}" for a, c in sorted(registry.aliases.items())))
+    installed = [f"{name} [{origin}]" for name, origin in registry.origins.items() if not origin.startswith(_BUILT_IN)]
+    if installed or registry.failed:
+        lines.append("")
+        lines.append(f"from installed packages (entry-point group {ENTRY_POINT_GROUP!r}): {', '.join(installed) or 'none'}")
+        lines += [f"  left out: {line}" for line in registry.failed]
     return "\n".join(lines)
 
 
