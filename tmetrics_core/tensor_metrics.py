@@ -51,7 +51,8 @@ from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.naming.signature import parameter_signature
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.observe import _ACTIVE, fail, fail_unless, in_backward, new_owner, record, record_attention, record_residual, tap
+from tmetrics_core.observer import _ACTIVE
+from tmetrics_core.observe import fail, fail_unless, in_backward, new_owner, record, record_attention, record_residual, tap
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.user_scalars import scalar_records
