@@ -23,6 +23,7 @@ def test_the_queries_give_the_sources_sets() -> None:
     assert kinds.SEQUENCE_CHECKED == kinds.RESIDUAL_KINDS | {"activation_grad"}
     assert kinds.KEPT_KINDS == kinds.ROUTER_OUTPUT_KINDS == ROUTER
     assert kinds.MODULE_GLOB_KINDS == {"activation", "activation_grad"}
+    assert kinds.EXPERT_COLUMN_KINDS == {"router_logits", "router_scores"}
     assert kinds_where(token_rows=True, kept=False, cotangent=False) == {
         "residual_accumulator", "residual_contribution", "logits", "activation", "attn_qk"}
 

@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["GRAD_KINDS", "KEPT_KINDS", "KINDS", "MODULE_GLOB_KINDS", "OBSERVED_KINDS", "RESIDUAL_KINDS",
+__all__ = ["EXPERT_COLUMN_KINDS", "GRAD_KINDS", "KEPT_KINDS", "KINDS", "MODULE_GLOB_KINDS", "OBSERVED_KINDS", "RESIDUAL_KINDS",
            "ROUTER_OUTPUT_KINDS", "Reader", "SEQUENCE_CHECKED", "SourceKind", "TOKEN_KINDS", "kinds_where",
            "what_feeds"]
 
@@ -47,6 +47,8 @@ class SourceKind:
             small next to a layer's activations); an in-place change before then fails the
             metrics that read it.
         router_output: a router's output (logits, scores, top-k choices).
+        expert_columns: its columns are the experts (router logits and scores ``[tokens, experts]``):
+            the site's width is its number of experts.
         residual: of the residual stream (a block's output, its contribution, their cotangents).
         sequence_checked: a plain tensor of it may hold each tensor-parallel rank's part of the
             sequence with nothing to say so: checked when first seen
@@ -63,6 +65,7 @@ class SourceKind:
     token_rows: bool = False
     kept: bool = False
     router_output: bool = False
+    expert_columns: bool = False
     residual: bool = False
     sequence_checked: bool = False
     module_globs: bool = False
@@ -96,9 +99,11 @@ _FORWARD = (Reader.FORWARD, Reader.OBSERVE)
 _BACKWARD = (Reader.BACKWARD,)
 
 KINDS: tuple[SourceKind, ...] = (
-    SourceKind("router_logits", _FORWARD, token_rows=True, kept=True, router_output=True, feeds=_ROUTER_FEEDS),
+    SourceKind("router_logits", _FORWARD, token_rows=True, kept=True, router_output=True, expert_columns=True,
+               feeds=_ROUTER_FEEDS),
     SourceKind("router_topk", _FORWARD, token_rows=True, kept=True, router_output=True, feeds=_ROUTER_FEEDS),
-    SourceKind("router_scores", _FORWARD, token_rows=True, kept=True, router_output=True, feeds=_ROUTER_FEEDS),
+    SourceKind("router_scores", _FORWARD, token_rows=True, kept=True, router_output=True, expert_columns=True,
+               feeds=_ROUTER_FEEDS),
     SourceKind("activation", _FORWARD, token_rows=True, module_globs=True, feeds=(
         "activation sites are the outputs of modules matching {modules} (the metric's modules: globs on module "
         "paths) or tm.observe(..., kind='activation'); none ran in the step scope")),
@@ -170,6 +175,9 @@ ROUTER_OUTPUT_KINDS = kinds_where(router_output=True)
 
 MODULE_GLOB_KINDS = kinds_where(module_globs=True)
 """Kinds observed at modules that ``modules:`` globs pick."""
+
+EXPERT_COLUMN_KINDS = kinds_where(expert_columns=True)
+"""Kinds whose columns are the experts."""
 
 
 def what_feeds(kinds: Iterable[str], modules: Sequence[str] = ()) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from tmetrics_core.kinds import KEPT_KINDS, MODULE_GLOB_KINDS
+from tmetrics_core.kinds import EXPERT_COLUMN_KINDS, KEPT_KINDS, MODULE_GLOB_KINDS
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
@@ -136,7 +136,7 @@ class TokenStep:
         if shard_dim is not None and tp is not None and tp.size > 1:
             width *= tp.size  # features (vocabulary, experts) split evenly over tp: the row is wider
         experts = self.num_experts
-        if kind in ("router_logits", "router_scores"):
+        if kind in EXPERT_COLUMN_KINDS:
             experts = width
         site = Site(name=name, kind=kind, logical_shape=(-1, width), dtype=str(x.dtype).replace("torch.", ""),
                     placements=tuple(placements), layer=self.index.layer_of(path),

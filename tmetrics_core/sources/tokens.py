@@ -3,10 +3,11 @@
 Every observation is flattened to ``[tokens, features]`` and stripped of padding tokens (the
 last ``token_mask`` observed in the step, when its length matches). Activations, residuals and
 logits are prepared at once by every due metric that accepts the site, and released: only the
-small prepared states outlive the call, on every device alike. Router
-outputs (``[tokens, experts]`` logits, scores and top-k choices, a small fraction of a layer's
-activations) are kept, not copied, until the step's end and prepared there for every layer at
-once: one batch instead of a few small calls in each layer's forward. A model must not change
+small prepared states outlive the call, on every device alike. The kinds whose records say
+``kept`` (:data:`tmetrics_core.kinds.KEPT_KINDS`: router outputs, ``[tokens, experts]`` logits,
+scores and top-k choices, a small fraction of a layer's activations) are kept, not copied, until
+the step's end and prepared there for every layer at once: one batch instead of a few small
+calls in each layer's forward. A model must not change
 them in place after observing them: one that does (the tensor's version counter moved by the
 step's end) gets the metrics reading that site reported as failed, never values of the changed
 tensor.
