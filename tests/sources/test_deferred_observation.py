@@ -1,5 +1,5 @@
-"""Deferred token observation (router outputs kept to the step's end, residuals reduced to
-moments rows in the hook) against formulas on the full tensors each observation saw: micro-
+"""Deferred token observation (router outputs kept to the step's end, residuals prepared in
+the hook) against formulas on the full tensors each observation saw: micro-
 batches with and without padding, checkpointing, bf16, awkward block outputs, empty batches,
 forward-only steps, select/modules patterns, interval mixes with changing sequence lengths,
 the kernel switched off between steps, families reading different sites of a layer, and a
