@@ -18,7 +18,8 @@ import torch
 
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.metrics.norms import L2Norm, Rms
-from tmetrics_core.observe import _ACTIVE, observe
+from tmetrics_core.observe import observe
+from tmetrics_core.observer import _ACTIVE
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 

@@ -16,11 +16,6 @@ import math
 import torch
 
 from tmetrics_core.observe import observe
-from tmetrics_core.sources.tokens import TokenObserver
-
-_FOLLOW = TokenObserver._follow
-_FOLLOW_PAIR = TokenObserver._follow_pair
-"""The unpatched route followers (see :func:`count_routes`)."""
 
 __all__ = ["D", "Model", "Observed", "replay", "row_entropy", "token_rows"]
 
@@ -127,25 +122,3 @@ def row_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Per-row normalized softmax entropy ``H / log E`` of float64 logits."""
     p = logits.softmax(dim=-1)
     return -(p * p.log()).nansum(dim=-1) / math.log(logits.shape[-1])
-
-
-def count_routes(monkeypatch, follow: bool) -> list[int]:
-    """Patch ``TokenObserver._follow`` and ``_follow_pair`` (a block's two residual routes in
-    one kernel pass, counted as two) to count the routes taken (``follow``) or to send every
-    observation down the general path (not ``follow``); returns the one-element counter. Safe to
-    call twice in one test: it wraps the unpatched methods."""
-    taken = [0]
-
-    def counted(self, route, tensor, minus):
-        done = follow and _FOLLOW(self, route, tensor, minus)
-        taken[0] += done
-        return done
-
-    def counted_pair(self, module, h, x):
-        done = follow and _FOLLOW_PAIR(self, module, h, x)
-        taken[0] += 2 * done
-        return done
-
-    monkeypatch.setattr(TokenObserver, "_follow", counted)
-    monkeypatch.setattr(TokenObserver, "_follow_pair", counted_pair)
-    return taken

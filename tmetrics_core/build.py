@@ -39,7 +39,7 @@ from tmetrics_core.site import Site
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.sources.optimizer_state import state_keys
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
-from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS
+from tmetrics_core.kinds import ROUTER_OUTPUT_KINDS
 from tmetrics_core.records import Labels, RunInfo
 from tmetrics_core.config.redact import redact
 from tmetrics_core.sinks.registry import available_sinks, build_sinks

@@ -22,69 +22,19 @@ from __future__ import annotations
 
 import functools
 import itertools
-import weakref
 from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator
 
 import torch
 
 from tmetrics_core.attention_spec import AttentionSpec
 from tmetrics_core import torch_private
+from tmetrics_core.observer import (IN_BACKWARD, MODULES, Observer, _ACTIVE, compiled_cotangent, deliver,
+                                    deliver_attention, deliver_fail, deliver_fail_unless, deliver_residual,
+                                    grad_observer)
 
-__all__ = ["Observer", "fail", "fail_unless", "in_backward", "new_owner", "observe", "observing", "record",
+__all__ = ["fail", "fail_unless", "in_backward", "new_owner", "observe", "observing", "record",
            "record_attention", "record_residual", "register_modules", "suspended", "tap", "watched"]
-
-
-class Observer(Protocol):
-    """Receives the observations of one step; ``kinds`` are the site kinds some due metric wants;
-    ``kept`` the kinds whose tensors it keeps past the call (until the step's end); an observer
-    without ``kept`` is given copies of every observation from a compiled graph."""
-
-    kinds: frozenset[str]
-    kept: frozenset[str]
-
-    def record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
-               shard_dim: int | None, minus: torch.Tensor | None = None) -> None:
-        """Observe ``tensor`` (minus ``minus``) for every due metric that accepts the site: read
-        at once, or kept until the step's end where the source says so (router outputs)."""
-        ...
-
-    def record_residual(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *,
-                        accumulator: bool) -> None:
-        """Observe a block's output ``h`` as the residual stream (when ``accumulator``) and
-        ``h - x`` as its contribution (when ``x`` is given)."""
-        ...
-
-    def tap(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
-            shard_dim: int | None) -> None:
-        """Register a hook on ``tensor`` that observes its cotangent (see :func:`tap`)."""
-        ...
-
-    def cotangent(self, module: torch.nn.Module, name: str, grad: torch.Tensor, *, kind: str,
-                  shard_dim: int | None) -> None:
-        """Observe ``grad``, the cotangent of a tapped tensor, in backward."""
-        ...
-
-    def fail(self, reason: str, kinds: frozenset[str] | None = None) -> None:
-        """Fail the step's metrics that read any of ``kinds`` (router outputs when None) with
-        ``reason``."""
-        ...
-
-    def fail_unless(self, ok: torch.Tensor, reason: str, kinds: frozenset[str] | None = None) -> None:
-        """As :meth:`fail` unless the 0-d bool tensor ``ok`` is true, decided at the step's end:
-        a check of device values that costs no host synchronisation where it is made."""
-        ...
-
-
-_ACTIVE: ContextVar[Observer | None] = ContextVar("tmetrics_observer", default=None)
-
-_MODULES: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
-"""``id(module)`` -> module, for the compiled path (a custom operator takes no module)."""
-
-_UNKNOWN = torch.nn.Module()
-"""Stands for a module observed under compile that no model of a ``TensorMetrics`` holds: it has
-no path in any model, as that module would have none (its sites are named ``?.<name>``)."""
 
 
 _OWNERS = itertools.count(1)
@@ -100,7 +50,7 @@ def register_modules(modules: Iterable[torch.nn.Module]) -> None:
     """Make ``modules`` known to the compiled path by ``id`` (``ModuleIndex`` registers every
     module of the measured model; the registry holds them weakly)."""
     for module in modules:
-        _MODULES[id(module)] = module
+        MODULES[id(module)] = module
 
 
 def observe(module: torch.nn.Module, name: str, tensor: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
@@ -167,10 +117,10 @@ def tap(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, 
     if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
         return
     if torch.compiler.is_compiling():
-        hook = functools.partial(_compiled_cotangent, id(module), name, kind, shard_dim, owner)
+        hook = functools.partial(compiled_cotangent, id(module), name, kind, shard_dim, owner)
         tensor.register_hook(hook)  # type: ignore[no-untyped-call]  # torch leaves it untyped
         return
-    observer = _grad_observer(owner)
+    observer = grad_observer(owner)
     if observer is None or kind not in observer.kinds:
         return
     if tensor.grad_fn is None and torch_private.in_backward():
@@ -178,31 +128,14 @@ def tap(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, 
     observer.tap(module, name, tensor, kind=kind, shard_dim=shard_dim)
 
 
-_IN_BACKWARD: dict[int, Observer] = {}
-"""Owner number -> its step's observer, for hooks that run in a backward on another thread
-(the autograd engine's device threads do not see the context variable)."""
-
-
 @contextmanager
 def in_backward(owner: int, observer: Observer) -> Iterator[None]:
     """Let ``owner``'s cotangent hooks find ``observer`` inside a backward on any thread."""
-    _IN_BACKWARD[owner] = observer
+    IN_BACKWARD[owner] = observer
     try:
         yield
     finally:
-        _IN_BACKWARD.pop(owner, None)
-
-
-def _grad_observer(owner: int | None) -> Observer | None:
-    observer = _current(owner)
-    if observer is None and owner is not None and torch_private.in_backward():
-        observer = _IN_BACKWARD.get(owner)  # a recomputation (reentrant checkpointing) on a device thread
-    return observer if observer is not None and hasattr(observer, "tap") else None
-
-
-def _compiled_cotangent(module: int, name: str, kind: str, shard_dim: int | None, owner: int | None,
-                        grad: torch.Tensor) -> None:
-    torch.ops.tmetrics.observe_grad(grad, module, name, kind, shard_dim, owner)
+        IN_BACKWARD.pop(owner, None)
 
 
 def record(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str, shard_dim: int | None,
@@ -214,7 +147,7 @@ def record(module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: st
     if torch.compiler.is_compiling():
         torch.ops.tmetrics.observe(tensor, minus, id(module), name, kind, shard_dim, owner)
     else:
-        _record(module, name, tensor, minus, kind, shard_dim, owner, compiled=False)
+        deliver(module, name, tensor, minus, kind, shard_dim, owner, compiled=False)
 
 
 def record_attention(module: torch.nn.Module, name: str, q: torch.Tensor, k: torch.Tensor, *,
@@ -227,15 +160,7 @@ def record_attention(module: torch.nn.Module, name: str, q: torch.Tensor, k: tor
             q, k, spec.token_mask, spec.segment_ids, spec.mask, spec.q_positions, spec.k_positions, id(module), name,
             shard_dim, spec.scale, spec.causal, spec.window, spec.softcap, spec.key_split, owner)
     else:
-        _record_attention(module, name, q, k, spec, shard_dim, owner)
-
-
-def _record_attention(module: torch.nn.Module, name: str, q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec | None,
-                      shard_dim: int | None, owner: int | None) -> None:
-    observer = _current(owner)
-    if observer is None or "attn_qk" not in observer.kinds:
-        return
-    observer.record_attention(module, name, q, k, spec=spec, shard_dim=shard_dim)  # type: ignore[attr-defined]
+        deliver_attention(module, name, q, k, spec, shard_dim, owner)
 
 
 def record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *, accumulator: bool,
@@ -246,7 +171,7 @@ def record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | 
     if torch.compiler.is_compiling():
         torch.ops.tmetrics.observe_residual(h, x, id(module), accumulator, owner)
     else:
-        _record_residual(module, h, x, accumulator, owner)
+        deliver_residual(module, h, x, accumulator, owner)
 
 
 def fail(reason: str, kinds: frozenset[str] | None = None, owner: int | None = None) -> None:
@@ -256,7 +181,7 @@ def fail(reason: str, kinds: frozenset[str] | None = None, owner: int | None = N
     if torch.compiler.is_compiling():
         torch.ops.tmetrics.fail(reason, None if kinds is None else ",".join(sorted(kinds)), owner)
     else:
-        _fail(reason, kinds, owner)
+        deliver_fail(reason, kinds, owner)
 
 
 def fail_unless(ok: torch.Tensor, reason: str, kinds: frozenset[str] | None = None, owner: int | None = None
@@ -267,7 +192,7 @@ def fail_unless(ok: torch.Tensor, reason: str, kinds: frozenset[str] | None = No
     if torch.compiler.is_compiling():
         torch.ops.tmetrics.fail_unless(ok, reason, None if kinds is None else ",".join(sorted(kinds)), owner)
     else:
-        _fail_unless(ok, reason, kinds, owner)
+        deliver_fail_unless(ok, reason, kinds, owner)
 
 
 def watched(kind: str) -> bool:
@@ -301,137 +226,3 @@ def suspended() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def _current(owner: int | None) -> Observer | None:
-    """The active observer, if any, and when ``owner`` is given only if it is that owner's."""
-    observer = _ACTIVE.get()
-    if observer is None or (owner is not None and getattr(observer, "owner", None) != owner):
-        return None
-    return observer
-
-
-def _record(module: torch.nn.Module, name: str, tensor: torch.Tensor, minus: torch.Tensor | None, kind: str,
-            shard_dim: int | None, owner: int | None, *, compiled: bool) -> None:
-    observer = _current(owner)
-    if observer is None:
-        return
-    if kind not in observer.kinds:
-        unwatched = getattr(observer, "unwatched", None)  # observers written before it take no such call
-        if unwatched is not None:
-            unwatched(kind, module)
-        return
-    if compiled and kind in getattr(observer, "kept", observer.kinds):  # not declared: every kind may be kept
-        tensor = tensor.clone()  # the compiled graph may write its next values into this buffer
-    if minus is None:  # observers written before ``minus`` existed take no such argument
-        observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim)
-    else:
-        observer.record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus)
-
-
-def _record_residual(module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, accumulator: bool,
-                     owner: int | None) -> None:
-    observer = _current(owner)
-    if observer is None:
-        return
-    accumulator = accumulator and "residual_accumulator" in observer.kinds
-    x = x if "residual_contribution" in observer.kinds else None
-    if accumulator or x is not None:
-        observer.record_residual(module, h, x, accumulator=accumulator)
-
-
-def _fail(reason: str, kinds: frozenset[str] | None, owner: int | None) -> None:
-    observer = _current(owner)
-    if observer is not None:
-        observer.fail(reason, kinds)
-
-
-def _fail_unless(ok: torch.Tensor, reason: str, kinds: frozenset[str] | None, owner: int | None) -> None:
-    observer = _current(owner)
-    if observer is not None:
-        observer.fail_unless(ok, reason, kinds)
-
-
-@torch.library.custom_op("tmetrics::observe", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _observe_op(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, kind: str,
-                shard_dim: int | None, owner: int | None) -> None:
-    _record(_MODULES.get(module, _UNKNOWN), name, tensor, minus, kind, shard_dim, owner, compiled=True)
-
-
-@torch.library.custom_op("tmetrics::observe_grad", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _observe_grad_op(grad: torch.Tensor, module: int, name: str, kind: str, shard_dim: int | None,
-                     owner: int | None) -> None:
-    observer = _grad_observer(owner)
-    if observer is not None and kind in observer.kinds:
-        # a compiled backward may reuse the buffer: the observer reads it now or copies it
-        observer.cotangent(_MODULES.get(module, _UNKNOWN), name, grad, kind=kind, shard_dim=shard_dim)
-
-
-@torch.library.custom_op("tmetrics::observe_residual", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _observe_residual_op(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool,
-                         owner: int | None) -> None:
-    _record_residual(_MODULES.get(module, _UNKNOWN), h, x, accumulator, owner)
-
-
-@torch.library.custom_op("tmetrics::observe_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _observe_attention_op(q: torch.Tensor, k: torch.Tensor, token_mask: torch.Tensor | None,
-                          segment_ids: torch.Tensor | None, mask: torch.Tensor | None, q_positions: torch.Tensor | None,
-                          k_positions: torch.Tensor | None, module: int, name: str, shard_dim: int | None,
-                          scale: float | None, causal: bool, window: int | None, softcap: float | None,
-                          key_split: str | None, owner: int | None) -> None:
-    # The spec travels as its fields (an operator takes no dataclass) and is rebuilt here.
-    spec = AttentionSpec(scale=scale, causal=causal, window=window, softcap=softcap, token_mask=token_mask,
-                         segment_ids=segment_ids, mask=mask, q_positions=q_positions, k_positions=k_positions,
-                         key_split=key_split)
-    _record_attention(_MODULES.get(module, _UNKNOWN), name, q, k, spec, shard_dim, owner)
-
-
-@_observe_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, token_mask: torch.Tensor | None, segment_ids: torch.Tensor | None,
-      mask: torch.Tensor | None, q_positions: torch.Tensor | None, k_positions: torch.Tensor | None, module: int,
-      name: str, shard_dim: int | None, scale: float | None, causal: bool, window: int | None, softcap: float | None,
-      key_split: str | None, owner: int | None) -> None:
-    return None
-
-
-@torch.library.custom_op("tmetrics::fail", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _fail_op(reason: str, kinds: str | None, owner: int | None) -> None:
-    # kinds comma-joined: a custom operator takes no list of strings
-    _fail(reason, None if kinds is None else frozenset(kinds.split(",")), owner)
-
-
-@torch.library.custom_op("tmetrics::fail_unless", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _fail_unless_op(ok: torch.Tensor, reason: str, kinds: str | None, owner: int | None) -> None:
-    _fail_unless(ok.clone(), reason, None if kinds is None else frozenset(kinds.split(",")), owner)
-
-
-@_observe_op.register_fake
-def _(tensor: torch.Tensor, minus: torch.Tensor | None, module: int, name: str, kind: str,
-      shard_dim: int | None, owner: int | None) -> None:
-    return None
-
-
-@_observe_grad_op.register_fake
-def _(grad: torch.Tensor, module: int, name: str, kind: str, shard_dim: int | None, owner: int | None) -> None:
-    return None
-
-
-@_observe_residual_op.register_fake
-def _(h: torch.Tensor, x: torch.Tensor | None, module: int, accumulator: bool, owner: int | None) -> None:
-    return None
-
-
-@_fail_op.register_fake
-def _(reason: str, kinds: str | None, owner: int | None) -> None:
-    return None
-
-
-@_fail_unless_op.register_fake
-def _(ok: torch.Tensor, reason: str, kinds: str | None, owner: int | None) -> None:
-    return None
-
-
-for _op in ("tmetrics::observe", "tmetrics::observe_grad", "tmetrics::observe_residual",
-            "tmetrics::observe_attention", "tmetrics::fail",
-            "tmetrics::fail_unless"):
-    # An operator with no output and no mutated input would be dropped as dead code: an ordered
-    # effect keeps it, in program order, in the forward graph.
-    torch_private.register_effectful_op(_op, torch_private.EffectType.ORDERED)

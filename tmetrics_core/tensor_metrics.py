@@ -51,13 +51,14 @@ from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.naming.signature import parameter_signature
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.observe import _ACTIVE, fail, fail_unless, in_backward, new_owner, record, record_attention, record_residual, tap
+from tmetrics_core.observer import _ACTIVE
+from tmetrics_core.observe import fail, fail_unless, in_backward, new_owner, record, record_attention, record_residual, tap
 from tmetrics_core.placements import Placement
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.user_scalars import scalar_records
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.attention import install_inner_attention
-from tmetrics_core.sources.feeds import what_feeds
+from tmetrics_core.kinds import GRAD_KINDS, ROUTER_OUTPUT_KINDS, TOKEN_KINDS, what_feeds
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.grad_scaler import ScalerWatch
 from tmetrics_core.sources.optimizer_state import torch_optimizers
@@ -68,9 +69,10 @@ from tmetrics_core.sources.padding import install_padding
 from tmetrics_core.sources.pipelining import quiet_shape_inference
 from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
-from tmetrics_core.sources.routers import ROUTER_OUTPUT_KINDS, find_routers, install as install_routers
-from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale, data_parallel_divisor, grad_scaler_scale
-from tmetrics_core.sources.tokens import TOKEN_KINDS, TokenObserver, TokenSites
+from tmetrics_core.sources.routers import find_routers, install as install_routers
+from tmetrics_core.sources.cotangents import CotangentScale, data_parallel_divisor, grad_scaler_scale
+from tmetrics_core.sources.token_step import TokenSites
+from tmetrics_core.sources.tokens import TokenObserver
 from tmetrics_core.sources.token_plan import TokenPlan
 
 __all__ = ["TensorMetrics"]

@@ -1,5 +1,5 @@
-"""Deferred token observation (router outputs kept to the step's end, residuals reduced to
-moments rows in the hook) against formulas on the full tensors each observation saw: micro-
+"""Deferred token observation (router outputs kept to the step's end, residuals prepared in
+the hook) against formulas on the full tensors each observation saw: micro-
 batches with and without padding, checkpointing, bf16, awkward block outputs, empty batches,
 forward-only steps, select/modules patterns, interval mixes with changing sequence lengths,
 the kernel switched off between steps, families reading different sites of a layer, and a
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tests.deferred_model import D, Model, Observed, count_routes, replay, row_entropy, token_rows
+from tests.deferred_model import D, Model, Observed, replay, row_entropy, token_rows
 from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.distributed.executor import Executor
@@ -443,75 +443,3 @@ def test_the_token_mask_leaves_an_expert_bias_as_long_as_the_micro_batch_whole()
         assert got[("layer-router-expert-bias", layer, "mean")] == pytest.approx(bias.mean().item())
         assert got[("layer-router-expert-bias", layer, "std")] == pytest.approx(bias.std(correction=0).item())
         assert got[("layer-router-expert-bias", layer, "range")] == pytest.approx(3.0)
-
-
-def test_routes_of_repeated_hook_calls_give_the_general_paths_values(monkeypatch) -> None:
-    """From its second call on, a hook's plain-tensor observation follows the route found on the
-    first (no site or reader lookup): over three steps of three micro-batches the records are
-    those of the general path, bit for bit, and the routes were taken."""
-    def run(follow: bool) -> tuple[list[dict], int]:
-        taken = count_routes(monkeypatch, follow)
-        model = Model()
-        metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in ROUTER + RESIDUAL + FAMILIES])
-        out = []
-        for step in (1, 2, 3):
-            xs, masks = _batches([(2, 5), (3, 5), (1, 4)], [False, False, step == 2], seed=step)
-            with metrics.step(step):
-                for x, mask in zip(xs, masks):
-                    model(x, mask).sum().backward()
-            assert metrics.failures == []
-            out.append(_records(metrics))
-        metrics.close()
-        return out, taken[0]
-
-    general, none_taken = run(follow=False)
-    routed, taken = run(follow=True)
-    assert none_taken == 0 and taken > 20
-    for got, want in zip(routed, general):
-        assert got.keys() == want.keys()
-        for key in want:
-            same = got[key] == want[key] or (isinstance(want[key], float) and math.isnan(want[key])
-                                             and math.isnan(got[key]))
-            assert same, key
-
-
-def test_a_hook_that_sees_two_widths_in_one_step_keeps_no_route_to_the_other_widths_site(monkeypatch) -> None:
-    """A step's site is found once by name (the step's first width): a second width of the same
-    hook in that step must not leave a route to the first width's site for later steps (every
-    route kept leads to its own width's site), and the records equal the general path's."""
-    class Moe(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.router = torch.nn.Linear(2, 2)  # makes the model an MoE for the config check
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            observe(self, "h", x, kind="router_logits")
-            return x
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.moe = Moe()
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = torch.nn.ModuleList([Block()])
-
-    def run(follow: bool) -> dict:
-        count_routes(monkeypatch, follow)
-        net = Net()
-        metrics = TensorMetrics(net, metrics=[(build_metric("layer-router-logits-max"), 1)])
-        g = torch.Generator().manual_seed(0)
-        with metrics.step(1):
-            net.layers[0].moe(torch.randn(6, 4, generator=g))
-            net.layers[0].moe(torch.randn(6, 8, generator=g))
-        with metrics.step(2):
-            net.layers[0].moe(torch.randn(5, 8, generator=g) + 3.0)
-        got = _records(metrics)
-        # Every route kept leads to the site of its own width (the key's last-dim width).
-        assert all(route.site.logical_shape[-1] == key[5] for key, route in metrics._token_sites.routes.items())
-        metrics.close()
-        return got
-
-    assert run(follow=True) == run(follow=False)

@@ -15,7 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.norms import L2Norm, NonFinite, Rms
-from tmetrics_core.observe import _ACTIVE, observe
+from tmetrics_core.observe import observe
+from tmetrics_core.observer import _ACTIVE
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 

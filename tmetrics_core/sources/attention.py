@@ -18,7 +18,7 @@ code by a forward pre-hook (:func:`install_inner_attention`); their classes are 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
@@ -28,16 +28,14 @@ from tmetrics_core.observe import watched
 from tmetrics_core.metrics.attention_heads import KIND, AttentionObservation
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site
+from tmetrics_core.sources.token_step import TokenStep
 from tmetrics_core import torch_private
-
-if TYPE_CHECKING:
-    from tmetrics_core.sources.tokens import TokenObserver
 
 __all__ = ["INNER_ATTENTION", "install_inner_attention", "observe_attention"]
 
 
 @torch.no_grad()
-def observe_attention(observer: "TokenObserver", module: torch.nn.Module, name: str, q: torch.Tensor,
+def observe_attention(observer: TokenStep, module: torch.nn.Module, name: str, q: torch.Tensor,
                       k: torch.Tensor, spec: AttentionSpec | None, shard_dim: int | None) -> None:
     """Prepare the due attention metrics of one observed attention call (see the module
     docstring); a metric that raises is recorded in ``observer.errors``, never raised."""
@@ -55,19 +53,12 @@ def observe_attention(observer: "TokenObserver", module: torch.nn.Module, name: 
         return
     observation = AttentionObservation(q.detach(), k.detach(), spec)
     memo: dict = {}  # the four metrics share one recompute of the scores
-    for metric, _ in observer._readers(site, path):
-        if metric.name in observer.errors:
-            continue
-        try:
-            observer._check(metric, site)
-            state = metric.prepare([site], [observation], observer.topology, memo)  # type: ignore[list-item]
-            previous = observer.states.get(metric.name)
-            observer.states[metric.name] = state if previous is None else metric.merge(previous, state)
-        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
-            observer.errors[metric.name] = f"{type(exc).__name__}: {exc}"
+    for metric, _ in observer.readers(site, path):
+        if metric.name not in observer.errors:
+            observer.prepare(metric, site, observation, memo)
 
 
-def _site(observer: "TokenObserver", full: str, path: str, q: torch.Tensor, shard_dim: int | None,
+def _site(observer: TokenStep, full: str, path: str, q: torch.Tensor, shard_dim: int | None,
           key_split: str | None) -> Site:
     if q.dim() != 4:
         raise ValueError(f"attn_qk at {path}: queries must be [batch, heads, tokens, head_dim]; got {tuple(q.shape)}")

@@ -1,4 +1,4 @@
-"""Cotangent sources: the kinds, and the scale that makes a local cotangent the optimizer's.
+"""Cotangent sources: the scale that makes a local cotangent the optimizer's.
 
 A backward pass on one rank differentiates that rank's loss. The optimizer applies the gradient
 of another loss: the data-parallel gradient reduction (DDP, FSDP2 and HSDP average over the
@@ -25,11 +25,7 @@ import torch
 
 from tmetrics_core.topology import Topology
 
-__all__ = ["GRAD_KINDS", "CotangentScale", "data_parallel_divisor", "grad_scaler_scale"]
-
-GRAD_KINDS = frozenset({"residual_grad", "residual_input_grad", "logits_grad", "activation_grad"})
-"""Cotangent kinds: of each block's output (the residual stream) and input, of the output
-logits, and of the output of modules a ``modules:`` glob picks (or ``tm.observe(..., grad=True)``)."""
+__all__ = ["CotangentScale", "data_parallel_divisor", "grad_scaler_scale"]
 
 LossScale = Callable[[], "torch.Tensor | float | None"]
 """Returns the loss scale in force (a 0-d tensor, a number, or None for no scaling)."""

@@ -42,7 +42,7 @@ from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.sources.params import (OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, local_view, read_kind,
                                           update_pairs)
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
-from tmetrics_core.sources.tokens import TOKEN_KINDS
+from tmetrics_core.kinds import TOKEN_KINDS
 from tmetrics_core.topology import Topology
 
 __all__ = ["DueSetPlan", "ManifestFacts", "ParamObserver", "Prepared"]

@@ -54,11 +54,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from tmetrics_core.kinds import ROUTER_OUTPUT_KINDS
 from tmetrics_core.sources.modules import ModuleIndex
 
-__all__ = ["RECOGNIZERS", "ROUTER_OUTPUT_KINDS", "Recognizer", "Router", "find_routers", "install"]
+__all__ = ["RECOGNIZERS", "Recognizer", "Router", "find_routers", "install"]
 
-ROUTER_OUTPUT_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
 """The kinds a found router provides."""
 
 SCORE_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

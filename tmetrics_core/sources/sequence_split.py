@@ -29,7 +29,7 @@ import torch
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.placements import Shard
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.tokens import SEQUENCE_CHECKED
+from tmetrics_core.kinds import SEQUENCE_CHECKED
 from tmetrics_core.topology import Topology
 
 __all__ = ["SPREAD", "split_by_sequence"]

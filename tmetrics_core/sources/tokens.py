@@ -3,13 +3,11 @@
 Every observation is flattened to ``[tokens, features]`` and stripped of padding tokens (the
 last ``token_mask`` observed in the step, when its length matches). Activations, residuals and
 logits are prepared at once by every due metric that accepts the site, and released: only the
-small prepared states outlive the call. Where every metric reading an observation derives its
-statistics from the fused moments (the RMS and norm metrics on CPU), the call only reads the
-tensor with the moments kernel (a residual contribution ``h - x`` without writing it) and the
-metrics are prepared at the step's end from those rows, for every layer at once. Router
-outputs (``[tokens, experts]`` logits, scores and top-k choices, a small fraction of a layer's
-activations) are kept, not copied, until the step's end and prepared there for every layer at
-once: one batch instead of a few small calls in each layer's forward. A model must not change
+small prepared states outlive the call, on every device alike. The kinds whose records say
+``kept`` (:data:`tmetrics_core.kinds.KEPT_KINDS`: router outputs, ``[tokens, experts]`` logits,
+scores and top-k choices, a small fraction of a layer's activations) are kept, not copied, until
+the step's end and prepared there for every layer at once: one batch instead of a few small
+calls in each layer's forward. A model must not change
 them in place after observing them: one that does (the tensor's version counter moved by the
 step's end) gets the metrics reading that site reported as failed, never values of the changed
 tensor.
@@ -26,88 +24,25 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.executor import DeviceCheck
-from tmetrics_core.kernels import moments
-from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
-from tmetrics_core.placements import Placement, Shard
+from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale
+from tmetrics_core.kinds import GRAD_KINDS, OBSERVED_KINDS, ROUTER_OUTPUT_KINDS, SEQUENCE_CHECKED, TOKEN_KINDS
+from tmetrics_core.sources.cotangents import CotangentScale
 from tmetrics_core.sources.modules import ModuleIndex
+from tmetrics_core.sources.token_step import TokenSites, TokenStep, local_tokens, prepared_jointly
 from tmetrics_core.attention_spec import AttentionSpec
 from tmetrics_core.sources.attention import observe_attention
 from tmetrics_core import torch_private
 
-__all__ = ["OBSERVED_KINDS", "RESIDUAL_KINDS", "SEQUENCE_CHECKED", "TOKEN_KINDS", "Route", "TokenObserver",
-           "TokenSites"]
-
-TOKEN_KINDS = frozenset({
-    "residual_accumulator", "residual_contribution", "logits", "activation",
-    "router_logits", "router_topk", "router_scores",
-    "attn_qk",  # an attention layer's queries and keys (sources/attention.py)
-}) | GRAD_KINDS
-"""Site kinds whose rows are tokens."""
-
-OBSERVED_KINDS = TOKEN_KINDS | {"token_mask", "expert_bias"}
-"""Every kind the catalogue's metrics read from observations (``tm.observe``, hooks)."""
+__all__ = ["TokenObserver"]
 
 log = logging.getLogger("tmetrics")
-
-RESIDUAL_KINDS = frozenset({"residual_accumulator", "residual_contribution", "residual_grad", "residual_input_grad"})
-"""The residual stream's kinds: a block's output, its output less its input, and the
-cotangents of its output and input."""
-
-SEQUENCE_CHECKED = RESIDUAL_KINDS | {"activation_grad"}
-"""Kinds whose plain tensors may hold each tensor-parallel rank's part of the sequence
-(sequence parallelism) with nothing to say so: checked when first seen
-(:mod:`tmetrics_core.sources.sequence_split`)."""
-
-
-@dataclass
-class TokenSites:
-    """What token observation learns once per run, kept across steps by ``TensorMetrics``:
-    the site of each observation (keyed by everything the site is built from, so a change of
-    width, dtype or split makes a new one) and the ``(metric name, site)`` pairs already
-    checked. A due step then neither rebuilds sites nor re-checks placements."""
-
-    sites: dict[tuple, Site] = field(default_factory=dict)
-    checked: set[tuple[str, Site]] = field(default_factory=set)
-    readers: dict[tuple, list[tuple[TensorMetric, bool]]] = field(default_factory=dict)
-    """``(site, module path, due metric names)`` -> the due metrics that read the observation,
-    each with whether it is prepared at the step's end (:func:`_joint`)."""
-    from_rows: dict[tuple, bool] = field(default_factory=dict)
-    """The same key -> whether every metric prepared at once derives all it reads from the
-    moments rows (:func:`tmetrics_core.kernels.moments.derivable`)."""
-    standins: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    """``(shape, dtype)`` -> a one-element NaN tensor of that shape (zero strides) that stands in
-    for an observation whose moments rows are in the memo: its statistics never read elements
-    (were one read, it would show as NaN, not as a plausible number)."""
-    routes: dict[tuple, Route] = field(default_factory=dict)
-    """``(module, name, kind, shard_dim, dtype, width, with minus, due metric names)`` -> the
-    :class:`Route` of a plain-tensor observation: later calls skip the site and reader lookups."""
-    configured: frozenset[str] = frozenset()
-    """The kinds some configured metric reads (due or not); with :data:`OBSERVED_KINDS`, the
-    kinds an observation may have without a word."""
-    unread: set[str] = field(default_factory=set)
-    """Kinds observed that no metric reads, said once each."""
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where the observations of one hook call go, found on its first call per run and due set:
-    the ``site``, its ``readers`` (as :meth:`TokenObserver._readers`) and whether every metric
-    prepared at once derives from moments rows (``rows``: one kernel read, rows kept)."""
-
-    site: Site
-    readers: tuple[tuple[TensorMetric, bool], ...]
-    rows: bool
-    squares: bool = False
-    """The metrics prepared at once read only sums of squares from the rows (RMS, L2): the
-    kernel computes that column alone (``moments.sumsq_suffices``)."""
 
 
 @dataclass(slots=True)
@@ -136,44 +71,23 @@ class Padding:
         return moved
 
 
-class TokenObserver:
-    """Receives ``observe()`` calls and hook outputs for one step (see ``tmetrics_core.observe``).
-
-    Attributes after the step: ``sites`` (key -> Site seen on this rank), ``states`` (metric
-    name -> prepared state), ``errors`` (metric name -> first error text).
-    """
+class TokenObserver(TokenStep):
+    """Receives ``observe()`` calls and hook outputs for one step (see ``tmetrics_core.observe``);
+    the sites, states and errors are those of :class:`~tmetrics_core.sources.token_step.TokenStep`."""
 
     def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
                  *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None,
                  known: TokenSites | None = None, owner: int | None = None,
                  cotangent_scale: CotangentScale | None = None) -> None:
-        self.metrics = list(metrics)
-        self.owner = owner
-        """Owner number of the ``TensorMetrics`` whose hooks feed this observer (``tmetrics_core.observe.record``)."""
-        self.known = known if known is not None else TokenSites()
-        self._names = tuple(m.name for m in self.metrics)
-        self.modules = dict(modules or {})
-        self.topology = topology
-        self.index = index
-        self.num_experts = num_experts
-        self.kinds = frozenset(k for m in self.metrics for k in m.source_kinds) | {"token_mask"}
-        self.kept = KEPT_KINDS
-        self.sites: dict[SiteKey, Site] = {}
-        self.states: dict[str, dict[SiteKey, Any]] = {}
-        self.errors: dict[str, str] = {}
+        super().__init__(metrics, topology, index, num_experts=num_experts, modules=modules, known=known,
+                         owner=owner)
         self._checks: list[tuple[torch.Tensor, str, frozenset[str] | None]] = []
         self._padding: Padding | None = None
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
-        self._kept: dict[SiteKey, int] = {}
         self._memos: list[dict] = []
-        self._fresh: set[SiteKey] = set()
-        """Keys of the sites first made in this step (no earlier step saw them)."""
         self._firsts: dict[SiteKey, torch.Tensor] = {}
-        """Sum of squares of a fresh residual site's first observation (:meth:`first_sumsq`;
-        the first observation of a site always takes the general path, :meth:`_record`)."""
+        """Sum of squares of a fresh residual site's first observation (:meth:`first_sumsq`)."""
         self._views: list[tuple[Site, torch.Tensor, int]] = []
-        self._row_buffer: torch.Tensor | None = None
-        self._rows_used = 0
         self.cotangent_scale = cotangent_scale or CotangentScale(1, None)
         """What each cotangent is multiplied by (data-parallel averaging, loss scale)."""
 
@@ -204,7 +118,7 @@ class TokenObserver:
         ``reason`` (an automatically found router whose output is not what it was recognised
         as); the first reason is kept."""
         for metric in self.metrics:
-            if set(metric.source_kinds) & (ROUTER_KINDS if kinds is None else kinds):
+            if set(metric.source_kinds) & (ROUTER_OUTPUT_KINDS if kinds is None else kinds):
                 self.errors.setdefault(metric.name, reason)
 
     def fail_unless(self, ok: torch.Tensor, reason: str, kinds: frozenset[str] | None = None) -> None:
@@ -219,7 +133,7 @@ class TokenObserver:
         out = []
         for ok, reason, kinds in self._checks:
             names = frozenset(m.name for m in self.metrics
-                              if set(m.source_kinds) & (ROUTER_KINDS if kinds is None else kinds))
+                              if set(m.source_kinds) & (ROUTER_OUTPUT_KINDS if kinds is None else kinds))
             if names:
                 out.append(DeviceCheck(ok, reason, names))
         return out
@@ -236,103 +150,29 @@ class TokenObserver:
 
     def _observe(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, kind: str, shard_dim: int | None,
                  minus: torch.Tensor | None, factor: float | torch.Tensor | None = None) -> None:
-        """:meth:`record` (also the fallback of :meth:`record_residual`, which does not call the
-        public entry, so timing either entry never counts the other); ``factor`` multiplies
+        """The body of :meth:`record`, :meth:`record_residual` and :meth:`cotangent` (none calls
+        another's public entry, so timing one never counts the other); ``factor`` multiplies
         the observation (a cotangent's scale)."""
         if kind not in GRAD_KINDS and torch_private.in_backward():
             return  # recomputation inside backward (activation checkpointing)
         if factor is not None and type(tensor) is torch.Tensor:
             tensor, factor = tensor * factor, None
-        # Plain tensors of a call seen before, no padding to strip: the route found then.
-        if (type(tensor) is torch.Tensor and (minus is None or type(minus) is torch.Tensor) and tensor.dim() > 1
-                and (self._padding is None or kind not in TOKEN_KINDS)):
-            key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
-            route = self.known.routes.get(key)
-            if route is not None and self._follow(route, tensor, minus):
-                return
         self._record(module, name, tensor, kind=kind, shard_dim=shard_dim, minus=minus, factor=factor)
 
     def record_residual(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *,
                         accumulator: bool) -> None:
         """Observe a block's output ``h`` as the residual accumulator (when ``accumulator``) and
         ``h - x`` as its contribution (when ``x``, the block's input of the same shape, is given):
-        as the two :meth:`record` calls would, but where both are known to need only moments rows,
-        one kernel pass over ``h`` and ``x`` gives both rows (``h`` is read once, not twice)."""
-        if not (accumulator and x is not None and self._follow_pair(module, h, x)):
-            if accumulator:
-                self._observe(module, "", h, "residual_accumulator", None, None)
-            if x is not None:
-                self._observe(module, "", h, "residual_contribution", None, x)
-
-    def _follow_pair(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor) -> bool:
-        """Both residual rows of one block from one ``parts`` pass (rows of ``h - x``, ``h``),
-        along the routes of earlier steps; False (nothing done) where :meth:`record` must run:
-        a route not known yet or not reading rows, padding to strip, a tensor the kernel does
-        not take, the kernel off."""
-        if (type(h) is not torch.Tensor or type(x) is not torch.Tensor or h.dim() < 2 or self._padding is not None
-                or torch_private.in_backward() or not h.is_cpu or not moments.available()):
-            return False
-        known = self.known.routes
-        width = h.shape[-1]
-        total = known.get((module, "", "residual_accumulator", None, h.dtype, width, True, self._names))
-        part = known.get((module, "", "residual_contribution", None, h.dtype, width, False, self._names))
-        if total is None or part is None or not total.rows or not part.rows:
-            return False
-        buffer, first = self._row_space(3)
-        try:
-            if not moments.write_rows(buffer, first, [h], [x], parts=True, sumsq_only=total.squares and part.squares):
-                return False  # a tensor the kernel does not take (decided from metadata)
-        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
-            for route in (total, part):
-                self.sites[route.site.key] = route.site
-                for metric, joint in route.readers:
-                    if not joint:
-                        self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
-            return True
-        shape = (h.numel() // width, width)
-        for route, row in ((total, 1), (part, 0)):
-            self.sites[route.site.key] = route.site
-            self._keep_row(route.site, route.readers, buffer, first + row, shape, h.dtype)
-        return True
-
-    def _row_space(self, count: int) -> tuple[torch.Tensor, int]:
-        """Room for ``count`` moments rows in the step's row buffer: ``(buffer, first row)``.
-        The rows of every observation of a step lie in one tensor, so a metric's rows of all
-        layers are a strided view of it at the step's end, not a stack of separate rows."""
-        buffer, used = self._row_buffer, self._rows_used
-        if buffer is None or used + count > buffer.shape[0]:
-            buffer = self._row_buffer = torch.empty((max(_ROW_BUFFER, count), len(moments.FIELDS)),
-                                                    dtype=torch.float64)
-            used = 0
-        self._rows_used = used + count
-        return buffer, used
-
-    def _follow(self, route: Route, tensor: torch.Tensor, minus: torch.Tensor | None) -> bool:
-        """Observe along ``route``: read the rows, or keep a router output; False (nothing done)
-        where the general path must run (the kernel is off or does not take the tensors)."""
-        site = route.site
-        self.sites[site.key] = site
-        if route.rows:
-            return self._read_rows(site, route.readers, tensor, minus, (tensor.numel() // tensor.shape[-1],
-                                                                        tensor.shape[-1]), route.squares)
-        if site.kind not in ROUTER_KINDS or minus is not None:
-            return False
-        # Detached only when part of a graph (kept past backward, it would hold the graph's
-        # saved tensors); viewed as rows only when not 2-D already: no op otherwise.
-        x = tensor.detach() if tensor.requires_grad else tensor
-        if x.dim() != 2:
-            x = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # an empty shard too (width 0)
-        if route.readers and not x.is_inference():
-            self._views.append((site, x, x._version))
-        for metric, _ in route.readers:  # all prepared at the step's end (router sites)
-            if metric.name not in self.errors:
-                self._deferred.setdefault(metric.name, []).append((site, x))
-        return True
+        the two :meth:`record` calls."""
+        if accumulator:
+            self._observe(module, "", h, "residual_accumulator", None, None)
+        if x is not None:
+            self._observe(module, "", h, "residual_contribution", None, x)
 
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def _record(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, *, kind: str,
                 shard_dim: int | None, minus: torch.Tensor | None, factor: float | torch.Tensor | None = None) -> None:
-        """The general path of :meth:`record`: every tensor, padding, DTensors; finds the route."""
+        """Observe one tensor: every device, padding, DTensors."""
         if kind == "token_mask":
             # The kept rows' indices, found once per micro-batch (not a boolean index per
             # observation: on an accelerator each one is a host sync); no padding: no index.
@@ -340,37 +180,27 @@ class TokenObserver:
             kept = mask.nonzero().squeeze(1)
             self._padding = None if kept.numel() == mask.numel() else Padding(kept, mask.numel())
             return
-        x, shard_dim, split_axes = _local_tokens(tensor.detach(), shard_dim)
+        x, shard_dim, split_axes = local_tokens(tensor.detach(), shard_dim)
         if factor is not None:  # a DTensor cotangent's scale, applied to its reduced local part
             x = x * factor
         x = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() > 1 else x.reshape(-1, 1)
-        y = _local_tokens(minus.detach(), None)[0].reshape(x.shape) if minus is not None else None
+        y = local_tokens(minus.detach(), None)[0].reshape(x.shape) if minus is not None else None
         # Only token rows are padded: an expert_bias [E] as long as the micro-batch is not.
         masked = kind in TOKEN_KINDS and self._padding is not None and self._padding.length == x.shape[0]
         path = self.index.path(module)
         full = ".".join(p for p in (self.index.name_of(path), name) if p)  # canonical where it has one
         site = self._site(full, kind, x, shard_dim, path, split_axes)
-        readers = self._readers(site, path)
-        # A route is kept for the site built from this call's own width and dtype (a second
-        # width of the same hook within one step gets the step's first site, not a route).
-        if (type(tensor) is torch.Tensor and (minus is None or type(minus) is torch.Tensor) and tensor.dim() > 1
-                and not masked and self.known.sites.get((full, kind, int(x.shape[1]), x.dtype, shard_dim, path,
-                                                         split_axes)) is site):
-            key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
-            rows = self._rows_suffice(site, path, readers)
-            squares = rows and moments.sumsq_suffices(s for m, joint in readers if not joint
-                                                      for s in getattr(m, "statistics", ()))
-            self.known.routes[key] = Route(site, tuple(readers), rows, squares)
-        if site.key in self._fresh and site.key not in self._firsts and kind in SEQUENCE_CHECKED:
-            self._firsts[site.key] = torch.linalg.vector_norm(x if y is None else x - y, dtype=torch.float64).square()
-        if not masked and self._from_rows(site, path, readers, x, y):
-            return
+        readers = self.readers(site, path)
         if y is not None:
-            x = x - y
+            # Widened first where narrower than float32: the difference of two bfloat16 (or
+            # float16) values is then exact in float32, not rounded to the inputs' precision.
+            x = x.float() - y.float() if x.is_floating_point() and x.element_size() < 4 else x - y
+        if site.key in self._fresh and site.key not in self._firsts and kind in SEQUENCE_CHECKED:
+            self._firsts[site.key] = torch.linalg.vector_norm(x, dtype=torch.float64).square()
         if masked:
             assert self._padding is not None, "masked is only set with a mask"
             x = x.index_select(0, self._padding.on(x.device))
-        if not masked and readers and site.kind in ROUTER_KINDS and not x.is_inference():
+        if not masked and readers and site.kind in self.kept and not x.is_inference():
             # Kept, not copied, until finish(): its version tells there whether the model
             # changed it in place meanwhile (inference tensors have no version counter). An
             # expert_bias is left out: models update it in place within the step, by design.
@@ -382,71 +212,7 @@ class TokenObserver:
             if joint:
                 self._deferred.setdefault(metric.name, []).append((site, x))
                 continue
-            try:
-                self._check(metric, site)
-                state = metric.prepare([site], [x], self.topology, memo)
-                previous = self.states.get(metric.name)
-                self.states[metric.name] = state if previous is None else metric.merge(previous, state)
-            except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
-                self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
-
-    def _rows_suffice(self, site: Site, path: str, readers: list[tuple[TensorMetric, bool]]) -> bool:
-        """Whether every metric prepared at once derives all it reads from moments rows."""
-        key = (site, path, self._names)
-        suffice = self.known.from_rows.get(key)
-        if suffice is None:
-            at_once = [m for m, joint in readers if not joint]
-            suffice = self.known.from_rows[key] = bool(at_once) and all(map(reads_only_moments, at_once))
-        return suffice
-
-    def _from_rows(self, site: Site, path: str, readers: list[tuple[TensorMetric, bool]], x: torch.Tensor,
-                   y: torch.Tensor | None) -> bool:
-        """Read ``x`` (minus ``y``) with the moments kernel and keep the row for the step's end,
-        when every metric prepared at once derives its statistics from it; False (nothing
-        done) otherwise. The metrics then see a stand-in of ``x``'s shape."""
-        return self._rows_suffice(site, path, readers) and self._read_rows(site, readers, x, y, (int(x.shape[0]), int(x.shape[1])))
-
-    def _read_rows(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], x: torch.Tensor,
-                   y: torch.Tensor | None, shape: tuple[int, int], squares: bool = False) -> bool:
-        """Read ``x`` (minus ``y``, of the same dtype and size) with the moments kernel (sums of
-        squares alone with ``squares``), keep the row for the step's end and give the metrics
-        prepared at once a NaN stand-in of ``shape``; False (nothing done) when the kernel is
-        off or does not take the tensors."""
-        if not x.is_cpu or not moments.available():
-            # Checked on every call, not remembered: the kernel may be switched off for a
-            # while (moments.disabled()), and then statistics read the tensors themselves.
-            return False
-        now = [m for m, joint in readers if not joint and m.name not in self.errors]
-        buffer, first = self._row_space(1)
-        try:
-            if not moments.write_rows(buffer, first, [x], [y], sumsq_only=squares):
-                return False  # a tensor the kernel does not take (decided from metadata)
-        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
-            for metric in now:
-                self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
-            return True
-        self._keep_row(site, readers, buffer, first, shape, x.dtype)
-        return True
-
-    def _keep_row(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], block: torch.Tensor, row: int,
-                  shape: tuple[int, int], dtype: torch.dtype) -> None:
-        """Keep moments row ``row`` of ``block`` as ``site``'s for the step's end (micro-batch k
-        for the site's k-th observation) and give the metrics prepared at once a NaN stand-in of
-        ``shape``."""
-        k = self._kept.get(site.key, 0)
-        self._kept[site.key] = k + 1
-        while len(self._memos) <= k:
-            self._memos.append({})
-        moments.rows_of(self._memos[k])[site.key] = (block, row)
-        standins = self.known.standins
-        standin = standins.get((shape, dtype))
-        if standin is None:
-            if len(standins) >= _STANDINS:  # changing sequence lengths make new shapes: bounded
-                standins.clear()
-            standin = standins[(shape, dtype)] = torch.full((), float("nan"), dtype=dtype).expand(shape)
-        for metric, joint in readers:
-            if not joint and metric.name not in self.errors:
-                self._deferred.setdefault(metric.name, []).append((site, standin))
+            self.prepare(metric, site, x, memo)
 
     def first_sumsq(self, key: SiteKey) -> torch.Tensor | None:
         """The sum of squares of residual site ``key``'s first observation this step, where the
@@ -503,8 +269,8 @@ class TokenObserver:
             try:
                 for k, batch in enumerate(batches):
                     for site, _ in batch:
-                        self._check(metric, site)
-                    if _joint(metric):
+                        self.check(metric, site)
+                    if prepared_jointly(metric):
                         memo = joint_memos.setdefault((k, tuple(s.key for s, _ in batch)), {})
                     else:
                         while len(memos) <= k:
@@ -516,116 +282,3 @@ class TokenObserver:
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
 
-    def _readers(self, site: Site, path: str) -> list[tuple[TensorMetric, bool]]:
-        """The due metrics that read ``site`` observed at module ``path`` (``modules:`` patterns
-        narrow activations), each with whether it is prepared at the step's end (router
-        sites, :data:`ROUTER_KINDS`, and :func:`_joint` metrics), found once per run and due set."""
-        key = (site, path, self._names)
-        readers = self.known.readers.get(key)
-        if readers is None:
-            readers = []
-            for metric in self.metrics:
-                patterns = self.modules.get(metric.name)
-                if not metric.accepts(site) or (site.kind in _MODULE_KINDS and patterns
-                                                and not self.index.matches(path, patterns)):
-                    continue
-                readers.append((metric, site.kind in ROUTER_KINDS or _joint(metric)))
-            self.known.readers[key] = readers
-        return readers
-
-    def _check(self, metric: TensorMetric, site: Site) -> None:
-        """``metric.check`` once per run and site: token sites exist only once observed, so
-        their placements are checked then (raises what the metric's check raises)."""
-        if (metric.name, site) not in self.known.checked:
-            metric.check(site, self.topology)
-            self.known.checked.add((metric.name, site))
-
-    def _site(self, name: str, kind: str, x: torch.Tensor, shard_dim: int | None, path: str,
-              split_axes: frozenset[str] = frozenset()) -> Site:
-        key = (name, kind)
-        site = self.sites.get(key)
-        if site is not None:
-            return site
-        known = (name, kind, int(x.shape[1]), x.dtype, shard_dim, path, split_axes)
-        site = self.known.sites.get(known)
-        if site is None:
-            site = self.known.sites[known] = self._new_site(name, kind, x, shard_dim, path, split_axes)
-            self._fresh.add(site.key)
-        self.sites[key] = site
-        return site
-
-    def _new_site(self, name: str, kind: str, x: torch.Tensor, shard_dim: int | None, path: str,
-                  split_axes: frozenset[str]) -> Site:
-        placements: list[tuple[str, Placement]] = []
-        for axis in self.topology.names:
-            if self.topology.axes[axis].size == 1:
-                continue
-            if axis in self.topology.population_axes or axis in split_axes:
-                placements.append((axis, Shard(None)))
-            elif axis == "tp" and shard_dim is not None:
-                placements.append((axis, Shard(1)))
-        width = int(x.shape[1])
-        tp = self.topology.axes.get("tp")
-        if shard_dim is not None and tp is not None and tp.size > 1:
-            width *= tp.size  # features (vocabulary, experts) split evenly over tp: the row is wider
-        experts = self.num_experts
-        if kind in ("router_logits", "router_scores"):
-            experts = width
-        site = Site(name=name, kind=kind, logical_shape=(-1, width), dtype=str(x.dtype).replace("torch.", ""),
-                    placements=tuple(placements), layer=self.index.layer_of(path),
-                    family=self.index.family_of(path) + (f".{name.rpartition('.')[2]}"
-                                                          if name != self.index.name_of(path) else ""),
-                    num_experts=experts, meta=(("module", path),))
-        return site
-
-
-_NO_AXES: frozenset[str] = frozenset()
-_MODULE_KINDS = frozenset({"activation", "activation_grad"})
-"""Kinds observed at modules that ``modules:`` globs pick."""
-_ROW_BUFFER = 192
-"""Moments rows per chunk of a step's row buffer (a few KiB; rows of 64 blocks' residual pairs)."""
-
-_STANDINS = 256
-"""Stand-in shapes kept across steps at most (each is one element; the cache is cleared when full)."""
-
-ROUTER_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
-"""Token kinds kept until the step's end (``[tokens, experts]``: small next to activations)."""
-
-KEPT_KINDS = ROUTER_KINDS
-"""Kinds whose observed tensor (or a view of it) outlives the call: router outputs (the token
-mask's kept-row indices are a new tensor, made in the call)."""
-
-
-def _joint(metric: TensorMetric) -> bool:
-    """Whether ``metric`` reads top-k choices together with router logits or scores."""
-    kinds = set(metric.source_kinds)
-    return "router_topk" in kinds and bool(kinds & {"router_logits", "router_scores"})
-
-
-def _local_tokens(tensor: torch.Tensor, shard_dim: int | None
-                  ) -> tuple[torch.Tensor, int | None, frozenset[str]]:
-    """The local tensor of an observation, the dim it is split along on ``tp``, and the mesh
-    axes over which it holds different tokens.
-
-    A DTensor activation is made local here: ``Partial`` placements are reduced first (one
-    collective, issued by every rank of the mesh since the forward is the same on each), a
-    ``Shard`` of the last (feature) dim becomes ``shard_dim``, and a ``Shard`` of a leading
-    dim (sequence parallel) makes that axis a population split, like the data axes.
-    """
-    if type(tensor) is torch.Tensor:  # the common case, before the import below
-        return tensor, shard_dim, _NO_AXES
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not isinstance(tensor, DTensor):
-        return tensor, shard_dim, _NO_AXES
-    if any(p.is_partial() for p in tensor.placements):
-        tensor = tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
-    names = tensor.device_mesh.mesh_dim_names or ()
-    split: set[str] = set()
-    for axis, p in zip(names, tensor.placements):
-        sharded = p.is_shard() or type(p).__name__ == "_StridedShard"  # not a Shard in torch 2.13
-        if sharded and getattr(p, "dim", None) in (-1, tensor.dim() - 1):
-            shard_dim = tensor.dim() - 1
-        elif sharded:
-            split.add(axis)
-    return tensor.to_local(), shard_dim, frozenset(split)
