@@ -5,6 +5,12 @@ catalogue and the installed sinks, sink options by each sink's constructor (on e
 no rank proceeds into a collective that a failing rank never joins), the topology, and then
 (:func:`check_against_model`, called by ``TensorMetrics``) selections and placements against
 the model.
+
+Frameworks are read through their adapters (:mod:`tmetrics_core.integrations.adapter`), taken
+in the order of :data:`~tmetrics_core.integrations.frameworks.FRAMEWORKS`: each unwraps the
+user's objects, the first that knows the topology gives it, and each detected one hands over
+placements, offsets, its optimizer adapter, flat buffers and handles. The class built is the
+``cls`` given (``TensorMetrics``), not imported for building.
 """
 
 from __future__ import annotations
