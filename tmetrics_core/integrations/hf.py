@@ -94,7 +94,8 @@ class TMetricsCallback(TrainerCallback):
         config = self.config
         if self.report_to is not False:  # the sinks override first, so it cannot drop the Trainer's trackers
             config = _join_trainer_runs(config, options.pop("sinks"), args.report_to, strict=bool(self.report_to))
-        metrics = TensorMetrics.from_config(config, model=model, optimizer=optimizer, **options)  # unwrapped by the adapters
+        # The Trainer's AcceleratedOptimizer is unwrapped by the accelerate adapter.
+        metrics = TensorMetrics.from_config(config, model=model, optimizer=optimizer, **options)
         scope = OpenScope(metrics)
         gradient_state = getattr(optimizer, "gradient_state", None)
 

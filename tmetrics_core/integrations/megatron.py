@@ -128,7 +128,8 @@ def topology(model: Any = None, *, timeout_s: float = 60.0) -> Topology:
         "cp": ps.get_context_parallel_group(),
         "tp": ps.get_tensor_model_parallel_group(),
     }
-    if ep > 1 and tp > 1 and world.group_ranks(ps.get_expert_tensor_parallel_group()) != world.group_ranks(groups["tp"]):
+    expert_tp = ps.get_expert_tensor_parallel_group() if ep > 1 and tp > 1 else groups["tp"]
+    if world.group_ranks(expert_tp) != world.group_ranks(groups["tp"]):
         raise ConfigError("Megatron's expert-tensor-parallel group is not its tensor-parallel group; pass axes={...}")
     check_grid(groups, framework="Megatron", timeout_s=timeout_s)
     sequence_parallel = any(getattr(getattr(unwrap(m), "config", None), "sequence_parallel", False)
@@ -337,7 +338,8 @@ def setup(model: Any, optimizer: Any, topology: Topology) -> Prepared:
     ``placements:`` win over them), the global offsets and the router observation handles.
 
     Raises:
-        ConfigError: those of :func:`joined` (virtual pipeline chunks), :func:`offsets`, :func:`placements`, :class:`MegatronSteps`,
+        ConfigError: those of :func:`joined` (virtual pipeline chunks), :func:`offsets`,
+            :func:`placements`, :class:`MegatronSteps`,
             :func:`~tmetrics_core.integrations.megatron_shards.owned_ranges`.
     """
     parts = [unwrap(m) for m in chunks(model)]
