@@ -140,3 +140,27 @@ def test_a_transformers_model_is_detected_by_its_adapter():
     hf = next(a for a in FRAMEWORKS if a.name == "transformers")
     assert hf.detect(tiny_llama(), None, None)
     assert not hf.detect(torch.nn.Linear(2, 2), None, None)
+
+
+def test_mesh_and_axes_together_are_refused():
+    with pytest.raises(build.ConfigError, match="either mesh= or axes=, not both"):
+        build.topology_for(mesh=object(), axes={"dp": None})
+
+
+def _topology_without_a_say(rank: int, world: int) -> tuple[str, str]:
+    model, refused = _Layers(), ""
+    try:
+        build.topology_for(model=model)
+    except build.ConfigError as exc:
+        refused = str(exc)
+    from tmetrics_core.distributed import world as ranks
+
+    return refused, repr(build.topology_for(model=model, axes={"dp": ranks.world_group()}))
+
+
+def test_several_ranks_without_a_topology_are_refused_and_plain_ddp_is_one_dp_axis():
+    from tests.distributed.harness import run_distributed
+
+    for refused, given in run_distributed(_topology_without_a_say, 2, timeout=120):
+        assert "torch.distributed runs 2 ranks but no topology was given" in refused
+        assert given.startswith("Topology(dp=2; rank ")
