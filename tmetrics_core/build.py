@@ -5,6 +5,12 @@ catalogue and the installed sinks, sink options by each sink's constructor (on e
 no rank proceeds into a collective that a failing rank never joins), the topology, and then
 (:func:`check_against_model`, called by ``TensorMetrics``) selections and placements against
 the model.
+
+Frameworks are read through their adapters (:mod:`tmetrics_core.integrations.adapter`), taken
+in the order of :data:`~tmetrics_core.integrations.frameworks.FRAMEWORKS`: each unwraps the
+user's objects, the first that knows the topology gives it, and each detected one hands over
+placements, offsets, its optimizer adapter, flat buffers and handles. The class built is the
+``cls`` given (``TensorMetrics``), not imported for building.
 """
 
 from __future__ import annotations
@@ -15,12 +21,10 @@ import difflib
 import inspect
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from fnmatch import fnmatchcase
 
@@ -30,6 +34,8 @@ from tmetrics_core.config.names import check_names
 from tmetrics_core.config.schema import Config, load_config, override_sinks
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.hub.sink_hub import NullHub, SinkHub
+from tmetrics_core.integrations.adapter import FrameworkAdapter, Prepared
+from tmetrics_core.integrations.frameworks import FRAMEWORKS
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.catalogue import build_metric, catalogue_entries, metric_names, metric_options, resolve_metric
 from tmetrics_core.naming.manifest import Manifest
@@ -58,37 +64,81 @@ NO_SINKS = ("names no sinks: the records go nowhere but TensorMetrics.last_recor
 without sinks: accepted, since a program may read ``last_records`` itself, but never silently."""
 
 
-def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None, model: Any = None) -> Topology:
-    """The topology, from the first of: a DeviceMesh or torchtitan's ``ParallelDims`` (``mesh``),
-    an ``{axis: process group}`` mapping (``axes``), Megatron-Core's initialized parallel state
-    (``model`` tells its sequence parallelism), the meshes of ``model``'s parameters when every
-    one is a DTensor; else one process. Raises ``ConfigError`` when torch.distributed runs
-    several ranks but none of these says how (tmetrics cannot guess which ranks hold replicas
-    and which hold shards)."""
-    from tmetrics_core.integrations import torchtitan
+def topology_for(mesh: Any = None, axes: Mapping[str, Any] | None = None, model: Any = None, optimizer: Any = None,
+                 *, timeout_s: float = 60.0) -> Topology:
+    """The topology of the run, from the first framework adapter that knows it
+    (:data:`~tmetrics_core.integrations.frameworks.FRAMEWORKS`): a DeepSpeed engine's or
+    Megatron-Core's parallel state (unless ``mesh=`` or ``axes=`` is given), torchtitan's
+    ``ParallelDims`` (``mesh``) or the meshes of ``model``'s parameters when every one is a
+    DTensor; else a DeviceMesh (``mesh``), an ``{axis: process group}`` mapping (``axes``), or one
+    process.
 
+    Raises:
+        ConfigError: both ``mesh`` and ``axes`` given; torch.distributed runs several ranks but
+            nothing says how (tmetrics cannot guess which ranks hold replicas and which hold
+            shards); or what an adapter refuses.
+    """
+    model, optimizer = _unwrapped(model, optimizer)
+    return _topology(_detected(model, optimizer, mesh), model, optimizer, mesh, axes, timeout_s)
+
+
+def _unwrapped(model: Any, optimizer: Any) -> tuple[Any, Any]:
+    """``model`` and ``optimizer`` out of every framework's wrappers, adapter after adapter."""
+    for adapter in FRAMEWORKS:
+        model, optimizer = adapter.unwrap(model, optimizer)
+    return model, optimizer
+
+
+def _detected(model: Any, optimizer: Any, mesh: Any) -> list[FrameworkAdapter]:
+    """The adapters whose framework ``model``, ``optimizer`` or ``mesh`` come from, in order (the
+    generic one last, always)."""
+    return [adapter for adapter in FRAMEWORKS if adapter.detect(model, optimizer, mesh)]
+
+
+def _topology(adapters: Sequence[FrameworkAdapter], model: Any, optimizer: Any, mesh: Any,
+              axes: Mapping[str, Any] | None, timeout_s: float) -> Topology:
     if mesh is not None and axes is not None:
         raise ConfigError("pass either mesh= or axes=, not both")
-    if torchtitan.is_parallel_dims(mesh):
-        return torchtitan.parallel_dims_topology(mesh)
-    if mesh is not None:
-        return Topology.from_mesh(mesh)
-    if axes is not None:
-        return Topology.from_groups(axes)
-    megatron = _megatron()
-    if megatron is not None:
-        return megatron.topology(model)
-    found = torchtitan.parameter_topology(model) if isinstance(model, torch.nn.Module) else None
-    if found is not None and found.world_size > 1:
-        return found
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConfigError(
-            f"torch.distributed runs {dist.get_world_size()} ranks but no topology was given; pass "
-            "mesh=<DeviceMesh with dim names, or torchtitan's ParallelDims> or "
-            "axes={'dp': process_group, ...} (plain DDP: "
-            "axes={'dp': torch.distributed.group.WORLD})"
-        )
-    return Topology.single_process()
+    for adapter in adapters:
+        found = adapter.topology(model, optimizer, mesh, axes, timeout_s=timeout_s)
+        if found is not None:
+            return found
+    raise AssertionError("the generic adapter always gives a topology")
+
+
+def _prepare(adapters: Sequence[FrameworkAdapter], model: Any, optimizer: Any, topology: Topology) -> list[Prepared]:
+    """What each adapter hands over, each given the model and optimizer the previous one
+    prepared; the handles of those done are removed when one fails."""
+    done: list[Prepared] = []
+    try:
+        for adapter in adapters:
+            done.append(adapter.prepare(model, optimizer, topology))
+            model, optimizer = done[-1].model, done[-1].optimizer
+    except BaseException:
+        _remove(done)
+        raise
+    return done
+
+
+def _framework_arguments(prepared: Sequence[Prepared]) -> dict[str, Any]:
+    """``TensorMetrics`` keyword arguments from the adapters: placements, offsets, flat buffers."""
+    out: dict[str, Any] = {}
+    placements = {name: spec for p in prepared for name, spec in p.placements.items()}
+    if placements:
+        out["framework_placements"] = placements
+    offsets = next((p.offsets for p in prepared if p.offsets is not None), None)
+    if offsets is not None:
+        out["layer_offset"], out["expert_offset"] = offsets
+    flat = [buffer for p in prepared for buffer in p.flat_buffers]
+    if flat:
+        out["flat_buffers"] = flat
+    return out
+
+
+def _remove(prepared: Sequence[Prepared]) -> None:
+    for p in prepared:
+        for handle in p.handles:
+            handle.remove()
 
 
 _OVERRIDES: dict[str, tuple[str, str]] = {
@@ -179,26 +229,29 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
         config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=os.fspath(run_dir)))
     config = check_names(config, resolve_metric=resolve_metric, metric_names=metric_names(),
                          sink_names=[name for name, _ in available_sinks()], metric_options=metric_options)
-    deepspeed = _deepspeed(model, optimizer)  # its engine gives model, optimizer and topology
-    if deepspeed is not None and mesh is None and axes is None:
-        topology = deepspeed.topology()
-    else:
-        topology = topology_for(mesh, axes, model)
-    speed = None
-    if deepspeed is not None:
-        speed = deepspeed.setup(topology)
-        model, optimizer = speed.model, speed.optimizer
-        if speed.flat_buffers:
-            kwargs.setdefault("flat_buffers", speed.flat_buffers)
-    megatron = _megatron()
-    if megatron is not None:
-        found = megatron.setup(model, optimizer, topology)
-        model, optimizer = found.model, found.optimizer
-        kwargs.setdefault("framework_placements", found.placements)
-        kwargs.setdefault("layer_offset", found.layer_offset)
-        kwargs.setdefault("expert_offset", found.expert_offset)
-        if found.flat_buffers:
-            kwargs.setdefault("flat_buffers", found.flat_buffers)
+    model, optimizer = _unwrapped(model, optimizer)
+    adapters = _detected(model, optimizer, mesh)
+    topology = _topology(adapters, model, optimizer, mesh, axes, config.distributed.collective_timeout_s)
+    prepared = _prepare(adapters, model, optimizer, topology)
+    model, optimizer = prepared[-1].model, prepared[-1].optimizer
+    for key, value in _framework_arguments(prepared).items():
+        kwargs.setdefault(key, value)
+    try:
+        tracker = _construct(cls, config, model, optimizer, topology, prepared, kwargs)
+    except BaseException:
+        _remove(prepared)
+        raise
+    for p in prepared:
+        tracker._hooks.extend(p.handles)  # removed by close() with the optimizer hooks
+        if p.attach is not None:
+            tracker._hooks.extend(p.attach(tracker))
+    return tracker
+
+
+def _construct(cls: Any, config: Config, model: Any, optimizer: Any, topology: Topology,
+               prepared: Sequence[Prepared], kwargs: dict[str, Any]) -> Any:
+    """``cls(...)`` with the metrics, sinks and run of ``config``, inside every adapter's
+    ``constructing`` context."""
     metrics = []
     for i, mc in enumerate(config.metrics):
         try:
@@ -224,24 +277,16 @@ def build_from_config(cls: Any, source: Any, *, model: torch.nn.Module, optimize
                   tags={"model": type(model).__name__, **topology.tags()},
                   metrics=tuple(m.name for m, _ in metrics))
     modules = {mc.name: mc.modules for mc in config.metrics if mc.modules}
-    try:
-        with speed.constructing() if speed is not None else contextlib.nullcontext():  # ZeRO 3: shapes
-            tracker = cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
-                          check_plan=config.distributed.check_plan,
-                          verify_replicas=config.distributed.verify_replicas, placements=config.placements,
-                          timeout_s=config.distributed.collective_timeout_s, modules=modules,
-                          key_rules={sink.name: sink.key_rules for sink in built},
-                          log_rank=config.distributed.log_rank, read_results=config.run.read_results,
-                          optional_metrics=frozenset(mc.name for mc in config.metrics if mc.optional), **kwargs)
-    except BaseException:
-        for handle in found.handles if megatron is not None else ():
-            handle.remove()
-        raise
-    if megatron is not None:
-        tracker._hooks.extend(found.handles)  # removed by close() with the optimizer hooks
-    if speed is not None:
-        tracker._hooks.extend(speed.attach(tracker))  # ZeRO 3: its partitions copied before due update steps
-    return tracker
+    with contextlib.ExitStack() as stack:
+        for p in prepared:
+            stack.enter_context(p.constructing())  # ZeRO 3: the parameters gathered, for their shapes
+        return cls(model, metrics=metrics, optimizer=optimizer, topology=topology, hub=hub, run=run,
+                   check_plan=config.distributed.check_plan,
+                   verify_replicas=config.distributed.verify_replicas, placements=config.placements,
+                   timeout_s=config.distributed.collective_timeout_s, modules=modules,
+                   key_rules={sink.name: sink.key_rules for sink in built},
+                   log_rank=config.distributed.log_rank, read_results=config.run.read_results,
+                   optional_metrics=frozenset(mc.name for mc in config.metrics if mc.optional), **kwargs)
 
 
 def check_against_model(tm: TensorMetrics, key_rules: Mapping[str, KeyRules]) -> None:
@@ -450,20 +495,3 @@ def _nothing_chosen(metric: TensorMetric, sites: Sequence[Site], manifest: Manif
             f"{matched[0].describe()}" + (f"; it supports: {supported}" if supported else "") +
             "; change the placements or select, or drop the metric")
 
-
-def _megatron() -> Any:
-    """The Megatron-Core integration module when Megatron is imported and its parallel state
-    initialized, else None (imported lazily: integrations sit above this module)."""
-    from tmetrics_core.integrations import megatron
-
-    return megatron if megatron.active() else None
-
-
-def _deepspeed(model: Any, optimizer: Any) -> Any:
-    """The DeepSpeed run behind ``model`` (its ``DeepSpeedEngine``) or ``optimizer`` (ZeRO's) when
-    DeepSpeed is imported, else None (imported lazily: integrations sit above this module)."""
-    if "deepspeed" not in sys.modules:
-        return None
-    from tmetrics_core.integrations import deepspeed
-
-    return deepspeed.found(model, optimizer)

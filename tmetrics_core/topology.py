@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 
+from tmetrics_core.distributed import world
 from tmetrics_core.errors import ConfigError
 
 __all__ = ["Axis", "Topology", "POPULATION_EXCLUDED_AXES"]
@@ -91,9 +91,9 @@ class Topology:
             group = mesh.get_group(name)
             size = mesh.size(mesh_dim=names.index(name))
             axes.append(Axis(name, size, mesh.get_local_rank(name), group if size > 1 else None,
-                             tuple(dist.get_process_group_ranks(group))))
-        return cls(axes, global_rank=dist.get_rank(), world_size=dist.get_world_size(),
-                   population_axes=population_axes, mesh_ranks=mesh.mesh.clone(), new_groups=_new_subgroups)
+                             world.group_ranks(group)))
+        return cls(axes, global_rank=world.rank(), world_size=world.world_size(),
+                   population_axes=population_axes, mesh_ranks=mesh.mesh.clone(), new_groups=world.new_subgroups)
 
     @classmethod
     def from_groups(cls, groups: Mapping[str, Any], *,
@@ -103,16 +103,14 @@ class Topology:
         Axes left out are treated as replicated: nothing is reduced over them.
         """
         axes = []
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = world.rank()
         for name, group in groups.items():
             if group is None:
                 axes.append(Axis(name, 1, 0, None, (rank,)))
                 continue
-            size = dist.get_world_size(group)
-            axes.append(Axis(name, size, dist.get_rank(group), group if size > 1 else None,
-                             tuple(dist.get_process_group_ranks(group))))
-        return cls(axes, global_rank=rank, world_size=world, population_axes=population_axes)
+            size = world.world_size(group)
+            axes.append(Axis(name, size, world.rank(group), group if size > 1 else None, world.group_ranks(group)))
+        return cls(axes, global_rank=rank, world_size=world.world_size(), population_axes=population_axes)
 
     @classmethod
     def from_meshes(cls, meshes: Iterable[Any], *, population_axes: Iterable[str] | None = None) -> "Topology":
@@ -133,7 +131,7 @@ class Topology:
                                   "mesh_dim_names=(...)) so each dim becomes a named axis")
             for name in mesh.mesh_dim_names:
                 group = mesh.get_group(name)
-                members = dist.get_process_group_ranks(group)
+                members = list(world.group_ranks(group))
                 if name in ranks and ranks[name] != members:
                     raise ConfigError(f"mesh dim {name!r} holds ranks {ranks[name]} in one DeviceMesh and {members} "
                                       "in another; give the axes explicitly with axes={name: process_group}")
@@ -204,9 +202,3 @@ class Topology:
         inner = ", ".join(str(a) for a in self.axes.values()) or "single process"
         return f"Topology({inner}; rank {self.global_rank} of {self.world_size})"
 
-
-def _new_subgroups(lists: list[list[int]]) -> Any:
-    """This rank's group among ``lists`` (every rank calls this with the same lists)."""
-    # torch leaves new_subgroups_by_enumeration unannotated (torch 2.13).
-    group, _ = dist.new_subgroups_by_enumeration(lists)  # type: ignore[no-untyped-call]
-    return group

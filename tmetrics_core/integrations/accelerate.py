@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from tmetrics_core.integrations.accelerate_adapter import unwrap_accelerated
 from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.backward import AfterBackward
 from tmetrics_core.integrations.deepspeed import DeepSpeedSteps
@@ -43,19 +44,7 @@ from tmetrics_core.records import RunStatus, status_on_exit
 from tmetrics_core.sinks.trackers import known_trackers
 from tmetrics_core.tensor_metrics import TensorMetrics
 
-__all__ = ["Attached", "attach", "unwrap_optimizer"]
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` wrappers (its ``.optimizer``);
-    any other optimizer as it is. tmetrics hooks the torch optimizer's own ``step()``."""
-    try:
-        from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
-    except ImportError:
-        return optimizer
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
+__all__ = ["Attached", "attach"]
 
 
 class Attached:
@@ -126,7 +115,7 @@ def attach(accelerator: Any, model: torch.nn.Module, optimizer: Any, config: Any
         ConfigError: everything :meth:`TensorMetrics.from_config` refuses.
     """
     inner = accelerator.unwrap_model(model)
-    torch_optimizer = unwrap_optimizer(optimizer)
+    torch_optimizer = unwrap_accelerated(optimizer)
     metrics = TensorMetrics.from_config(config, model=inner, optimizer=torch_optimizer, mesh=mesh,
                                         axes=default_axes(mesh, axes), sinks=sinks, run_dir=run_dir,
                                         trackers=known_trackers(getattr(accelerator, "trackers", ())))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
+from tmetrics_core.distributed import world
 
 __all__ = ["default_axes"]
 
@@ -14,6 +14,6 @@ def default_axes(mesh: Any, axes: Any) -> Any:
     several ranks (the framework started DDP), ``{"dp": WORLD}``: every rank holds a replica of
     the model, whose gradients are all-reduced before they are read. tmetrics checks that
     claim: parameters and gradients that differ across ranks are a ``PlacementError``."""
-    if mesh is None and axes is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return {"dp": dist.group.WORLD}
+    if mesh is None and axes is None and world.world_size() > 1:
+        return {"dp": world.world_group()}
     return axes

@@ -47,18 +47,19 @@ import contextlib
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Mapping
 
 import torch
-import torch.distributed as dist
 
+from tmetrics_core.distributed import world
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.integrations.adapter import Prepared
 from tmetrics_core.integrations.deepspeed_partitions import Zero3Updates, partitions
 from tmetrics_core.integrations.megatron_shards import OwnedRanges
 from tmetrics_core.integrations.step_hooks import StepHooks
 from tmetrics_core.topology import Topology
 
-__all__ = ["DeepSpeedSetup", "DeepSpeedSteps", "Found", "found", "refuse", "setup", "topology"]
+__all__ = ["DeepSpeed", "DeepSpeedSetup", "DeepSpeedSteps", "Found", "found", "refuse", "setup", "topology"]
 
 log = logging.getLogger("tmetrics")
 
@@ -94,14 +95,6 @@ class Found:
     optimizer: Any
     engine: Any
     stage: int
-
-    def topology(self) -> Topology:
-        """See :func:`topology`."""
-        return topology(self)
-
-    def setup(self, axes: Topology) -> DeepSpeedSetup:
-        """See :func:`setup`."""
-        return setup(self, axes)
 
 
 def found(model: Any, optimizer: Any = None) -> Found | None:
@@ -143,7 +136,7 @@ def topology(run: Found) -> Topology:
         group = run.engine.seq_data_parallel_group
     else:
         group = run.optimizer.dp_process_group
-    return Topology.from_groups({"dp": group if group is not None else dist.group.WORLD}, population_axes=("dp",))
+    return Topology.from_groups({"dp": group if group is not None else world.world_group()}, population_axes=("dp",))
 
 
 def refuse(run: Found) -> None:
@@ -285,7 +278,7 @@ def setup(run: Found, topology: Topology) -> DeepSpeedSetup:
     if stage == 0:
         return DeepSpeedSetup(model=model, optimizer=optimizer, stage=0)
     group = optimizer.dp_process_group
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
+    ranks = world.group_ranks(group)
     dp = topology.axes.get("dp")
     if dp is None or sorted(dp.ranks) != sorted(ranks):
         raise ConfigError(f"DeepSpeed's ZeRO partitions over ranks {sorted(ranks)}, but the topology's dp axis is "
@@ -301,3 +294,30 @@ def setup(run: Found, topology: Topology) -> DeepSpeedSetup:
             return gathered(params, modifier_rank=None)  # type: ignore[no-any-return]
     return DeepSpeedSetup(model=model, optimizer=steps, stage=stage, flat_buffers=flat, constructing=constructing,
                           updates=updates)
+
+
+class DeepSpeed:
+    """The :class:`~tmetrics_core.integrations.adapter.FrameworkAdapter` of DeepSpeed: detected
+    from a ``DeepSpeedEngine`` or ZeRO's optimizer (:func:`found`); the topology from ZeRO's
+    data-parallel group unless ``mesh=`` or ``axes=`` is given; the rest from :func:`setup`."""
+
+    name = "deepspeed"
+    layouts: tuple[str, ...] = ()
+
+    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        return model, optimizer
+
+    def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
+        return "deepspeed" in sys.modules and found(model, optimizer) is not None
+
+    def topology(self, model: Any, optimizer: Any, mesh: Any, axes: Mapping[str, Any] | None, *,
+                 timeout_s: float) -> Topology | None:
+        run = found(model, optimizer)
+        return topology(run) if run is not None and mesh is None and axes is None else None
+
+    def prepare(self, model: Any, optimizer: Any, topology: Topology) -> Prepared:
+        run = found(model, optimizer)
+        assert run is not None  # detect() found it
+        speed = setup(run, topology)
+        return Prepared(model=speed.model, optimizer=speed.optimizer, flat_buffers=speed.flat_buffers,
+                        constructing=speed.constructing, attach=speed.attach)

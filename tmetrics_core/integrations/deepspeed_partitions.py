@@ -36,8 +36,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
+from tmetrics_core.distributed import world
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.integrations.megatron_shards import OwnedRanges
 
@@ -65,7 +65,7 @@ def partitions(optimizer: Any, stage: int, dp_ranks: tuple[int, ...]
 
 
 def _check_group(group: Any, dp_ranks: tuple[int, ...], what: str) -> None:
-    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else (dist.get_rank(),)
+    ranks = world.group_ranks(group)
     if sorted(ranks) != sorted(dp_ranks):
         raise ConfigError(f"DeepSpeed partitions {what} over ranks {sorted(ranks)}, not its data-parallel group "
                           f"{sorted(dp_ranks)}: ZeRO++ hierarchical partitions (zero_hpz_partition_size) and "
@@ -149,7 +149,7 @@ def _stage3(optimizer: Any, dp_ranks: tuple[int, ...]) -> tuple[list[OwnedRanges
         shape = list(p.ds_shape)  # type: ignore[attr-defined]
         _check_group(p.ds_process_group, dp_ranks, f"a parameter of shape {shape}")  # type: ignore[attr-defined]
         size = int(p.ds_tensor.ds_numel)  # type: ignore[attr-defined]
-        rank = dist.get_rank(p.ds_process_group)  # type: ignore[attr-defined]
+        rank = world.rank(p.ds_process_group)  # type: ignore[attr-defined]
         numel = int(p.ds_numel)  # type: ignore[attr-defined]
         ranges[id(p)] = (min(size * rank, numel), min(size * (rank + 1), numel))
 

@@ -45,7 +45,6 @@ from transformers import TrainerCallback
 
 from tmetrics_core.config.schema import Config, load_config, override_sinks
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.integrations.accelerate import unwrap_optimizer
 from tmetrics_core.integrations.axes import default_axes
 from tmetrics_core.integrations.backward import AfterBackward
 from tmetrics_core.integrations.deepspeed import DeepSpeedSteps
@@ -95,8 +94,8 @@ class TMetricsCallback(TrainerCallback):
         config = self.config
         if self.report_to is not False:  # the sinks override first, so it cannot drop the Trainer's trackers
             config = _join_trainer_runs(config, options.pop("sinks"), args.report_to, strict=bool(self.report_to))
-        metrics = TensorMetrics.from_config(config, model=model, optimizer=unwrap_optimizer(optimizer),
-                                            **options)
+        # The Trainer's AcceleratedOptimizer is unwrapped by the accelerate adapter.
+        metrics = TensorMetrics.from_config(config, model=model, optimizer=optimizer, **options)
         scope = OpenScope(metrics)
         gradient_state = getattr(optimizer, "gradient_state", None)
 

@@ -25,7 +25,8 @@ Under ``strategy="ddp"`` the topology is ``{"dp": WORLD}`` unless ``mesh=`` or `
 otherwise. One optimizer per run. One run by default: the records also go into the runs of the
 Trainer's loggers (TensorBoard, MLflow, W&B), under ``tmetrics/`` (see
 :mod:`tmetrics_core.sinks.trackers`). A LightningModule that keeps its network in one attribute is
-measured as that network (:func:`measured_model`), so its tensors get canonical names.
+measured as that network (:func:`~tmetrics_core.integrations.lightning_adapter.measured_model`), so its
+tensors get canonical names.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from tmetrics_core.integrations.scope import OpenScope
 from tmetrics_core.sinks.trackers import known_trackers
 from tmetrics_core.tensor_metrics import TensorMetrics
 
-__all__ = ["TMetricsCallback", "measured_model"]
+__all__ = ["TMetricsCallback"]
 
 
 class _PreHooksAfterClosure:
@@ -71,16 +72,6 @@ class _PreHooksAfterClosure:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
-
-
-def measured_model(pl_module: torch.nn.Module) -> torch.nn.Module:
-    """The module tmetrics names: the LightningModule's one child when that child holds every
-    parameter (``self.net = LlamaForCausalLM(...)``), so tensors get the model's own canonical
-    names (``layers.0.attn.q.weight``, not a path under ``net.``); else the LightningModule."""
-    if any(True for _ in pl_module.parameters(recurse=False)):
-        return pl_module
-    holders = [child for child in pl_module.children() if any(True for _ in child.parameters())]
-    return holders[0] if len(holders) == 1 else pl_module
 
 
 class TMetricsCallback(Callback):
@@ -116,7 +107,7 @@ class TMetricsCallback(Callback):
         view = _PreHooksAfterClosure(optimizers[0])
         options = dict(self._options)
         options["axes"] = default_axes(options["mesh"], options["axes"])
-        metrics = TensorMetrics.from_config(self.config, model=measured_model(pl_module),
+        metrics = TensorMetrics.from_config(self.config, model=pl_module,
                                             optimizer=cast(torch.optim.Optimizer, view),
                                             trackers=known_trackers(trainer.loggers), **options)
         self.metrics, self._view, self._scope = metrics, view, OpenScope(metrics)

@@ -53,27 +53,28 @@ fp16 with loss scaling is refused (``main_grad`` is still scaled when the step b
 
 **Router**: each ``TopKRouter`` reports its logits ``[tokens, E]`` (from ``gating()``) and the
 global expert ids it chose ``[tokens, k]`` (from its ``routing_map``) through
-:func:`tmetrics_core.observe`, which costs one context-variable read on steps where no router
-metric is due.
+:func:`tmetrics_core.observe` (:mod:`tmetrics_core.integrations.megatron_routers`), which costs
+one context-variable read on steps where no router metric is due.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
+from tmetrics_core.distributed import world
+from tmetrics_core.distributed.grid_check import check_grid
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.integrations.megatron_shards import OwnedRanges, is_distributed_optimizer, owned_ranges
+from tmetrics_core.integrations.adapter import Prepared
+from tmetrics_core.integrations.megatron_routers import observe_routers
+from tmetrics_core.integrations.megatron_shards import is_distributed_optimizer, owned_ranges
 from tmetrics_core.integrations.step_hooks import StepHooks
-from tmetrics_core.observe import fail_unless, observe, watched
 from tmetrics_core.placements import Owned, Placement, Shard
 from tmetrics_core.topology import Topology
 
-__all__ = ["MegatronSetup", "MegatronSteps", "active", "placements", "setup", "topology"]
+__all__ = ["Megatron", "MegatronSteps", "active", "placements", "setup", "topology"]
 
 
 AXES = ("pp", "dp", "ep", "cp", "tp")
@@ -105,12 +106,14 @@ def chunks(model: Any) -> list[torch.nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def topology(model: Any = None) -> Topology:
+def topology(model: Any = None, *, timeout_s: float = 60.0) -> Topology:
     """The axes of Megatron's initialized parallel state (see the module docstring).
 
     Raises:
         ConfigError: the expert-tensor-parallel size differs from ``tp``, or the groups do not
-            tile the world as a grid of the axes (say which; pass ``axes=`` yourself then).
+            tile the world as a grid of the axes (say which; pass ``axes=`` yourself then),
+            checked in a fixed number of bounded collectives
+            (:func:`~tmetrics_core.distributed.grid_check.check_grid`).
     """
     ps = _state()
     tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
@@ -125,44 +128,15 @@ def topology(model: Any = None) -> Topology:
         "cp": ps.get_context_parallel_group(),
         "tp": ps.get_tensor_model_parallel_group(),
     }
-    if ep > 1 and tp > 1:
-        groups["etp"] = ps.get_expert_tensor_parallel_group()
-    members = {a: tuple(dist.get_process_group_ranks(g)) if g is not None else (dist.get_rank(),)
-               for a, g in groups.items()}
-    if "etp" in members and members.pop("etp") != members["tp"]:
+    expert_tp = ps.get_expert_tensor_parallel_group() if ep > 1 and tp > 1 else groups["tp"]
+    if world.group_ranks(expert_tp) != world.group_ranks(groups["tp"]):
         raise ConfigError("Megatron's expert-tensor-parallel group is not its tensor-parallel group; pass axes={...}")
-    _check_grid(members)
+    check_grid(groups, framework="Megatron", timeout_s=timeout_s)
     sequence_parallel = any(getattr(getattr(unwrap(m), "config", None), "sequence_parallel", False)
                             for m in chunks(model) if m is not None)
     population = ("dp", "ep", "cp") + (("tp",) if sequence_parallel else ())
-    return Topology.from_groups({a: groups[a] if len(members[a]) > 1 else None for a in AXES},
+    return Topology.from_groups({a: groups[a] if len(world.group_ranks(groups[a])) > 1 else None for a in AXES},
                                 population_axes=population)
-
-
-def _check_grid(members: Mapping[str, tuple[int, ...]]) -> None:
-    """Raise ``ConfigError`` unless the axis groups tile the world as a grid: their sizes
-    multiply to the world size and each group is the ranks differing only along its axis."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    size = 1
-    for ranks in members.values():
-        size *= len(ranks)
-    if size != world:
-        raise ConfigError(
-            f"Megatron's groups {dict((a, len(r)) for a, r in members.items())} multiply to {size} ranks, not the "
-            f"world size {world} (expert parallelism across context parallelism?); pass axes={{...}} yourself")
-    if world == 1:
-        return
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, {a: (r.index(dist.get_rank()), r) for a, r in members.items()})
-    coords = {rank: tuple(everyone[rank][a][0] for a in AXES) for rank in range(world)}
-    for rank in range(world):
-        for k, axis in enumerate(AXES):
-            same = tuple(sorted(s for s in range(world)
-                                if all(coords[s][j] == coords[rank][j] for j in range(len(AXES)) if j != k)))
-            if tuple(sorted(everyone[rank][axis][1])) != same:
-                raise ConfigError(f"Megatron's {axis} group of rank {rank} is {sorted(everyone[rank][axis][1])}, but "
-                                  f"the ranks differing from it only along {axis} are {list(same)}: its groups are "
-                                  "not a grid of pp, dp, ep, cp, tp; pass axes={...} yourself")
 
 
 def offsets(model: torch.nn.Module) -> tuple[int, int]:
@@ -321,7 +295,6 @@ class MegatronSteps(StepHooks):
         return dict(self.inner[0][0].defaults) if self.inner else {}
 
 
-
 def is_megatron_optimizer(optimizer: Any) -> bool:
     """Whether ``optimizer`` is one of Megatron's (``megatron.core.optimizer``) classes."""
     return any(c.__module__.startswith("megatron.core.optimizer") for c in type(optimizer).__mro__)
@@ -359,81 +332,19 @@ def _main_copies(optimizer: Any) -> dict[int, torch.Tensor]:
     return out
 
 
-def observe_routers(model: torch.nn.Module) -> list[Any]:
-    """Report every ``TopKRouter``'s logits and top-k choice (see the module docstring);
-    returns the handles that undo it."""
-    from megatron.core.transformer.moe.router import TopKRouter  # type: ignore[import-untyped]
-
-    handles: list[Any] = []
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-            handles.append(_GatingWrapper(module))
-            handles.append(module.register_forward_hook(_report_topk))
-    return handles
-
-
-class _GatingWrapper:
-    """``router.gating`` replaced by a call that also observes its logits; ``remove()`` undoes it."""
-
-    def __init__(self, router: Any) -> None:
-        self.router = router
-        original = router.gating
-
-        def gating(*args: Any, **kwargs: Any) -> torch.Tensor:
-            logits = original(*args, **kwargs)
-            if watched("router_logits"):
-                observe(router, "router_logits", logits.reshape(-1, logits.shape[-1]), kind="router_logits")
-            return logits
-
-        router.gating = gating
-
-    def remove(self) -> None:
-        self.router.__dict__.pop("gating", None)
-
-
-def _report_topk(router: Any, args: Any, out: Any) -> None:
-    """Observes a router's top-k choice from its routing map ``[tokens, experts]``: the ids of
-    the experts each token was sent to, read on the device (``topk`` of the map, no host
-    read). Whether every token went to exactly ``k`` experts (none dropped over a capacity) is
-    decided at the step's end (``fail_unless``): the metrics reading the choice fail then."""
-    if not watched("router_topk"):
-        return
-    routing_map = out[1]
-    k = int(router.topk)
-    chosen = routing_map.reshape(-1, routing_map.shape[-1])
-    fail_unless((chosen.sum(dim=1) == k).all(),
-                f"a Megatron router dispatched other than top-{k} experts to some tokens (token dropping over an "
-                "expert's capacity): its top-k choice would not be what it chose; observe router_topk with "
-                "tm.observe(...) before the capacity is applied", frozenset({"router_topk"}))
-    ids = chosen.to(torch.int8).topk(k, dim=1).indices
-    observe(router, "router_topk", ids, kind="router_topk")
-
-
-@dataclass
-class MegatronSetup:
-    """What :func:`setup` hands to ``TensorMetrics``."""
-
-    model: torch.nn.Module
-    optimizer: Any
-    placements: dict[str, dict[str, Placement]]
-    layer_offset: int
-    expert_offset: int
-    handles: list[Any] = field(default_factory=list)
-    flat_buffers: list[OwnedRanges] = field(default_factory=list)
-
-
-def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
+def setup(model: Any, optimizer: Any, topology: Topology) -> Prepared:
     """The model inside Megatron's wrappers, the optimizer (a Megatron one adapted by
     :class:`MegatronSteps`), placements from parameter attributes (the config's
     ``placements:`` win over them), the global offsets and the router observation handles.
 
     Raises:
-        ConfigError: those of :func:`joined` (virtual pipeline chunks), :func:`offsets`, :func:`placements`, :class:`MegatronSteps`,
+        ConfigError: those of :func:`joined` (virtual pipeline chunks), :func:`offsets`,
+            :func:`placements`, :class:`MegatronSteps`,
             :func:`~tmetrics_core.integrations.megatron_shards.owned_ranges`.
     """
     parts = [unwrap(m) for m in chunks(model)]
     inner = parts[0] if len(parts) == 1 else joined(parts)
-    layer_offset, expert_offset = offsets(inner)
+    offset = offsets(inner)
     found = placements(inner, topology)
     # Last, after every check: the adapter wraps the optimizer's step (a pass-through once
     # TensorMetrics removes its hooks) and the routers report until the handles are removed.
@@ -441,6 +352,27 @@ def setup(model: Any, optimizer: Any, topology: Topology) -> MegatronSetup:
     shards = [s for leaf in (_leaves(optimizer) if megatron_optimizer else ()) if is_distributed_optimizer(leaf)
               for s in owned_ranges(leaf, topology)]
     steps = MegatronSteps(optimizer) if megatron_optimizer else optimizer
-    return MegatronSetup(model=inner, optimizer=steps, placements=found, layer_offset=layer_offset,
-                         expert_offset=expert_offset, handles=[*observe_routers(inner), *([steps] if megatron_optimizer else [])],
-                         flat_buffers=shards)
+    return Prepared(model=inner, optimizer=steps, placements=found, offsets=offset, flat_buffers=shards,
+                    handles=[*observe_routers(inner), *([steps] if megatron_optimizer else [])])
+
+
+class Megatron:
+    """The :class:`~tmetrics_core.integrations.adapter.FrameworkAdapter` of Megatron-Core: detected
+    when its parallel state is initialized; the topology from it unless ``mesh=`` or ``axes=``
+    is given; the rest from :func:`setup`."""
+
+    name = "megatron"
+    layouts: tuple[str, ...] = ("megatron",)
+
+    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        return model, optimizer
+
+    def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
+        return active()
+
+    def topology(self, model: Any, optimizer: Any, mesh: Any, axes: Mapping[str, Any] | None, *,
+                 timeout_s: float) -> Topology | None:
+        return topology(model, timeout_s=timeout_s) if mesh is None and axes is None else None
+
+    def prepare(self, model: Any, optimizer: Any, topology: Topology) -> Prepared:
+        return setup(model, optimizer, topology)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
+from tmetrics_core.distributed import world
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.naming.manifest import Manifest
 from tmetrics_core.site import Site
@@ -146,10 +146,10 @@ def owned_ranges(optimizer: Any, topology: Topology) -> list[OwnedRanges]:
                           "updated range, so parameter and update metrics would mix old and new weights. Set "
                           "overlap_param_gather=False, or measure only gradient metrics with optimizer= left out")
     group = optimizer.data_parallel_group
-    size = dist.get_world_size(group) if group is not None else 1
+    size = world.world_size(group) if group is not None else 1
     if size == 1:
         return []
-    ranks = tuple(dist.get_process_group_ranks(group))
+    ranks = world.group_ranks(group)
     dp = topology.axes.get("dp")
     if dp is None or tuple(sorted(dp.ranks)) != tuple(sorted(ranks)):
         raise ConfigError(f"Megatron's distributed optimizer shards over ranks {sorted(ranks)}, but the topology's dp "

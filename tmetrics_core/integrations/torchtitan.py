@@ -17,14 +17,15 @@ torchtitan is imported lazily: importing this module does not import it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.integrations.adapter import Prepared
 from tmetrics_core.topology import Topology
 
-__all__ = ["is_parallel_dims", "parallel_dims_topology", "parameter_topology"]
+__all__ = ["Torchtitan", "is_parallel_dims", "parallel_dims_topology", "parameter_topology"]
 
 _AXES = ("pp", "dp_replicate", "fsdp", "dp_shard", "cp", "tp", "efsdp", "ep")
 """torchtitan's one-dimensional mesh names that parameters and tokens are placed on, outer to
@@ -85,3 +86,38 @@ def parameter_topology(model: torch.nn.Module) -> Topology | None:
     names = [n for m in meshes.values() for n in (m.mesh_dim_names or ())]
     return Topology.from_meshes(meshes.values(), population_axes=[n for n in dict.fromkeys(names)
                                                                   if n in _DATA_AXES | {"dp"}])
+
+
+class Torchtitan:
+    """The :class:`~tmetrics_core.integrations.adapter.FrameworkAdapter` of torchtitan and of
+    models whose every parameter is a DTensor (FSDP2, tensor parallelism): detected from
+    ``mesh=ParallelDims`` or such a model; the topology from the ``ParallelDims``, or, when
+    neither ``mesh=`` nor ``axes=`` is given and the parameters' meshes span several ranks,
+    from those meshes (:func:`parameter_topology`). Placements come from the DTensors
+    themselves (:mod:`tmetrics_core.naming.dtensor`); model and optimizer are read as given."""
+
+    name = "torchtitan"
+    layouts: tuple[str, ...] = ("torchtitan",)
+
+    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        return model, optimizer
+
+    def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
+        if is_parallel_dims(mesh):
+            return True
+        from torch.distributed.tensor import DTensor
+
+        params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+        return bool(params) and all(isinstance(p, DTensor) for p in params)
+
+    def topology(self, model: Any, optimizer: Any, mesh: Any, axes: Mapping[str, Any] | None, *,
+                 timeout_s: float) -> Topology | None:
+        if is_parallel_dims(mesh):
+            return parallel_dims_topology(mesh)
+        if mesh is not None or axes is not None:
+            return None
+        found = parameter_topology(model)
+        return found if found is not None and found.world_size > 1 else None
+
+    def prepare(self, model: Any, optimizer: Any, topology: Topology) -> Prepared:
+        return Prepared(model=model, optimizer=optimizer)
