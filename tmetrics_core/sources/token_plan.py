@@ -69,7 +69,7 @@ class TokenPlan:
         for key in new:
             (_, site), _ = min(found[key].items(), key=lambda item: item[1])
             self.sites[key] = self._merge(site, shared.held[key])
-        split_by_sequence(self.sites, new, observer.first_sumsq, executor, self.topology)
+        split_by_sequence(self.sites, new, observer.first_sumsq, executor, self.topology, observer.reporter)
         return True
 
     def _accepted_keys(self, metric: TensorMetric) -> tuple[SiteKey, ...]:

@@ -35,6 +35,7 @@ from tmetrics_core.distributed.executor import DeviceCheck
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.placements import Placement, Shard
+from tmetrics_core.reporter import Reporter
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale
 from tmetrics_core.sources.modules import ModuleIndex
@@ -146,8 +147,9 @@ class TokenObserver:
     def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
                  *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None,
                  known: TokenSites | None = None, owner: int | None = None,
-                 cotangent_scale: CotangentScale | None = None) -> None:
+                 cotangent_scale: CotangentScale | None = None, reporter: Reporter) -> None:
         self.metrics = list(metrics)
+        self.reporter = reporter
         self.owner = owner
         """Owner number of the ``TensorMetrics`` whose hooks feed this observer (``tmetrics_core.observe.record``)."""
         self.known = known if known is not None else TokenSites()
@@ -460,7 +462,7 @@ class TokenObserver:
         known = self.known
         if kind not in known.configured and kind not in OBSERVED_KINDS and kind not in known.unread:
             known.unread.add(kind)
-            if self.topology.global_rank == 0:
+            if self.reporter.speaks:
                 log.warning("tmetrics: tm.observe(..., kind=%r) at %s: no metric reads this kind, so it is "
                             "dropped; observations feed %s. Check the kind's spelling", kind,
                             self.index.path(module), sorted(known.configured | OBSERVED_KINDS))
