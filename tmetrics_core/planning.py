@@ -15,7 +15,7 @@ from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.distributed.manifest_exchange import share_holdings
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.naming.signature import parameter_signature
 from tmetrics_core.records import RunInfo
 from tmetrics_core.reporter import Reporter

@@ -17,7 +17,7 @@ from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.catalogue import catalogue_entries
-from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.naming.stacks import describe_lists
 from tmetrics_core.records import Labels
@@ -40,7 +40,7 @@ class StartupInputs:
 
     Attributes:
         model: the (possibly wrapped, sharded) model.
-        manifest: its placed tensors (:class:`~tmetrics_core.naming.manifest.Manifest`).
+        manifest: its placed tensors (:class:`~tmetrics_core.manifest.table.Manifest`).
         index: its modules, blocks and head (:class:`~tmetrics_core.sources.modules.ModuleIndex`).
         routers: the MoE routers found in it (each with ``num_experts``).
         num_experts: the global number of experts (0 for a dense model).

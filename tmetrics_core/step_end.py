@@ -15,7 +15,7 @@ import torch
 
 from tmetrics_core.distributed.executor import Executor, MetricFailure, Pending
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.naming.signature import parameter_signature
 from tmetrics_core.records import MetricRecord
 from tmetrics_core.reporter import Reporter

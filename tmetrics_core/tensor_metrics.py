@@ -93,7 +93,7 @@ class TensorMetrics(OptimizerSteps, StepEnd, Shutdown, Planning):
         framework_placements: placements a framework integration knows, keyed by the original
             parameter name (as ``model.named_parameters()`` gives it) -> ``{axis: Placement}``;
             they rank below ``placements`` and above DTensor and inference (see
-            :class:`~tmetrics_core.naming.manifest.Manifest`).
+            :class:`~tmetrics_core.manifest.table.Manifest`).
         layer_offset, expert_offset: first global layer / expert index held by this rank when
             the model's own names are local (pipeline stage, expert-parallel rank).
         timeout_s: bound on every collective, seconds.

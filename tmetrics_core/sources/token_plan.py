@@ -22,7 +22,7 @@ from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.distributed.manifest_exchange import share_holdings
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.block_state import BlockState
-from tmetrics_core.naming.holdings import Holdings
+from tmetrics_core.manifest.holdings import Holdings
 from tmetrics_core.placements import Owned, Placement
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.sequence_split import split_by_sequence
