@@ -19,7 +19,7 @@ from tmetrics_core.manifest.entry import TensorEntry
 from tmetrics_core.manifest.hand_split import global_shape
 from tmetrics_core.manifest.holdings import Holdings, Row
 from tmetrics_core.manifest.slices import SliceView, place_slice
-from tmetrics_core.naming.canonical import CanonicalName
+from tmetrics_core.naming.name import CanonicalName
 from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.placements import Owned, Placement, Replica, parse_placement
 from tmetrics_core.topology import Topology

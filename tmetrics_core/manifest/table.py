@@ -48,7 +48,9 @@ from tmetrics_core.manifest.hand_split import shard_tag
 from tmetrics_core.manifest.holdings import Holdings, Row
 from tmetrics_core.manifest.placing import covered_axes, merge, slice_of
 from tmetrics_core.manifest.slices import SliceView
-from tmetrics_core.naming.canonical import CanonicalName, canonicalize, qkv_views
+from tmetrics_core.naming.canonical import canonicalize
+from tmetrics_core.naming.name import CanonicalName
+from tmetrics_core.naming.pieces import qkv_views
 from tmetrics_core.naming.layouts.torchtitan import fused_qkv_geometry
 from tmetrics_core.placements import Placement
 from tmetrics_core.site import Site
