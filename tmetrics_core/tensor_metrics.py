@@ -16,10 +16,12 @@ A metric is due at step ``n`` when ``n % interval == 0``, and at the first step 
 every metric and its plan are checked at once). On steps where nothing is due, ``step()``
 installs nothing and the optimizer hooks return at once. Parameters and gradients are read in
 the optimizer's step pre-hook (before the update, gradients before ``zero_grad``; call
-:meth:`observe_gradients` to read them earlier, e.g. before clipping), or, for
-``optimizer.step(closure)``, when the closure has run; Adam state and updates
-in its post-hook; activations while the forward runs. At the step's end the executor reduces
-every due metric in one pass and the records go to the sinks (logging rank only).
+:meth:`observe_gradients` to read them earlier), or, for ``optimizer.step(closure)``, when the
+closure has run; Adam state and updates in its post-hook (:mod:`~tmetrics_core.optimizer_steps`);
+activations while the forward runs (:mod:`~tmetrics_core.observation_hooks`). At the step's end
+(:mod:`~tmetrics_core.step_end`) the executor reduces every due metric in one pass and the
+records go to the sinks (logging rank only). Plans: :mod:`~tmetrics_core.planning`; start-up
+checks: :mod:`~tmetrics_core.startup_checks`; closing: :mod:`~tmetrics_core.shutdown`.
 """
 
 from __future__ import annotations
@@ -251,7 +253,6 @@ class TensorMetrics(OptimizerSteps, StepEnd, Shutdown, Planning):
         self.run = run
         self._install_signal_handler()
 
-    # -- construction -----------------------------------------------------------------------
     @classmethod
     def from_config(cls, source: Any, *, model: torch.nn.Module, optimizer: Any = None,
                     mesh: Any = None, axes: Mapping[str, Any] | None = None, sinks: str | Sequence[str] | None = None,
@@ -280,7 +281,6 @@ class TensorMetrics(OptimizerSteps, StepEnd, Shutdown, Planning):
         return build_from_config(cls, source, model=model, optimizer=optimizer, mesh=mesh, axes=axes,
                                  sinks=sinks, run_dir=run_dir, **kwargs)
 
-    # -- the step scope -----------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator["TensorMetrics"]:
         """Scope of training step ``step`` (an int, increasing). Metric errors are reported and
