@@ -244,7 +244,7 @@ class RunInfo:
 
     ``dir`` is the run directory (a sink's default files go beneath it); ``config`` the
     validated config as plain data; ``manifest`` the list of per-tensor manifest entries (plain
-    dicts, see ``tmetrics_core.naming.manifest``); ``tags`` short facts about the run (topology such as
+    dicts, see ``tmetrics_core.manifest.table``); ``tags`` short facts about the run (topology such as
     ``{"dp": "2", "tp": "2"}``, model class, world size); ``num_layers`` and ``num_experts`` size
     the zero-padded key indices; ``metrics`` the catalogue names that will be logged.
     """

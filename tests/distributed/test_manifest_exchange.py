@@ -9,7 +9,7 @@ from bench.scaling import world_rank
 from tests.simulation import run_threaded, sim_topology
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.distributed.manifest_exchange import share_holdings
-from tmetrics_core.naming.holdings import Holdings
+from tmetrics_core.manifest.holdings import Holdings
 
 
 def _row(name, shape=(4,), dtype="float32"):

@@ -28,12 +28,12 @@ from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.naming.canonical import (
     COMPONENTS,
     KNOWN_LAYOUTS,
-    CanonicalName,
     canonical_name,
     canonicalize,
     detect_layout,
     strip_wrappers,
 )
+from tmetrics_core.naming.name import CanonicalName
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 transformers.logging.set_verbosity_error()

@@ -15,6 +15,7 @@ from tmetrics_core.metrics.preparation import prepare_states
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.observe import observing
+from tmetrics_core.reporter import Reporter
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.tokens import TokenObserver
 from tmetrics_core.tensor_metrics import TensorMetrics
@@ -47,7 +48,7 @@ def test_families_observed_one_tensor_at_a_time_equal_direct_preparation():
     assert metrics.failures == []
 
     topology = Topology.single_process()
-    capture = _Capture([], topology, ModuleIndex(model), num_experts=4)
+    capture = _Capture([], topology, ModuleIndex(model), num_experts=4, reporter=Reporter(topology))
     with observing(capture):
         model(batch)
     sites = [s for s, _ in capture.seen]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.kernels import moments
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 

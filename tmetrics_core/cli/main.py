@@ -59,7 +59,7 @@ def names_command(hf: str | None, factory: str | None, run_dir: Path | None, as_
         rows = json.loads((run_dir / "manifest.json").read_text())
     else:
         from tmetrics_core.topology import Topology
-        from tmetrics_core.naming.manifest import Manifest
+        from tmetrics_core.manifest.table import Manifest
 
         model = load_model(hf=hf, factory=factory)
         rows = Manifest.build(model, Topology.single_process()).rows()

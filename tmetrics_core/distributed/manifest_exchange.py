@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from tmetrics_core.distributed.executor import Executor
-from tmetrics_core.naming.holdings import Holdings
+from tmetrics_core.manifest.holdings import Holdings
 
 __all__ = ["share_holdings"]
 

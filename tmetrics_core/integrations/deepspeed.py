@@ -244,7 +244,7 @@ class DeepSpeedSetup:
                       f"(overflow; loss scale now {getattr(self.optimizer.wrapped, 'loss_scale', 1.0)}); "
                       "layer-grad-nonfinite counts them. No update, the optimizer state unchanged")
             observer.fail_post(reason)
-            if tracker.logs:
+            if tracker.reporter.speaks:
                 log.log(logging.INFO if self.skip_said else logging.WARNING, "tmetrics: %s%s", reason,
                         "" if self.skip_said else ". Said at WARNING once; later skips at INFO")
             self.skip_said = True

@@ -31,7 +31,7 @@ import torch
 
 from tmetrics_core.distributed import world
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.site import Site
 from tmetrics_core.sources.flat import FlatBuffer, Memory, Reader, _range_of, kept, owned_part
 from tmetrics_core.topology import Topology

@@ -7,7 +7,7 @@ torchtitan builds two meshes over the same ranks: a dense one, ``(pp, dp_replica
 backends), and, with expert parallelism, a sparse one, ``(pp, dp_replicate, efsdp, ep)`` with
 ``efsdp * ep == fsdp * tp``. Every dim of both becomes a tmetrics axis; each parameter is
 reduced over the axes of its own DTensor, and the other mesh's axes, whose ranks lie inside
-its mesh, are ``covered`` for it (:mod:`tmetrics_core.naming.manifest`): no placement, no
+its mesh, are ``covered`` for it (:mod:`tmetrics_core.manifest.table`): no placement, no
 reduction, no Replica claim, so the overlap counts nothing twice. Tokens differ across the
 data-parallel axes only (``dp_replicate``, ``fsdp`` or ``dp_shard`` and ``cp``): those are the
 population axes, so a token on an ``ep`` rank is not counted twice.

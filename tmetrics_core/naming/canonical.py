@@ -38,24 +38,23 @@ never share one. PEFT adapter tensors are named below the module they adapt
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.naming.adapters import split_adapter
 from tmetrics_core.naming.layouts import LAYOUTS, Layout, RuleMatch, component_of
+from tmetrics_core.naming.name import CanonicalName
+from tmetrics_core.naming.pieces import qkv_views, stacked_pieces
 from tmetrics_core.naming.stacks import Stack, find_stacks, locate
 
 __all__ = [
     "COMPONENTS",
     "KNOWN_LAYOUTS",
-    "QKV_PARTS",
-    "CanonicalName",
     "canonical_name",
     "canonicalize",
     "detect_layout",
-    "qkv_views",
     "strip_wrappers",
 ]
 
@@ -78,69 +77,6 @@ _WRAPPERS_ANYWHERE = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoin
                                 "base_layer", "original_module"})
 _WRAPPER_AT_FRONT = "module"
 _PEFT_AT_FRONT = ("base_model", "model")
-
-
-@dataclass(frozen=True, slots=True)
-class CanonicalName:
-    """The canonical name of one stored tensor, or of one logical slice of it.
-
-    - ``name``: the canonical name, e.g. ``"layers.3.attn.q.weight"``.
-    - ``original``: the name ``named_parameters()`` gave, wrappers included.
-    - ``layer``: global layer index (pipeline offset applied), None outside blocks.
-    - ``expert``: global expert index (expert-parallel offset applied), None when the tensor
-      is not one expert's (a stacked tensor of all experts has None).
-    - ``component``: the module path without layer, expert and leaf: ``"attn.q"``,
-      ``"moe.experts.up"``, ``"embed"``; for unknown names their module path.
-    - ``family``: ``name`` with layer and expert indices replaced by ``*``:
-      ``"layers.*.moe.experts.*.up.weight"``; it groups the same tensor across layers.
-    - ``part``: for a slice of a fused tensor, the index of its part in storage order
-      (Hugging Face ``gate_up_proj``: 0 gate, 1 up); None otherwise.
-    - ``transposed``: the weight is stored ``[in, out]`` (GPT-2 ``Conv1D``); ``view``
-      returns the logical ``[out, in]`` orientation.
-    - ``expert_dim``: the dim of the stored tensor that indexes experts (torchtitan and
-      transformers 5.x stack all experts of a layer into one tensor: dim 0), else None.
-    - ``region``: for a slice, ``(dim, start, stop)`` ranges of the stored tensor that hold
-      it, in the coordinates of the tensor passed in (global ones for a DTensor); empty for
-      a whole tensor.
-    - ``groups``: ``(dim, length)`` when the slice is read from the stored tensor with dim
-      ``dim`` unflattened into ``[groups, length]`` first (torchtitan's fused ``wqkv``: one
-      group of rows per key/value head); ``region`` is then in the unflattened coordinates
-      and the slice keeps the group dim. None otherwise.
-    - ``tied``: original names of parameters sharing this tensor, dropped from the list.
-    - ``layout``: the layout that named it, None for unknown names.
-    """
-
-    name: str
-    original: str
-    layer: int | None
-    expert: int | None
-    component: str
-    family: str
-    part: int | None = None
-    transposed: bool = False
-    expert_dim: int | None = None
-    region: tuple[tuple[int, int, int], ...] = ()
-    groups: tuple[int, int] | None = None
-    tied: tuple[str, ...] = ()
-    layout: str | None = None
-
-    def view(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The logical tensor this entry names, as a view of the stored ``tensor`` (no copy).
-
-        Unflattens ``groups``, narrows to ``region``, drops the expert dim of an expert slice, and transposes the last
-        two dims when ``transposed``. ``tensor`` must be the stored tensor this entry was made
-        from (same shape); a 1-D weight is returned as is.
-        """
-        out = tensor
-        if self.groups is not None:
-            out = out.unflatten(self.groups[0], (-1, self.groups[1]))
-        for dim, start, stop in self.region:
-            out = out.narrow(dim, start, stop - start)
-        if self.region and self.expert is not None and self.expert_dim is not None:
-            out = out.squeeze(self.expert_dim)
-        if self.transposed and out.dim() >= 2:
-            out = out.transpose(-2, -1)
-        return out
 
 
 def strip_wrappers(original: str) -> str:
@@ -235,7 +171,7 @@ def canonicalize(
             ``j`` of the stored tensor gets global index ``j + expert_offset`` (keep the offset
             0 for a DTensor, whose shape is already global).
         qkv_groups: original name of a fused ``attn.qkv`` tensor -> ``(heads_per_kv,
-            head_dim)``: name its q, k and v rows separately (`qkv_views`) instead of whole.
+            head_dim)``: name its q, k and v rows separately (`tmetrics_core.naming.pieces.qkv_views`) instead of whole.
 
     Tied parameters (the same tensor object, or the same storage, offset, shape, stride and
     dtype) appear once, under the first name seen; the later names go to ``tied``.
@@ -275,7 +211,7 @@ def canonicalize(
             entry = replace(entry, tied=tuple(tied[index]))
         pieces = [entry]
         if split_stacked and found is not None and found.rule.each and adapter is None:
-            pieces = _slices(entry, found, tuple(tensor.shape), expert_offset)
+            pieces = stacked_pieces(entry, found, tuple(tensor.shape), expert_offset)
         if qkv_groups and original in qkv_groups:
             pieces = qkv_views(entry, tuple(tensor.shape), *qkv_groups[original])
         for piece in pieces:
@@ -399,81 +335,3 @@ def _unknown(original: str, clean: str) -> CanonicalName:
         component=component_of(clean),
         family=clean,
     )
-
-
-def _slices(whole: CanonicalName, found: RuleMatch, shape: Sequence[int], expert_offset: int) -> list[CanonicalName]:
-    """One entry per expert and fused part of a stacked tensor, in storage order."""
-    rule = found.rule
-    needed = max(d for d in (rule.expert_dim, rule.part_dim) if d is not None)
-    if len(shape) <= needed:
-        raise ConfigError(
-            f"{whole.original!r} has shape {list(shape)}; layout {whole.layout!r} needs at least "
-            f"{needed + 1} dims to split it (experts on dim {rule.expert_dim}, fused parts on dim "
-            f"{rule.part_dim}). Pass the stored tensor, or split_stacked=False."
-        )
-    experts: Sequence[int | None] = range(shape[rule.expert_dim]) if rule.expert_dim is not None else (None,)
-    parts: Sequence[tuple[int | None, str]] = tuple(enumerate(rule.parts)) or ((None, ""),)
-    chunk = 0
-    if rule.part_dim is not None:
-        chunk, left = divmod(shape[rule.part_dim], len(rule.parts))
-        if left:
-            raise ConfigError(
-                f"{whole.original!r} has shape {list(shape)}; dim {rule.part_dim} holds the fused parts "
-                f"{list(rule.parts)} and must split into {len(rule.parts)} equal pieces."
-            )
-    layer = whole.layer
-    pieces = []
-    for local in experts:
-        for part, part_name in parts:
-            region: list[tuple[int, int, int]] = []
-            if local is not None and rule.expert_dim is not None:
-                region.append((rule.expert_dim, local, local + 1))
-            if part is not None and rule.part_dim is not None:
-                region.append((rule.part_dim, part * chunk, (part + 1) * chunk))
-            expert = None if local is None else local + expert_offset
-            template = rule.each.replace("{S}", part_name)
-            pieces.append(
-                replace(
-                    whole,
-                    name=template.format(L=layer, E=expert, P=found.leaf),
-                    expert=expert,
-                    component=component_of(template),
-                    family=template.format(L="*", E="*", P=found.leaf),
-                    part=part,
-                    region=tuple(region),
-                )
-            )
-    return pieces
-
-
-QKV_PARTS = ("q", "k", "v")
-"""The views of a fused ``attn.qkv`` tensor, in the order of their rows within a group."""
-
-
-def qkv_views(whole: CanonicalName, shape: Sequence[int], heads_per_kv: int, head_dim: int) -> list[CanonicalName]:
-    """``attn.q``, ``attn.k`` and ``attn.v`` entries for a fused ``attn.qkv`` tensor whose dim-0
-    rows are grouped per key/value head: ``heads_per_kv`` query heads, then one key head, then
-    one value head, ``head_dim`` rows each (torchtitan's ``FusedQKVLinear``). Each view keeps
-    the group dim: q is ``[n_kv_heads, heads_per_kv * head_dim, ...]``, k and v
-    ``[n_kv_heads, head_dim, ...]``, so group ``g`` of each is the rows key/value head ``g``
-    and its query heads use (the stock ``wq``/``wk``/``wv`` rows, grouped).
-
-    Raises:
-        ConfigError: ``whole`` is not an ``attn.qkv`` tensor, or its rows are not a whole
-            number of groups.
-    """
-    group = (heads_per_kv + 2) * head_dim
-    if whole.component != "attn.qkv" or not shape or heads_per_kv < 1 or head_dim < 1 or shape[0] % group:
-        raise ConfigError(
-            f"{whole.original!r} ({whole.name}, shape {list(shape)}) is not a fused q/k/v tensor of "
-            f"{heads_per_kv} query heads per key/value head of {head_dim} rows: its component must be attn.qkv "
-            f"and its rows a multiple of {group}")
-    bounds = {"q": (0, heads_per_kv * head_dim), "k": (heads_per_kv * head_dim, (heads_per_kv + 1) * head_dim),
-              "v": ((heads_per_kv + 1) * head_dim, group)}
-    out = []
-    for part, name in enumerate(QKV_PARTS):
-        start, stop = bounds[name]
-        out.append(replace(whole, name=whole.name.replace(".attn.qkv.", f".attn.{name}."), component=f"attn.{name}",
-                           family=whole.family.replace(".attn.qkv.", f".attn.{name}."), part=part,
-                           region=((1, start, stop),), groups=(0, group)))
-    return out

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.placements import FlatShard
 from tmetrics_core.site import Site
 

@@ -34,7 +34,8 @@ from tmetrics_core.distributed.replicas import replica_claims, verify_replicas
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
-from tmetrics_core.naming.manifest import Manifest, dtensor_placements
+from tmetrics_core.manifest.dtensor import dtensor_placements
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
 from tmetrics_core.sources.optimizer_state import state_keys, state_value

@@ -18,7 +18,7 @@ from typing import Any, Mapping, MutableMapping, Sequence, overload
 
 import torch
 
-from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.sources.optimizer_state import state_value
 from tmetrics_core import torch_private
 

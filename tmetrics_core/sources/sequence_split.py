@@ -28,6 +28,7 @@ import torch
 
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.placements import Shard
+from tmetrics_core.reporter import Reporter
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.kinds import SEQUENCE_CHECKED
 from tmetrics_core.topology import Topology
@@ -42,7 +43,7 @@ SPREAD = 1e-6
 
 def split_by_sequence(sites: dict[SiteKey, Site], new: Sequence[SiteKey],
                       sumsq: Callable[[SiteKey], torch.Tensor | None], executor: Executor,
-                      topology: Topology) -> list[tuple[SiteKey, str]]:
+                      topology: Topology, reporter: Reporter) -> list[tuple[SiteKey, str]]:
     """Check the new residual sites' ``Replica`` claims and make the axes whose ranks hold
     different rows a population split in ``sites`` (in place); call on every rank alike.
 
@@ -80,7 +81,7 @@ def split_by_sequence(sites: dict[SiteKey, Site], new: Sequence[SiteKey],
         site = sites[key]
         placements = sorted((*site.placements, (axis, Shard(None))), key=lambda ap: axes_order[ap[0]])
         sites[key] = dataclasses.replace(site, placements=tuple(placements))
-        if topology.global_rank == 0:
+        if reporter.speaks:
             log.info("tmetrics: %s (%s) holds different tokens on the ranks of axis %r (sequence parallel): "
                      "measured as split by sequence there, not as one copy", site.name, site.kind, axis)
     return split

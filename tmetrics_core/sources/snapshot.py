@@ -15,7 +15,7 @@ from typing import Iterator, MutableMapping, Sequence
 
 import torch
 
-from tmetrics_core.naming.manifest import Manifest
+from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.kernels import moments
 from tmetrics_core.sources.params import local_view
 from tmetrics_core import torch_private

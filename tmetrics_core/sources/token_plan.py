@@ -22,7 +22,7 @@ from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.distributed.manifest_exchange import share_holdings
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.block_state import BlockState
-from tmetrics_core.naming.holdings import Holdings
+from tmetrics_core.manifest.holdings import Holdings
 from tmetrics_core.placements import Owned, Placement
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.sequence_split import split_by_sequence
@@ -69,7 +69,7 @@ class TokenPlan:
         for key in new:
             (_, site), _ = min(found[key].items(), key=lambda item: item[1])
             self.sites[key] = self._merge(site, shared.held[key])
-        split_by_sequence(self.sites, new, observer.first_sumsq, executor, self.topology)
+        split_by_sequence(self.sites, new, observer.first_sumsq, executor, self.topology, observer.reporter)
         return True
 
     def _accepted_keys(self, metric: TensorMetric) -> tuple[SiteKey, ...]:

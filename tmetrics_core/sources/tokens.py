@@ -31,6 +31,7 @@ import torch
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.executor import DeviceCheck
 from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.reporter import Reporter
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.kinds import GRAD_KINDS, OBSERVED_KINDS, ROUTER_OUTPUT_KINDS, SEQUENCE_CHECKED, TOKEN_KINDS
 from tmetrics_core.sources.cotangents import CotangentScale
@@ -78,9 +79,10 @@ class TokenObserver(TokenStep):
     def __init__(self, metrics: Sequence[TensorMetric], topology: Topology, index: ModuleIndex,
                  *, num_experts: int | None = None, modules: Mapping[str, Sequence[str]] | None = None,
                  known: TokenSites | None = None, owner: int | None = None,
-                 cotangent_scale: CotangentScale | None = None) -> None:
+                 cotangent_scale: CotangentScale | None = None, reporter: Reporter) -> None:
         super().__init__(metrics, topology, index, num_experts=num_experts, modules=modules, known=known,
                          owner=owner)
+        self.reporter = reporter
         self._checks: list[tuple[torch.Tensor, str, frozenset[str] | None]] = []
         self._padding: Padding | None = None
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
@@ -226,7 +228,7 @@ class TokenObserver(TokenStep):
         known = self.known
         if kind not in known.configured and kind not in OBSERVED_KINDS and kind not in known.unread:
             known.unread.add(kind)
-            if self.topology.global_rank == 0:
+            if self.reporter.speaks:
                 log.warning("tmetrics: tm.observe(..., kind=%r) at %s: no metric reads this kind, so it is "
                             "dropped; observations feed %s. Check the kind's spelling", kind,
                             self.index.path(module), sorted(known.configured | OBSERVED_KINDS))

@@ -21,7 +21,7 @@ Row = tuple
 expert, component, family, shape, dtype, dtensor placements, framework placements, covered
 axes, shard tag, frozen)``, placements as ``(axis, repr)`` pairs, the shard tag the listing rank's
 coordinates on the axes where a framework or config ``Shard`` splits a plain tensor
-(``tmetrics_core.naming.hand_split``); the token plan's: ``(site key, site)``."""
+(``tmetrics_core.manifest.hand_split``); the token plan's: ``(site key, site)``."""
 
 
 @dataclass

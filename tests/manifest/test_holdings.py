@@ -1,6 +1,6 @@
 """Holdings: rows merged across ranks (lowest rank kept per distinct row), coordinates united."""
 
-from tmetrics_core.naming.holdings import Holdings
+from tmetrics_core.manifest.holdings import Holdings
 
 
 def _row(name, shape=(4,), dtype="float32"):

@@ -1,4 +1,4 @@
-"""Expert slices of stacked tensors on one rank (`tmetrics_core.naming.slices.place_slice`): the
+"""Expert slices of stacked tensors on one rank (`tmetrics_core.manifest.slices.place_slice`): the
 placement of each slice under DTensor sharding, and the view that reads it from the local shard,
 checked against slicing the full tensor and cutting it as ``torch.chunk`` does."""
 
@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tmetrics_core.errors import PlacementError
-from tmetrics_core.naming.slices import place_slice
+from tmetrics_core.manifest.slices import place_slice
 from tmetrics_core.placements import Owned, Replica
 from tmetrics_core.placements import Shard as TShard
 

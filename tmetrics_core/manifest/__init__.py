@@ -1,0 +1,1 @@
+"""The manifest: every model tensor under its canonical name, with its placements and owners."""
