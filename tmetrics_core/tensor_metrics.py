@@ -45,7 +45,8 @@ from tmetrics_core.distributed.backends import collective_device, control_group
 from tmetrics_core.distributed.collectives import Collectives
 from tmetrics_core.distributed.manifest_exchange import share_holdings
 from tmetrics_core.errors import ConfigError, TMetricsError
-from tmetrics_core.distributed.executor import Executor, MetricFailure, Pending
+from tmetrics_core.distributed.agreement import MetricFailure
+from tmetrics_core.distributed.executor import Executor, Pending
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest

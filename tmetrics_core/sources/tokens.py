@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tmetrics_core.topology import Topology
-from tmetrics_core.distributed.executor import DeviceCheck
+from tmetrics_core.distributed.agreement import DeviceCheck
 from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
 from tmetrics_core.placements import Placement, Shard
