@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, rounds: int, steps: int, layers: int, width: in
 
     def startup(n: int) -> None:
         for _ in range(n):
-            checked.metrics.params.verify(["param"], params, "at start-up")
+            checked.metrics.params.replicas.verify(["param"], params, "at start-up")
 
     for trainer in (plain, checked):
         trainer.run(2)  # warm-up: Adam state exists, first-step work done

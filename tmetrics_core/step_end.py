@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from tmetrics_core.distributed.executor import Executor, MetricFailure, Pending
+from tmetrics_core.distributed.agreement import MetricFailure
+from tmetrics_core.distributed.executor import Executor, Pending
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.naming.signature import parameter_signature

@@ -37,7 +37,8 @@ import torch
 from tmetrics_core.config.sections import READ_RESULTS, ReadResults
 from tmetrics_core.distributed.backends import collective_device, control_group
 from tmetrics_core.distributed.collectives import Collectives
-from tmetrics_core.distributed.executor import Executor, MetricFailure, Pending
+from tmetrics_core.distributed.agreement import MetricFailure
+from tmetrics_core.distributed.executor import Executor, Pending
 from tmetrics_core.errors import ConfigError, TMetricsError
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.metrics.base import TensorMetric

@@ -8,7 +8,8 @@ import torch
 from tests.simulation import run_threaded, sim_topology
 from tmetrics_core.errors import PlanMismatchError
 from tmetrics_core.metrics.preparation import prepare_states
-from tmetrics_core.distributed.executor import DeviceCheck, Executor
+from tmetrics_core.distributed.agreement import DeviceCheck
+from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.metrics.base import CollectiveRequest, MetricResult, Round
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, Mean, MeanLineL2, Min, Rms, ZeroFraction
 from tmetrics_core.placements import Owned, Shard

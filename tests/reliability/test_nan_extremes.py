@@ -30,7 +30,7 @@ from tests.metrics.cases import (
 )
 from tests.metrics.test_router import router_sites
 from tests.simulation import SimCollectives, SimWorld, mesh_coords, sim_topology
-from tmetrics_core.distributed import executor
+from tmetrics_core.distributed import rounds
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import TorchCollectives
 
@@ -106,18 +106,18 @@ def _gloo_rank(rank: int, world: int) -> dict:
     """Every scenario on this rank: NaN on no rank, rank 0, rank 1; gathered and all_reduce rounds."""
     import torch.distributed as dist
 
-    assert hasattr(executor, "_GATHER_LIMIT"), "the test forces the all_reduce path through _GATHER_LIMIT"
-    default_limit = executor._GATHER_LIMIT
+    assert hasattr(rounds, "_GATHER_LIMIT"), "the test forces the all_reduce path through _GATHER_LIMIT"
+    default_limit = rounds._GATHER_LIMIT
     topology = Topology.from_groups({"dp": dist.group.WORLD})
     comm = TorchCollectives(30.0)
     out = {}
     for path, limit in (("gathered", default_limit), ("all_reduce", 0)):
-        executor._GATHER_LIMIT = limit  # 0: no round fits an all_gather, every bucket is all-reduced
+        rounds._GATHER_LIMIT = limit  # 0: no round fits an all_gather, every bucket is all-reduced
         for nan_rank in (None, 0, 1):
             out[("router", path, nan_rank)] = run_case(rank, router_case(nan_rank), topology, comm, ROUTER_SPECS)
             perturb = SetFirst(math.nan, *([] if nan_rank is None else [{"dp": nan_rank}]))
             out[("drift", path, nan_rank)] = run_case(rank, drift_case(), topology, comm, DRIFT_SPECS, perturb=perturb)
-    executor._GATHER_LIMIT = default_limit
+    rounds._GATHER_LIMIT = default_limit
     return out
 
 
@@ -254,7 +254,7 @@ def test_drift_without_nan_is_unchanged_on_tp_shards():
 @pytest.mark.parametrize("holder", range(4))
 def test_router_nan_in_a_pipeline_owned_layer_reaches_every_rank(holder, all_reduce, monkeypatch):
     if all_reduce:
-        monkeypatch.setattr(executor, "_GATHER_LIMIT", 0)
+        monkeypatch.setattr(rounds, "_GATHER_LIMIT", 0)
     shape, names = (2, 2), ("pp", "dp")
     stage, replica = mesh_coords(holder, shape)
     want = reference(router_case(replica, nan_layer=stage, single=True))

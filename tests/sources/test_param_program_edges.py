@@ -49,6 +49,7 @@ from tmetrics_core.metrics.statistics import (
     ZEROS,
     Statistic,
 )
+from tmetrics_core.sources.param_general import GeneralPath
 from tmetrics_core.sources.param_program import ParamProgram
 from tmetrics_core.sources.param_observer import ParamObserver
 from tmetrics_core.tensor_metrics import TensorMetrics
@@ -744,13 +745,13 @@ def test_adam_state_metrics_take_the_program(monkeypatch):
     parts pass (the state does not exist before the first step: placeholders, as the general
     path gives); only the histogram is left to the general path."""
     general: dict[int, set[str]] = {}
-    original = ParamObserver._prepare_from
+    original = GeneralPath.prepare_from
 
     def recorded(self, metrics, *args, **kwargs):
         general.setdefault(id(self), set()).update(m.name for m in metrics)
         return original(self, metrics, *args, **kwargs)
 
-    monkeypatch.setattr(ParamObserver, "_prepare_from", recorded)
+    monkeypatch.setattr(GeneralPath, "prepare_from", recorded)
     spec = [(_metric(n), 1) for n in ("layer-optimizer-state-rms", "layer-update-ratio", "layer-grad-l2",
                                       "layer-param-histogram")]
     fast, ran = _compare(Net, spec, _plain, monkeypatch)

@@ -38,7 +38,7 @@ class UpdateMeanRowL2(StatMetric):
 
 def _run(path: str, monkeypatch) -> tuple[dict[tuple[str, int | None], float], list[torch.Tensor],
                                          list[torch.Tensor], list[str]]:
-    import tmetrics_core.sources.param_observer as tm
+    import tmetrics_core.sources.param_general as tm
 
     kinds: list[str] = []
     original = tm.read_kind

@@ -1,8 +1,9 @@
 """The executor: one pass over every due metric, collectives packed per (axis, op, dtype).
 
 Every metric collective goes through here (and, below it, the three calls of
-``tmetrics_core.distributed.collectives``); counts, symmetry checks and failure agreement live here (one
-choke point, as pluggy's ``_hookexec``).
+``tmetrics_core.distributed.collectives``); counts live here (one choke point, as pluggy's
+``_hookexec``). The failure agreement (:mod:`tmetrics_core.distributed.agreement`) and the plan
+check (:mod:`tmetrics_core.distributed.plan_check`) decide; their collectives are this one's.
 
 Per step the executor:
 
@@ -31,81 +32,30 @@ Per step the executor:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Collection, Hashable, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Hashable, Mapping, Sequence
 
 import torch
 
 from tmetrics_core.topology import Topology
+from tmetrics_core.distributed.agreement import Agreement, DeviceCheck, MetricFailure
 from tmetrics_core.distributed.collectives import Collectives, TorchCollectives
 from tmetrics_core.distributed.host_copy import HostCopy
-from tmetrics_core.errors import PlanMismatchError, TMetricsError
+from tmetrics_core.distributed.plan_check import check_plan
+from tmetrics_core.distributed.rounds import CollectiveStats, Rounds
 from tmetrics_core.metrics.base import CollectiveRequest, MetricResult, Round, TensorMetric
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.site import Site, SiteKey
 
-__all__ = ["CollectiveStats", "DeviceCheck", "Executor", "MetricFailure", "Pending"]
+__all__ = ["Executor", "Pending"]
 
 log = logging.getLogger(__name__)
 
-_GATHER_LIMIT = 1 << 19
-"""Most elements an all_gather of buckets may collect on one rank (members x values; 4 MiB in
-float64); larger buckets are all-reduced."""
-
-_GATHER_MEMBERS = 16
-"""Most members of a gathered round: what a rank receives grows with the members, what an
-all_reduce moves does not, so past this many ranks the buckets are all-reduced (per-rank bytes
-of a due step then stay flat as the axes grow)."""
-
 _REDUCE_OF: dict[str, ReduceOpName] = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
 """The reduction that materializes a ``Partial`` op (``avg``: a sum, divided after)."""
-
-_Buckets = dict[tuple[tuple[str, ...], ReduceOpName, torch.dtype], list[CollectiveRequest]]
-"""Requests by (axes, op, dtype); ``min`` rides in ``max`` negated, so op is ``sum`` or ``max``."""
-
-@dataclass(slots=True)
-class CollectiveStats:
-    """Counters for benchmarks and tests: collective calls and elements moved, per axis."""
-
-    calls: dict[str, int] = field(default_factory=dict)
-    elements: dict[str, int] = field(default_factory=dict)
-    rounds: int = 0
-    seconds: float = 0.0
-    """Wall time spent inside data collectives (the communication itself), seconds."""
-
-    def add(self, axis: str, numel: int) -> None:
-        self.calls[axis] = self.calls.get(axis, 0) + 1
-        self.elements[axis] = self.elements.get(axis, 0) + numel
-
-    @property
-    def total_calls(self) -> int:
-        """All collective calls counted, control collectives included."""
-        return sum(self.calls.values())
-
-
-@dataclass(frozen=True, slots=True)
-class MetricFailure:
-    """A metric skipped on every rank at one step because it raised on ``ranks``."""
-
-    metric: str
-    ranks: tuple[int, ...]
-    error: str
-
-
-class DeviceCheck(NamedTuple):
-    """A condition on the step's inputs known only on the device (e.g. no token dropped over an
-    expert's capacity): unless ``ok`` (a 0-d bool tensor) holds, the due metrics ``metrics``
-    fail with ``reason``. Read with the step's other host reads, never alone (no
-    synchronisation of its own on an accelerator)."""
-
-    ok: torch.Tensor
-    reason: str
-    metrics: frozenset[str]
-
 
 @dataclass(slots=True)
 class _Due:
@@ -154,6 +104,7 @@ class Executor:
         self.device = torch.device(device)
         self.control = control
         self.stats = CollectiveStats()
+        self.rounds = Rounds(topology, self.comm, self.device, self.stats)
         self.unfed: tuple[str, ...] = ()
         """The due metrics of the step last collected (:meth:`collect`, :meth:`run`) that read no
         tensor on any rank."""
@@ -162,6 +113,8 @@ class Executor:
         self.changed = False
         """Whether any rank passed ``changed=True`` to the last :meth:`launch`."""
         self._distributed = topology.world_size > 1
+        self.agreement = Agreement(topology, world_max=self._world_max, gather_objects=self.gather_objects,
+                                   reduce_device=self._reduce_device)
 
     # -- public -------------------------------------------------------------------------------
     def run(self, due: Sequence[tuple[TensorMetric, Mapping[SiteKey, Any], str | None]],
@@ -218,7 +171,8 @@ class Executor:
                     item.round = item.metric.start(item.state, sites, self.topology)
                 except Exception as exc:  # noqa: BLE001 - a metric bug must not stop training
                     item.error = f"{type(exc).__name__}: {exc}"
-        failures, checked = self._agree_failures(items, unfed, flag, bool(checks), step, changed)
+        failures, checked = self._agree(items, unfed=unfed, flag=flag, checks=bool(checks), step=step,
+                                        changed=changed)
         failed = {f.metric for f in failures} | set(self.unfed)
         live = [i for i in items if i.metric.name not in failed]
         first = True
@@ -228,9 +182,15 @@ class Executor:
                 break
             requests = self._dedup(pending)
             if check and first:
-                self._check_plan(requests, pending)
+                owner: dict[Hashable, str] = {}
+                for item in pending:
+                    for req in item.round.requests:
+                        owner.setdefault(req.key, item.metric.name)
+                check_plan(self.topology, requests, owner, device=self.device,
+                           all_reduce=lambda t, axis: self.all_reduce(t, "max", axis),
+                           world_max=self._world_max, gather_objects=self.gather_objects)
             first = False
-            results = self._reduce(requests)
+            results = self.rounds.reduce(requests)
             # Decided before resume, from rank-symmetric rounds: could a failure desync ranks?
             more = not all(item.round.agreed for item in pending)
             for item in pending:
@@ -241,7 +201,7 @@ class Executor:
             if more:
                 # A metric that raised here on one rank would skip requests the others issue:
                 # agree now, and drop it everywhere before the next round.
-                dropped, _ = self._agree_failures(pending)
+                dropped, _ = self._agree(pending)
             else:
                 dropped = [MetricFailure(i.metric.name, (self.topology.global_rank,), i.error or "")
                            for i in pending if i.error]
@@ -254,7 +214,7 @@ class Executor:
         vectors = [v if v.dtype == torch.float64 and v.dim() == 1 else v.reshape(-1).to(torch.float64)
                    for v in outputs.values()]
         if checked:
-            extra = self._checked(items, checks)
+            extra = self.agreement.device_flags([i.metric.name for i in items], checks, self.device)
             device = vectors[0].device if vectors else extra[0].device
             vectors += [v.to(device) for v in extra]
         return Pending(items, live, failures, checks if checked else None,
@@ -280,7 +240,8 @@ class Executor:
             start += length
         failures, live = pending.failures, pending.live
         if pending.checks is not None:
-            failures = self._fail_checked(pending.items, failures, pending.checks, flat[start:], gather)
+            failures = self.agreement.fail_checked([i.metric.name for i in pending.items], failures, pending.checks,
+                                                   flat[start:], gather)
             gone = {f.metric for f in failures}
             live = [i for i in live if i.metric.name not in gone]
             # A metric no rank fed whose check failed is a failure only (as one that raised).
@@ -331,7 +292,7 @@ class Executor:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpName, axis: str) -> None:
         """Reduce ``tensor`` in place with ``op`` over the group of ``axis`` (nothing to do when
         the axis has one rank); one collective, counted on ``axis``."""
-        self._all_reduce(tensor, op, self.topology.axes[axis].group, axis)
+        self.rounds.all_reduce(tensor, op, self.topology.axes[axis].group, axis)
 
     def materialize(self, tensors: Sequence[torch.Tensor], axes: Sequence[tuple[str, ...]],
                     ops: Sequence[str]) -> list[torch.Tensor]:
@@ -340,7 +301,7 @@ class Executor:
         requests = [CollectiveRequest(("materialize", i), a, _REDUCE_OF[op],
                                       t.detach().reshape(-1).to(torch.float64))
                     for i, (t, a, op) in enumerate(zip(tensors, axes, ops))]
-        results = self._reduce(requests)
+        results = self.rounds.reduce(requests)
         out = []
         for i, (t, a, op) in enumerate(zip(tensors, axes, ops)):
             full = results[("materialize", i)]
@@ -358,98 +319,6 @@ class Executor:
                     seen[req.key] = req
         return list(seen.values())
 
-    def _reduce(self, requests: Sequence[CollectiveRequest]) -> dict[Hashable, torch.Tensor]:
-        """One round: requests bucketed by (axes, op, dtype) and each bucket reduced with one
-        collective over the joint group of its axes. ``min`` rides in the ``max`` bucket of the
-        same axes negated (``min x = -max -x``, exact), so a round issues at most two calls per
-        distinct axis set and dtype."""
-        self.stats.rounds += 1
-        current = {r.key: r.value if r.value.device == self.device else r.value.to(self.device) for r in requests}
-        buckets: _Buckets = {}
-        for r in requests:
-            axes = tuple(a for a in self.topology.names if a in r.axes and self.topology.axes[a].size > 1)
-            if axes:
-                op: ReduceOpName = "max" if r.op == "min" else r.op
-                buckets.setdefault((axes, op, current[r.key].dtype), []).append(r)
-        # One collective for the whole round when every value has one length on all ranks;
-        # else one per axis set that has several buckets (NOTE [gathered rounds]).
-        if len(buckets) > 1 and all(r.uniform for r in requests):
-            union = tuple(a for a in self.topology.names if any(a in axes for axes, _, _ in buckets))
-            if self._gathered(union, buckets, current):
-                return current
-        by_axes: dict[tuple[str, ...], _Buckets] = {}
-        for key, bucket in buckets.items():
-            by_axes.setdefault(key[0], {})[key] = bucket
-        for axes, same in by_axes.items():
-            if len(same) > 1 and self._gathered(axes, same, current):
-                for key in same:
-                    del buckets[key]
-        for (axes, op, _dtype), bucket in buckets.items():
-            values = [-current[r.key] if r.op == "min" else current[r.key] for r in bucket]
-            packed = torch.cat(values) if len(values) > 1 else values[0].clone()
-            group = self.topology.joint_group(axes)
-            if group is not None or len(axes) == 1:
-                self._all_reduce(packed, op, group, "+".join(axes))
-            else:
-                for axis in axes:
-                    self._all_reduce(packed, op, self.topology.axes[axis].group, axis)
-            for r, piece in zip(bucket, packed.split([v.numel() for v in values])):
-                current[r.key] = -piece if r.op == "min" else piece
-        return current
-
-    def _gathered(self, union: tuple[str, ...],
-                  buckets: _Buckets,
-                  current: dict[Hashable, torch.Tensor]) -> bool:
-        """Reduce ``buckets`` (each over axes within ``union``) with ONE collective: their values
-        are packed in one float64 buffer, all-gathered over the joint group of ``union``, and
-        each bucket is reduced locally over the rows of its peers, the members that differ from
-        this rank only along the bucket's own axes, in member order (so every peer computes
-        identical results). The caller guarantees one layout on every member: the buckets are
-        all over ``union``, or every request is ``uniform``. Returns False, doing nothing, when
-        the joint group cannot be built, the gathered table would exceed ``_GATHER_LIMIT``
-        elements or the group ``_GATHER_MEMBERS`` ranks (then one ``all_reduce`` per bucket
-        moves less data).
-
-        NOTE [gathered rounds]: metric rounds are latency-bound (a few thousand values), so one
-        all_gather beats an all_reduce per (axes, op). Buckets over fewer axes than the union
-        may only join when every request is ``uniform``: otherwise a value may have another
-        length on a member outside the bucket's own group, and the gathered rows would not line
-        up."""
-        sizes = [self.topology.axes[a].size for a in union]
-        members = math.prod(sizes)
-        values = [[(-current[r.key] if r.op == "min" else current[r.key]).to(torch.float64) for r in bucket]
-                  for bucket in buckets.values()]
-        total = sum(v.numel() for vs in values for v in vs)
-        small = total * members <= _GATHER_LIMIT and members <= _GATHER_MEMBERS
-        group = self.topology.joint_group(union) if small else None
-        if group is None:
-            return False
-        packed = torch.cat([v for vs in values for v in vs])
-        self.stats.add("+".join(union), total)
-        start = time.perf_counter()
-        table = torch.stack(self.comm.all_gather(packed, group))  # [members, total], row-major over union
-        self.stats.seconds += time.perf_counter() - start
-        coords = [self.topology.axes[a].rank for a in union]
-        strides = [math.prod(sizes[i + 1:]) for i in range(len(union))]
-        offset = 0
-        for ((axes, op, dtype), bucket), vs in zip(buckets.items(), values):
-            fixed = [i for i, a in enumerate(union) if a not in axes]
-            peers = [j for j in range(members) if all((j // strides[i]) % sizes[i] == coords[i] for i in fixed)]
-            width = sum(v.numel() for v in vs)
-            block = table[peers, offset:offset + width]
-            reduced = (block.sum(0) if op == "sum" else block.amax(0)).to(dtype)
-            for r, piece in zip(bucket, reduced.split([v.numel() for v in vs])):
-                current[r.key] = -piece if r.op == "min" else piece
-            offset += width
-        return True
-
-    def _all_reduce(self, tensor: torch.Tensor, op: str, group: Any, axis: str) -> None:
-        self.stats.add(axis, tensor.numel())
-        if self._distributed and group is not None:
-            start = time.perf_counter()
-            self.comm.all_reduce(tensor, op, group)
-            self.stats.seconds += time.perf_counter() - start
-
     def _world_max(self, flags: Sequence[int]) -> list[int]:
         """``flags`` (host ints, the same length on every rank) reduced with MAX over every rank:
         one small all_reduce of a CPU tensor over the control group."""
@@ -458,187 +327,23 @@ class Executor:
         self.comm.all_reduce(tensor, "max", self.control)
         return tensor.tolist()
 
-    def _checked(self, items: Sequence[_Due], checks: Sequence[DeviceCheck]) -> list[torch.Tensor]:
-        """``[failed per item, this rank's check flags]`` on the device, for the results' copy:
-        an item fails where a check that names it is false (a flag is read as a bool: nonzero
-        holds), MAX-reduced over the world (every rank issues it when any rank has checks; a
-        rank without checks sends zeros), over the default group on the accelerator, over the
-        control group where the collectives run on the CPU (a default group may carry no CPU
-        tensor)."""
-        names = [i.metric.name for i in items]
-        # One process: where the checks are (no copy before the results'); else the collectives'.
-        device = self.device if self._distributed or not checks else checks[0].ok.device
-        oks = (torch.stack([c.ok.to(device=device, dtype=torch.bool).reshape(()) for c in checks]) if checks
-               else torch.ones(0, dtype=torch.bool, device=device))
-        reads = torch.tensor([[n in c.metrics for n in names] for c in checks],
-                             dtype=torch.bool).reshape(len(checks), len(names))
-        # Per item: world - rank where a check of this rank failed, else 0; under MAX, the lowest
-        # failing rank (world - value), known without gathering anything.
-        failed = (~oks[:, None] & reads.to(device, non_blocking=True)).any(0).to(torch.float64)
-        failed *= self.topology.world_size - self.topology.global_rank
-        if self._distributed:
-            self.stats.add("world", failed.numel())
-            self.comm.all_reduce(failed, "max", self.control if device.type == "cpu" else None)
-        return [failed, oks.to(torch.float64)]
+    # -- the agreement's collectives ------------------------------------------------------------
+    def _agree(self, items: Sequence[_Due], **agreement: Any) -> tuple[list[MetricFailure], bool]:
+        """The failure agreement over ``items`` (:meth:`Agreement.agree`, keyword arguments as
+        there): sets :attr:`changed`, and :attr:`unfed` and :attr:`flagged` where they were asked;
+        returns the failures and whether any rank has device checks."""
+        agreed = self.agreement.agree([i.metric.name for i in items], [i.error for i in items], **agreement)
+        self.changed = agreed.changed
+        if agreed.unfed is not None:
+            self.unfed = agreed.unfed
+        if agreed.flagged is not None:
+            self.flagged = agreed.flagged
+        return agreed.failures, agreed.checks
 
-    def _fail_checked(self, items: Sequence[_Due], failures: list[MetricFailure],
-                      checks: Sequence[DeviceCheck], read: Sequence[float], gather: bool) -> list[MetricFailure]:
-        """``failures`` with the metrics whose check failed on some rank (``read``: the host copy
-        of :meth:`_checked`). Each fails with the reason of the lowest rank whose check failed,
-        which replaces an error it already failed with. With ``gather``, the reasons are
-        gathered (every rank alike: they all read the same reduced values), naming every failing
-        rank; without, nothing is exchanged (a step read where ranks need not be in step): the
-        lowest failing rank is named, with this rank's reason where it is that rank, else
-        a reference to it."""
-        n = len(items)
-        lowest = {i.metric.name: self.topology.world_size - int(v) for i, v in zip(items, read[:n]) if v}
-        failed = list(lowest)
-        if not failed:
-            return failures
-        mine = _failed_checks(checks, [bool(v) for v in read[n:]])
-        if gather and self._distributed:
-            everyone = self.gather_objects(mine)
-        else:
-            me = self.topology.global_rank
-            everyone = [{} for _ in range(self.topology.world_size)]
-            for name, rank in lowest.items():
-                everyone[rank][name] = (mine[name] if rank == me and name in mine else
-                                        f"a device check failed on rank {rank} (its reason is in that rank's "
-                                        "failures)")
-        ranks = {name: tuple(r for r, reasons in enumerate(everyone) if name in reasons) for name in failed}
-        out = [MetricFailure(f.metric, tuple(sorted({*f.ranks, *ranks[f.metric]})),
-                             everyone[ranks[f.metric][0]][f.metric]) if f.metric in ranks else f
-               for f in failures]
-        said = {f.metric for f in failures}
-        out.extend(MetricFailure(name, ranks[name], everyone[ranks[name][0]][name]) for name in failed
-                   if name not in said)
-        return out
+    def _reduce_device(self, tensor: torch.Tensor) -> None:
+        """MAX-reduce ``tensor`` in place over the world: over the control group where it is on
+        the CPU (a default group may carry no CPU tensor), over the default group on an
+        accelerator."""
+        self.stats.add("world", tensor.numel())
+        self.comm.all_reduce(tensor, "max", self.control if tensor.device.type == "cpu" else None)
 
-    # -- agreement and checks -------------------------------------------------------------------
-    def _agree_failures(self, items: Sequence[_Due], unfed: Collection[str] = (), flag: bool | None = None,
-                        checks: bool = False, step: int | None = None, changed: bool = False
-                        ) -> tuple[list[MetricFailure], bool]:
-        """Metrics that raised on any rank, in one ``all_reduce(MAX)`` on the host over the world
-        of ``[raised per metric, fed per metric, step, -step, changed, flag, checks]``; with ``unfed``,
-        also sets :attr:`unfed` to the metrics fed on no rank; with ``flag`` (not None, the
-        first agreement of a run), sets :attr:`flagged`; sets :attr:`changed`. Returns the failures and whether any
-        rank has ``checks`` (device checks, decided after the rounds). Only when some metric
-        raised does a second collective gather the error texts, to name the failing ranks and
-        the lowest one's error.
-
-        Raises:
-            TMetricsError: on every rank, when ranks passed different ``step`` numbers.
-        """
-        n = len(items)
-        mine = [1 if i.error else 0 for i in items] + [0 if i.metric.name in unfed else 1 for i in items]
-        mine += [step or 0, -(step or 0), 1 if changed else 0, 1 if flag else 0, 1 if checks else 0]
-        agreed = self._world_max(mine) if self._distributed else mine
-        self.changed = bool(agreed[-3])
-        if agreed[-5] != -agreed[-4]:
-            raise TMetricsError(
-                f"ranks measured different step numbers in one due step (from {-agreed[-4]} to {agreed[-5]}): "
-                "every rank must enter metrics.step(n) with the same n, the optimizer step's number; their values "
-                "would be combined across steps. Count steps the same way on every rank (e.g. from the "
-                "optimizer's or the trainer's global step)")
-        if flag is not None:
-            self.flagged = bool(agreed[-2])
-        raised = agreed[:n]
-        texts = self.gather_objects([i.error for i in items]) if any(raised) else None
-        if unfed:
-            self.unfed = tuple(item.metric.name for index, item in enumerate(items)
-                               if not agreed[n + index] and not raised[index])
-        failures = []
-        for index, item in enumerate(items):
-            if texts is None or not raised[index]:
-                continue
-            ranks = tuple(r for r, errors in enumerate(texts) if errors[index] is not None)
-            error = texts[ranks[0]][index]
-            failures.append(MetricFailure(item.metric.name, ranks, error or f"raised on rank(s) {list(ranks)}"))
-        return failures, bool(agreed[-1])
-
-    def _check_plan(self, requests: Sequence[CollectiveRequest], pending: Sequence[_Due]) -> None:
-        """Compare this step's per-axis layouts with the other ranks of each axis: one
-        ``all_reduce(MAX)`` of ``[fingerprint, -fingerprint]`` per axis (the max and the min
-        fingerprint of the group), then one ``all_reduce(MAX)`` over the world of the mismatch
-        flags so every rank raises together. Only on a mismatch are the layouts gathered, to name
-        the metric, the axis and the ranks that differ."""
-        if not self._distributed:
-            return
-        names = [a for a in self.topology.names if self.topology.axes[a].size > 1]
-        owner: dict[Hashable, str] = {}
-        for item in pending:
-            for req in item.round.requests:
-                owner.setdefault(req.key, item.metric.name)
-        layouts = {a: _layout(requests, a, owner) for a in names}
-        fps = {a: _fingerprint(layouts[a]) for a in names}
-        mismatched = []
-        for axis in names:
-            spread = torch.tensor([fps[axis], -fps[axis]], dtype=torch.int64, device=self.device)
-            self.all_reduce(spread, "max", axis)
-            mismatched.append(int(spread[0].item() != -spread[1].item()))
-        if not any(self._world_max(mismatched or [0])):
-            return
-        coords = {a: self.topology.axes[a].rank for a in names}
-        table = self.gather_objects((coords, fps, layouts))
-        for axis in names:
-            groups: dict[tuple, list[int]] = {}
-            for rank, (theirs, _, _) in enumerate(table):
-                groups.setdefault(tuple(c for a, c in theirs.items() if a != axis), []).append(rank)
-            for ranks in groups.values():
-                ref = table[ranks[0]][1][axis]
-                bad = tuple(r for r in ranks if table[r][1][axis] != ref)
-                if bad:
-                    self._raise_mismatch(axis, ranks[0], bad, table[ranks[0]][2][axis], table[bad[0]][2][axis])
-
-    @staticmethod
-    def _raise_mismatch(axis: str, ref_rank: int, bad: tuple[int, ...],
-                        ref: list[Any], other: list[Any]) -> None:
-        """Raise the mismatch of ``other`` (a layout of a rank of ``bad``) against ``ref``."""
-        metric = next((row[4] for a, b in zip(ref + [None], other + [None]) if a != b
-                       for row in (a or b,)), "?")
-        raise PlanMismatchError(
-            f"collective plans differ on axis {axis!r}: global rank(s) {list(bad)} disagree with "
-            f"rank {ref_rank} for metric {metric!r} (first differing request: rank {ref_rank} has "
-            f"{_first_diff(ref, other, 0)}, rank {bad[0]} has {_first_diff(ref, other, 1)}). Ranks must "
-            "see the same sites: check that every rank builds the same model structure, config and "
-            "select patterns, or declare sites held elsewhere in the manifest.",
-            metric=metric, axis=axis, ranks=bad,
-        )
-
-
-def _layout(requests: Sequence[CollectiveRequest], axis: str,
-            owner: Mapping[Hashable, str]) -> list[tuple[str, str, str, int, str]]:
-    """What this rank will send over ``axis``: (key, op, dtype, elements, metric) per request."""
-    rows: list[tuple[str, str, str, int, str]] = []
-    for r in requests:
-        if axis not in r.axes:
-            continue
-        parts = r.parts or (r.key,)
-        size = r.value.numel() // len(parts)
-        rows.extend((repr(part), r.op, str(r.value.dtype), size, owner.get(r.key, "?")) for part in parts)
-    return rows
-
-
-def _fingerprint(layout: list[tuple[str, str, str, int, str]]) -> int:
-    """56-bit hash of the layout without metric names (two metrics may own one shared request)."""
-    digest = hashlib.blake2b(repr([row[:4] for row in layout]).encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "big")
-
-
-def _first_diff(a: list, b: list, which: int) -> str:
-    for x, y in zip(a + [None], b + [None]):
-        if x != y:
-            row = (x, y)[which]
-            return "nothing" if row is None else f"{row[0]} ({row[1]}, {row[2]}, {row[3]} elements)"
-    return "nothing"
-
-
-def _failed_checks(checks: Sequence[DeviceCheck], passed: Sequence[bool]) -> dict[str, str]:
-    """Metric name -> the reason of the first of ``checks`` that failed for it (``passed``: each
-    check's flag, read on the host)."""
-    reasons: dict[str, str] = {}
-    for check, ok in zip(checks, passed):
-        if not ok:
-            for name in check.metrics:
-                reasons.setdefault(name, check.reason)
-    return reasons

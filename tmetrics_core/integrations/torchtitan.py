@@ -94,7 +94,7 @@ class Torchtitan:
     ``mesh=ParallelDims`` or such a model; the topology from the ``ParallelDims``, or, when
     neither ``mesh=`` nor ``axes=`` is given and the parameters' meshes span several ranks,
     from those meshes (:func:`parameter_topology`). Placements come from the DTensors
-    themselves (:mod:`tmetrics_core.naming.dtensor`); model and optimizer are read as given."""
+    themselves (:mod:`tmetrics_core.manifest.dtensor`); model and optimizer are read as given."""
 
     name = "torchtitan"
     layouts: tuple[str, ...] = ("torchtitan",)

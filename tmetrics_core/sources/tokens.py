@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 import torch
 
 from tmetrics_core.topology import Topology
-from tmetrics_core.distributed.executor import DeviceCheck
+from tmetrics_core.distributed.agreement import DeviceCheck
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.reporter import Reporter
 from tmetrics_core.site import Site, SiteKey

@@ -1,0 +1,188 @@
+"""Where the parameter side reads its tensors and sites: the manifest, flat buffers, Adam state.
+
+:class:`ParamReads` is built once per ``TensorMetrics`` (the manifest, its local tensors and the
+flat buffers do not change after construction): the sites of every parameter-side kind, what
+the manifest fixes (:class:`ManifestFacts`), the flat buffers laid out over the model, and the
+optimizer state keys of each state kind. Both the due set's program and the general path read
+through it, so a tensor is found one way whichever prepares its metric.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence, cast
+
+import torch
+
+from tmetrics_core.errors import ConfigError
+from tmetrics_core.metrics.base import TensorMetric
+from tmetrics_core.manifest.dtensor import dtensor_placements
+from tmetrics_core.manifest.table import Manifest
+from tmetrics_core.site import Site
+from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
+from tmetrics_core.sources.optimizer_state import state_keys, state_value
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, local_view, read_kind
+from tmetrics_core.topology import Topology
+
+__all__ = ["ManifestFacts", "ParamReads", "grads_placed_as_params", "local_tensors"]
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestFacts:
+    """What the parameter side reads off the manifest once (neither its entries nor its local
+    tensors change after construction).
+
+    Attributes:
+        local: the local parameter of every manifest entry, in manifest order (None where held
+            elsewhere).
+        views: per entry, how its tensor is read from its parameter (an expert slice of a
+            stacked tensor: ``Manifest.views``) or None (the whole tensor).
+        partial_params: some ``param`` or ``update`` site is ``Partial`` on an axis (such
+            parameters are materialized after reading, so their local moments are of one part).
+        dtensor_params: some local parameter is a DTensor (its gradient may be placed otherwise).
+    """
+
+    local: tuple[torch.Tensor | None, ...]
+    views: tuple[Any, ...]
+    partial_params: bool
+    dtensor_params: bool
+
+
+class ParamReads:
+    """The parameter side's tensors and sites (see the module docstring).
+
+    Args:
+        manifest: every tensor of the model, with its local tensor here.
+        topology: named axes.
+        optimizer: the unwrapped torch optimizer (Adam state), or None.
+        flat: ZeRO-style flat buffers by source kind (they hold the kind instead of the
+            parameters).
+        metrics: every configured metric (the state kinds some reads are checked at start-up).
+
+    Raises:
+        ConfigError: a flat buffer of another kind than ``FLAT_KINDS``, or one that does not fit
+            the model or the topology (:class:`~tmetrics_core.sources.flat.FlatSource`); an
+            optimizer without the state some metric reads.
+    """
+
+    def __init__(self, manifest: Manifest, topology: Topology, *, optimizer: Any,
+                 flat: Mapping[str, Sequence[FlatBuffer]], metrics: Sequence[TensorMetric]) -> None:
+        self.manifest = manifest
+        self.topology = topology
+        self.optimizer = optimizer
+        self.flat = flat
+        self.kind_sites = {kind: manifest.sites(kind) for kind in sorted(PARAM_KINDS | OPTIMIZER_KINDS)}
+        """The manifest's sites of every parameter-side kind, one per entry."""
+        read = {k for m in metrics for k in m.source_kinds} & STATE_KINDS - set(flat)
+        self.state_keys = state_keys(optimizer, read, "optimizer state") if optimizer is not None and read else {}
+        """State kind -> the keys of the step's optimizers that hold it (checked at start-up)."""
+        self.facts = ManifestFacts(
+            local=tuple(manifest.local.get(e.name) for e in manifest.entries),
+            views=tuple(manifest.views.get(e.name) for e in manifest.entries),
+            partial_params=any(s.partial for kind in ("update", "param") for s in self.kind_sites[kind]),
+            dtensor_params=any(dtensor_placements(p) is not None for p in manifest.local.values()))
+        unknown = sorted(set(flat) - FLAT_KINDS)
+        if unknown:
+            raise ConfigError(f"flat buffers of kind {unknown}: a flat buffer holds one of {sorted(FLAT_KINDS)}")
+        # Laid out here, so a buffer that does not fit the model fails at configuration time.
+        self.flat_sources = {kind: FlatSource(buffers, manifest, topology.names) for kind, buffers in flat.items()}
+
+    def sites_of(self, kind: str) -> list[Site]:
+        """The sites of ``kind``, one per manifest entry: a flat buffer's where one holds it."""
+        return self.flat_sources[kind].sites if kind in self.flat else self.kind_sites[kind]
+
+    def flat_tensors(self, kind: str, entries: Sequence[int]) -> list[torch.Tensor | None]:
+        """The local tensors of ``kind`` of manifest ``entries`` from its flat buffers, those no
+        buffer holds read as ``read_kind`` reads them (a gradient or Adam state viewed as its
+        entry reads it)."""
+        source = self.flat_sources[kind]
+        held = source.tensors()
+        covered = source.covered
+        if source.complete or all(covered[i] for i in entries):
+            return [held[i] for i in entries]
+        plain = read_kind(kind, self.manifest, self.optimizer, keys=self.state_keys)
+        return [held[i] if covered[i] else plain[i] for i in entries]
+
+    def state_tensors(self, reads: Sequence[tuple[str, int]]) -> list[torch.Tensor | None]:
+        """The local Adam state of each ``(kind, manifest entry)`` of ``reads`` (viewed as the
+        entry reads it), None where the optimizer has none yet, as ``read_kind`` reads it.
+
+        Raises:
+            ValueError: an expert slice whose state is not shaped as its stored parameter.
+        """
+        flat: dict[str, dict[int, torch.Tensor | None]] = {}
+        for kind in {k for k, _ in reads} & set(self.flat):  # ZeRO: a FlatShard of the entry
+            entries = [e for k, e in reads if k == kind]
+            flat[kind] = dict(zip(entries, self.flat_tensors(kind, entries)))
+        out: list[torch.Tensor | None] = []
+        states = self.optimizer.state if self.optimizer is not None else {}
+        for kind, entry in reads:
+            if kind in flat:
+                out.append(flat[kind][entry])
+                continue
+            param = cast("torch.Tensor", self.facts.local[entry])  # a program's entries are held here
+            value = local_view(state_value(states.get(param, {}), self.state_keys.get(kind, (kind,))))
+            view = self.facts.views[entry]
+            if value is not None and view is not None:
+                if value.shape != local_view(param).shape:
+                    raise ValueError(f"optimizer state {kind!r} of {self.manifest.entries[entry].name} has shape "
+                                     f"{list(value.shape)}, not its stored parameter's: no expert slice of it")
+                value = view(value)
+            out.append(value)
+        return out
+
+    def grad_sites(self) -> list[Site]:
+        """Gradient sites with the gradient's own DTensor placements where they differ from the
+        parameter's: a replicated weight fed by sequence-parallel activations has a
+        ``Partial(sum)`` gradient, which is reduced before any norm is taken. Only the axes of
+        the gradient's mesh whose placement came from DTensor change: a DTensor on a sub-mesh
+        keeps its inferred or declared placements on the other axes (an expert ``Owned`` on
+        ``ep``, a stage on ``pp``). Without DTensor parameters these are the manifest's sites."""
+        if not self.facts.dtensor_params:
+            return self.kind_sites["grad"]
+        sites = []
+        for site, entry in zip(self.kind_sites["grad"], self.manifest.entries):
+            param = self.manifest.local.get(entry.name)
+            held = grad_of(param) if param is not None else None
+            grad = dtensor_placements(held) if held is not None else None
+            if grad is not None and held is not None and entry.name in self.manifest.slices:
+                # An expert slice: the gradient's placements as the slice sees them (Owned on
+                # the expert axes, Partial kept); a gradient sharded otherwise raises here.
+                grad = self.manifest.slice_placements(entry.name, held, self.topology)
+            if grad is not None:
+                merged = dict(site.placements)
+                merged.update((a, p) for a, p in grad if entry.origin(a) == "dtensor")
+                placements = tuple((a, merged[a]) for a in self.topology.names
+                                   if a in merged and not merged[a].is_replica())
+                if placements != site.placements:
+                    site = dataclasses.replace(site, placements=placements)
+            sites.append(site)
+        return sites
+
+
+def local_tensors(tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The local tensor of each (:func:`~tmetrics_core.sources.params.local_view`)."""
+    return list(map(local_view, tensors))
+
+
+def grads_placed_as_params(params: Sequence[torch.Tensor]) -> bool:
+    """Whether every gradient is placed as its parameter: a DTensor on the same mesh with the
+    same placements for a DTensor parameter, a plain tensor for a plain one (then the manifest's
+    gradient sites hold, as :meth:`ParamReads.grad_sites` would find)."""
+    from torch.distributed.tensor import DTensor
+
+    for param, grad in zip(params, map(grad_of, params)):
+        if grad is None:
+            continue
+        if isinstance(param, DTensor) and isinstance(grad, DTensor):
+            # The specs' mesh and placements, compared by identity first (FSDP2 gives a
+            # gradient its parameter's): the properties and the placements' equality are
+            # Python calls per tensor and step.
+            mine, theirs = grad._spec, param._spec
+            if ((mine.mesh is not theirs.mesh and mine.mesh != theirs.mesh)
+                    or (mine.placements is not theirs.placements and mine.placements != theirs.placements)):
+                return False
+        elif isinstance(param, DTensor) or isinstance(grad, DTensor):
+            return False
+    return True
