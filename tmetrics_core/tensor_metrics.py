@@ -31,8 +31,6 @@ import json
 import logging
 import numbers
 import os
-import signal
-import threading
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
@@ -46,6 +44,7 @@ from tmetrics_core.distributed.collectives import Collectives
 from tmetrics_core.distributed.manifest_exchange import share_holdings
 from tmetrics_core.errors import ConfigError, TMetricsError
 from tmetrics_core.distributed.executor import Executor, MetricFailure, Pending
+from tmetrics_core.hub.exits import on_sigterm
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.naming.manifest import Manifest
@@ -752,20 +751,11 @@ class TensorMetrics:
         self.close(status_on_exit(exc_type))
 
     def _install_signal_handler(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
+        def closed_by_sigterm() -> None:
             self._closed_by_signal = not self._closed
             self.close("killed")
-            signal.signal(signal.SIGTERM, previous if previous not in (None, signal.SIG_IGN) else signal.SIG_DFL)
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                os.kill(os.getpid(), signum)
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        on_sigterm(closed_by_sigterm)
 
 
 def _write_manifest(run: RunInfo) -> None:
