@@ -1,8 +1,8 @@
 """Ctrl-C in the README's loop (issue 35, item 3): no ``with``, no ``finally``, three trackers.
 
 tmetrics' close ends within 3 s of the signal and the process exits within 3 s with every tracker
-run ended, read back from its store: the MLflow
-run KILLED, the W&B offline run with its exit record, the TensorBoard events flushed. Before,
+run ended, read back from its store: the MLflow run KILLED, the W&B offline run with its exit
+record, the TensorBoard events flushed. Before,
 the exit took 7.5 s and W&B's own exit hook had torn its service down before tmetrics closed
 ("sink wandb: close('failed') failed ... the backend run may be left open").
 """
