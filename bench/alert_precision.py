@@ -15,6 +15,11 @@ Per run it prints every alert opened and sorts it:
 - **caused**: an alert within ``CLUSTER`` steps after the detection that is not on tokens per
   expert, or is on the injected expert (the gradient-norm spikes of the layers below a
   learning-rate spike; ``starved-expert`` on the expert that ``dead-expert`` named);
+- **recovery**: a spike alert after an injection whose value is within ``RECOVERY`` x its
+  series' median before the injection (the line gives that ratio and the jump over the rule's
+  baseline): the value is back within the layer's healthy range, and the rule tripped because
+  its baseline (the median of the last 20 due values, 100 steps) fell below that range after
+  the injection; the injection's aftermath, not a false alarm;
 - **starvation**: an alert on tokens per expert whose expert was below ``STARVED`` x its layer's
   mean at the alert step: a genuinely starved expert (the demo's router starves experts by
   itself), a true alarm; the line says whether the expert got 0 tokens at some due step;
@@ -42,6 +47,11 @@ STARVED = 0.1
 
 CLUSTER = 10
 """Steps after a detection within which other alerts count as its consequences."""
+
+RECOVERY = 10.0
+"""A spike alert after an injection whose value is at most this many times its series' median
+before the injection is a recovery (the default spike rules' factor: against the healthy
+baseline it would not have tripped)."""
 
 CONFIG = {
     "run": {"name": "alert-precision"},
@@ -99,6 +109,19 @@ def _reached_zero(shares: dict[int, float], step: int) -> bool:
     return any(shares[s] == 0.0 for s in order[i:j + 1])
 
 
+def recovery(alert: Alert, steps: dict[int, list[MetricRecord]], start: int) -> float | None:
+    """The spike alert's value over its series' median before ``start`` (the injection), or None
+    when it is no spike alert or its series has no value before ``start``."""
+    if alert.baseline is None or alert.step < start or not alert.rule.endswith("-spike"):
+        return None
+    before = sorted(float(r.value) for step, records in steps.items() if step < start for r in records
+                    if r.metric == alert.metric and r.labels == alert.labels and isinstance(r.value, (int, float)))
+    if not before:
+        return None
+    healthy = before[len(before) // 2]
+    return alert.value / healthy if healthy else float("inf")
+
+
 def _due_delay(steps: dict[int, list[MetricRecord]], metric: str, start: int, step: int) -> int:
     due = sorted(s for s, records in steps.items() if s >= start and any(r.metric == metric for r in records))
     return due.index(step)
@@ -113,7 +136,7 @@ def judge(run_dir: Path) -> dict:
         expert = inject["expert"] if inject["kind"] == "dead-expert" else None
         detection = next((a for a in opened if a.step >= inject["start_step"] and a.labels.layer == inject["layer"]
                           and (expert is None or a.labels.expert == expert)), None)
-    starved, false, caused = [], [], []
+    starved, false, caused, recovered = [], [], [], []
     for alert in opened:
         if detection is not None and alert is detection:
             continue
@@ -122,6 +145,10 @@ def judge(run_dir: Path) -> dict:
                 alert.metric != "layer-expert-tokens"
                 or (layer, expert) == (detection.labels.layer, detection.labels.expert)):
             caused.append(alert)
+            continue
+        ratio = recovery(alert, steps, inject["start_step"]) if detection is not None else None
+        if ratio is not None and ratio <= RECOVERY:
+            recovered.append((alert, ratio))
             continue
         if alert.metric == "layer-expert-tokens" and layer is not None and expert is not None:
             shares = _shares(steps, layer, expert)
@@ -133,7 +160,7 @@ def judge(run_dir: Path) -> dict:
     if inject and detection is not None:
         delay = _due_delay(steps, detection.metric, inject["start_step"], detection.step)
     return {"inject": inject, "opened": opened, "detection": detection, "delay": delay, "caused": caused,
-            "starved": starved, "false": false}
+            "starved": starved, "false": false, "recovered": recovered}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
             where = "-"
         starved = "; ".join(f"{a.rule} L{a.labels.layer} E{a.labels.expert} step {a.step}"
                             + (" (0 tokens)" if zero else "") for a, zero in result["starved"]) or "-"
-        caused = "; ".join(f"{a.rule} {a.labels.where()} step {a.step}" for a in result["caused"]) or "-"
+        caused = "; ".join([f"{a.rule} {a.labels.where()} step {a.step}" for a in result["caused"]]
+                           + [f"{a.rule} {a.labels.where()} step {a.step} (recovery: {ratio:.2g}x its median before "
+                              f"the injection, {a.jump:.3g}x its baseline)" for a, ratio in result["recovered"]]) or "-"
         false = "; ".join(f"{a.rule} {a.metric} {a.labels.where()} step {a.step}" for a in result["false"]) or "0"
         print(f"| {name} | {len(result['opened'])} | {where} | {caused} | {starved} | {false} |")
 

@@ -165,3 +165,25 @@ def test_bundle_entries_carry_recipes_and_compared_bundles_print_after_what_rele
     assert "every 1 wall x 1.500 over bare" in tail and "629 torch ops" in tail and "38.00 ms" in tail
     assert "x9.50 of them" in tail and ", ".join(BUNDLES["attention"]) in tail
     assert parse("\n".join(table)).ops == 78 and parse("\n".join(table)).code_ms == 4.94
+
+
+def test_alert_precision_tells_a_recovery_after_an_injection_from_a_new_spike():
+    from bench.alert_precision import RECOVERY, recovery
+    from tmetrics_core.alerts import AlertEngine
+    from tmetrics_core.config.alerts import parse_alerts
+    from tmetrics_core.records import Labels, MetricRecord
+
+    def spike_alerts(late: float):
+        """grad-norm-spike over layer 0: 1.0 before the injection at step 100, 0.05 after it, ``late`` at 225."""
+        values = {step: 1.0 if step < 100 else 0.05 for step in range(5, 225, 5)} | {225: late}
+        steps = {step: [MetricRecord("layer-grad-l2", step, value, Labels(layer=0))] for step, value in values.items()}
+        engine = AlertEngine(parse_alerts("default"))
+        alerts = [a for step in sorted(steps) for a in engine.observe(steps[step], step) if a.state == "open"]
+        return alerts, steps
+
+    (back,), steps = spike_alerts(1.2)  # 24x the depressed baseline, 1.2x the healthy level
+    assert (back.rule, back.step, back.jump) == ("grad-norm-spike", 225, pytest.approx(24.0))
+    assert recovery(back, steps, start=100) == pytest.approx(1.2) and 1.2 <= RECOVERY
+    (new,), steps = spike_alerts(30.0)  # 30x the healthy level: a spike by any baseline
+    assert recovery(new, steps, start=100) == pytest.approx(30.0) and 30.0 > RECOVERY
+    assert recovery(new, steps, start=300) is None  # an alert before the injection is no recovery

@@ -5,13 +5,11 @@ manager, a ``close()`` asked for inside a step scope, Ctrl-C, and SIGTERM.
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import threading
 from typing import Any, Callable
 
 from tmetrics_core.distributed.executor import Pending
 from tmetrics_core.errors import TMetricsError
+from tmetrics_core.hub.exits import on_sigterm
 from tmetrics_core.records import RunStatus
 
 __all__ = ["Shutdown"]
@@ -99,17 +97,8 @@ class Shutdown:
             log.exception("tmetrics: closing after KeyboardInterrupt failed")
 
     def _install_signal_handler(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
+        def closed_by_sigterm() -> None:
             self._closed_by_signal = not self._closed
             self.close("killed")
-            signal.signal(signal.SIGTERM, previous if previous not in (None, signal.SIG_IGN) else signal.SIG_DFL)
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                os.kill(os.getpid(), signum)
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        on_sigterm(closed_by_sigterm)

@@ -15,6 +15,15 @@ tensor without index      one per tensor                         that tensor
 none (global)             one per metric, in category "global"   the metric
 ========================  =====================================  ==============================
 
+Colours and legend: the ``Layout`` proto has no field for either (``Category``: ``title``,
+``chart``, ``closed``; ``Chart``: ``title`` and one of ``multiline`` (``tag``, regexes) or
+``margin`` (``series``: ``value``, ``lower``, ``upper`` tags)). The dashboard names each line
+``"<tag> (<run>)"`` and colours it by the run parsed back from that name, so every layer of one run
+is drawn in the run's colour (TensorBoard 2.x, ``tf-custom-scalar-multi-line-chart-card``). What
+stands in for a legend: the chart's "Matches" list names every tag drawn, and its tooltip names
+the tag of each line under the cursor; per-layer colours are in the Time Series tab's one card
+per layer and in the layer x expert heatmaps.
+
 TensorBoard reads the layout from the tag ``custom_scalars__config__``; its data provider always
 keeps the most recent event of a tag, so writing a grown layout at a later step replaces the
 earlier one.

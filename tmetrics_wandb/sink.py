@@ -47,19 +47,19 @@ from __future__ import annotations
 
 import logging
 import math
-import netrc
 import os
 import sys
 from pathlib import Path
 from typing import Any, Literal, Sequence, cast
-from urllib.parse import urlparse
 
 from tmetrics_core.alerts.alert import COLUMNS, Alert
 from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.keys import WANDB_RULES, KeyRules
 from tmetrics_core.sinks.render import StepRenderer
 from tmetrics_core.records import Histogram, Labels, MetricRecord, RunInfo, RunStatus
+from tmetrics_wandb.api_key import api_key_configured
 from tmetrics_wandb.heatmap import LayerHeatmap
+from tmetrics_wandb.histograms import bins_with_zeros, vector_histogram
 
 __all__ = ["ALERTS_KEY", "JOINED_PREFIX", "STEP_KEY", "WandbSink"]
 
@@ -78,7 +78,6 @@ _OPTIONS = ("project", "entity", "mode", "dir", "name", "tags", "heatmap_every",
             "expert_scalars")
 _MODES = ("online", "offline", "disabled")
 _Mode = Literal["online", "offline", "disabled"]
-_VECTOR_BINS = 30
 _MAX_WAITING = 100
 # Directories W&B would otherwise create under HOME; set (unless already set) below `dir`.
 _HOME_DIRS = {
@@ -223,7 +222,7 @@ class WandbSink:
             if variable not in os.environ:  # the user's own settings win; ours are undone at close
                 os.environ[variable] = str(base / "wandb-home" / sub)
                 self._set_env.append(variable)
-        mode = self.mode or ("online" if _api_key_configured() else "offline")
+        mode = self.mode or ("online" if api_key_configured() else "offline")
         if self.mode is None and mode == "offline":
             _log.warning(
                 "W&B: no API key found (WANDB_API_KEY or a netrc entry for the W&B host), so this run is "
@@ -282,8 +281,8 @@ class WandbSink:
         for key, value in rendered.distributions:
             # wandb annotates np_histogram as two ndarrays; it takes lists as well (it calls
             # .tolist() only where there is one), and lists keep the counts exact ints.
-            data[key] = (wandb.Histogram(np_histogram=_bins_with_zeros(value))  # type: ignore[arg-type]
-                         if isinstance(value, Histogram) else _vector_histogram(wandb, value))
+            data[key] = (wandb.Histogram(np_histogram=bins_with_zeros(value))  # type: ignore[arg-type]
+                         if isinstance(value, Histogram) else vector_histogram(wandb, value))
         for key, heatmap in rendered.heatmaps:
             data[key] = wandb.Image(heatmap.image(), caption=heatmap.caption())
         for record in records:
@@ -397,47 +396,3 @@ def _cell(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
-
-
-def _api_key_configured() -> bool:
-    """Whether W&B has a key: ``WANDB_API_KEY``, or a ``netrc`` entry for the W&B host."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    path = os.environ.get("NETRC", os.path.join(os.path.expanduser("~"), ".netrc"))
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def _bins_with_zeros(hist: Histogram) -> tuple[list[int], list[float]]:
-    """``(counts, edges)`` for ``np_histogram``: the bins, with the exact zeros added to the bin
-    holding 0, or to an extra bin between 0 and the nearest edge."""
-    edges = list(hist.edges)
-    counts = list(hist.counts)
-    if not counts:
-        top = edges[0] if edges and edges[0] > 0.0 else 1.0
-        return [hist.zeros], [0.0, top]
-    if hist.zeros:
-        inside = [i for i in range(len(counts)) if edges[i] <= 0.0 < edges[i + 1]]
-        if inside:
-            counts[inside[0]] += hist.zeros
-        elif 0.0 < edges[0]:
-            edges, counts = [0.0, *edges], [hist.zeros, *counts]
-        elif edges[-1] < 0.0:
-            edges, counts = [*edges, 0.0], [*counts, hist.zeros]
-        else:  # the last edge is exactly 0
-            counts[-1] += hist.zeros
-    return counts, edges
-
-
-def _vector_histogram(wandb: Any, values: tuple[float, ...]) -> Any:
-    import numpy as np
-
-    array = np.asarray(values, dtype=np.float64)
-    finite = array[np.isfinite(array)]
-    if finite.size == 0:
-        return wandb.Histogram(np_histogram=([0], [0.0, 1.0]))
-    counts, edges = np.histogram(finite, bins=min(_VECTOR_BINS, finite.size))
-    return wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))

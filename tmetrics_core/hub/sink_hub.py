@@ -14,10 +14,8 @@ Ranks that do not log get a :class:`NullHub`, so the training loop has no rank c
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import sys
 import threading
 import time
 from typing import Any, Sequence
@@ -25,6 +23,7 @@ from typing import Any, Sequence
 from tmetrics_core.alerts.alert import Alert
 from tmetrics_core.alerts.engine import AlertEngine
 from tmetrics_core.errors import ConfigError, SinkError
+from tmetrics_core.hub import exits
 from tmetrics_core.hub.report import HubReport, SinkReport
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus
 from tmetrics_core.hub.worker import SinkWorker
@@ -41,7 +40,8 @@ class SinkHub:
 
     Call :meth:`open` once, then :meth:`submit` every step, and :meth:`close` at the end (on
     normal exit, on an exception and on SIGTERM; close is thread-safe and idempotent). If the
-    process exits without ``close``, an ``atexit`` hook closes with status ``"failed"``.
+    process exits without ``close``, the exit hook (``tmetrics_core.hub.exits``) closes with
+    status ``"failed"``, or ``"killed"`` after Ctrl-C.
 
     Args:
         sinks: the sinks, each with a distinct ``name``.
@@ -152,7 +152,7 @@ class SinkHub:
             self._spiller.start(run)
             for worker in self._workers:
                 worker.start(run)
-            atexit.register(self._close_at_exit)
+            exits.close_at_exit(self._close_at_exit)
 
     def log_config(self, config: dict[str, Any]) -> None:
         """Queue the run config for every sink, in order with the records; a sink that cannot
@@ -235,7 +235,7 @@ class SinkHub:
             self._state = "closing"
             self._report = self._close(status, self._close_timeout if timeout is None else timeout)
             self._state = "closed"
-            atexit.unregister(self._close_at_exit)
+            exits.release(self._close_at_exit)
             return self._report
 
     def close_interrupted(self) -> HubReport:
@@ -276,19 +276,15 @@ class SinkHub:
             raise SinkError(f"SinkHub.{method} needs an open hub; its state is {self._state!r}")
 
     def _exit_hook_last(self) -> None:
-        """Register the exit hook again, after a sink opened: ``atexit`` runs hooks last in,
-        first out, and a tracker library registers its own teardown when its run starts (W&B's
-        service connection), so the hub's hook must come later to close the run while the
-        library still works. Not under the hub's lock, which ``close`` holds while it waits for
-        the workers; a hook registered as a close ends does nothing (the report exists)."""
+        """After a sink opened its run, move the exit hook after the tracker library's own
+        (:func:`~tmetrics_core.hub.exits.hook_last`), to close the run while the library still
+        works. Not under the hub's lock, which ``close`` holds while it waits for the workers."""
         if self._state == "open":
-            atexit.unregister(self._close_at_exit)
-            atexit.register(self._close_at_exit)
+            exits.hook_last()
 
     def _close_at_exit(self) -> None:
         if self._report is None:
-            uncaught = getattr(sys, "last_type", None)
-            interrupted = uncaught is not None and issubclass(uncaught, KeyboardInterrupt)
+            interrupted = exits.exiting_on_interrupt()
             _log.warning("tmetrics was not closed (call TensorMetrics.close() after the last step, or use it as a "
                          "context manager); closing its sinks at interpreter exit with status %r",
                          "killed" if interrupted else "failed")

@@ -102,6 +102,20 @@ class Spiller:
             self._queued_records = queued + n
             self._cond.notify()
 
+    def offer_merged(self, counters: SinkCounters, items: list[Item]) -> None:
+        """:meth:`offer` each of ``items``, with each run of consecutive batches joined into one,
+        so the spool writes (and fsyncs) once per run instead of once per step; every record
+        keeps its own step."""
+        out: list[Item] = []
+        for item in items:
+            last = out[-1] if out else None
+            if isinstance(item, Batch) and isinstance(last, Batch):
+                out[-1] = Batch(item.step, last.records + item.records, last.alerts + item.alerts)
+            else:
+                out.append(item)
+        for item in out:
+            self.offer(counters, item)
+
     def close(self, timeout: float) -> None:
         """Write what is queued, waiting at most ``timeout`` seconds; count the rest as dropped."""
         with self._cond:

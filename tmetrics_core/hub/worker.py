@@ -35,16 +35,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_when_event_set,
-    wait_exponential_jitter,
-)
-
-from tmetrics_core.errors import ConfigError
+from tmetrics_core.hub.attempts import Abandoned, RetryCallState, call_counted, retrying
 from tmetrics_core.hub.report import SinkCounters
 from tmetrics_core.records import RunInfo, RunStatus
 from tmetrics_core.sinks.registry import MetricSink
@@ -53,28 +44,6 @@ from tmetrics_core.hub.spill import Batch, ConfigItem, FlushMarker, Item, Spille
 __all__ = ["SinkWorker"]
 
 _log = logging.getLogger("tmetrics.hub")
-
-
-class _Abandoned(Exception):
-    """The hub gave up on this worker; its items now belong to ``SinkHub.close``."""
-
-
-def _retryable(error: BaseException) -> bool:
-    # A ConfigError is deterministic (a bad option, a key collision): retrying cannot help.
-    return not isinstance(error, (_Abandoned, ConfigError))
-
-
-def _merged(items: list[Item]) -> list[Item]:
-    """``items`` with each run of consecutive batches joined into one, so the spool writes (and
-    fsyncs) once per run instead of once per step; every record keeps its own step."""
-    out: list[Item] = []
-    for item in items:
-        last = out[-1] if out else None
-        if isinstance(item, Batch) and isinstance(last, Batch):
-            out[-1] = Batch(item.step, last.records + item.records, last.alerts + item.alerts)
-        else:
-            out.append(item)
-    return out
 
 
 class SinkWorker:
@@ -209,7 +178,7 @@ class SinkWorker:
             while (item := self._take()) is not None:
                 self._handle(item)
             self._close_sink()
-        except _Abandoned:
+        except Abandoned:
             return
         except BaseException:
             _log.exception(
@@ -220,7 +189,7 @@ class SinkWorker:
         with self._cond:
             while True:
                 if self._abandoned.is_set():
-                    raise _Abandoned
+                    raise Abandoned
                 if self._closing.is_set() and self._queue and self._misses_drain_deadline():
                     self._spool_at_deadline()
                 if self._queue:
@@ -246,8 +215,7 @@ class SinkWorker:
         left = list(self._queue)
         self._queue.clear()
         self._queued_records = 0
-        for item in _merged(left):
-            self._spiller.offer(self.counters, item)
+        self._spiller.offer_merged(self.counters, left)
         _log.warning("sink %s: %d queued records would not be written by the close's drain deadline (%d writes "
                      "of about %.3f s); they go to the spool and the sink is closed now", self.sink.name,
                      sum(len(i.records) for i in left if isinstance(i, Batch)), len(left), self._write_s or 0.0)
@@ -257,7 +225,7 @@ class SinkWorker:
         Under the lock, so :meth:`abandon` sees either the item or its counts, never neither."""
         with self._cond:
             if self._abandoned.is_set():
-                raise _Abandoned
+                raise Abandoned
             item, self._inflight = self._inflight, None
             if spill and item is not None:
                 self._spiller.offer(self.counters, item)
@@ -269,14 +237,8 @@ class SinkWorker:
     def _open(self) -> None:
         assert self._run_info is not None
         run = self._run_info
-        retrying = Retrying(
-            stop=stop_when_event_set(self._closing),
-            wait=wait_exponential_jitter(initial=self._backoff, max=self._backoff_max, jitter=self._backoff),
-            sleep=self._spill_while_waiting,
-            retry=retry_if_exception(_retryable),
-            before_sleep=self._log_open_retry,
-            reraise=True,
-        )
+        policy = retrying(backoff=self._backoff, backoff_max=self._backoff_max, sleep=self._spill_while_waiting,
+                          before_sleep=self._log_open_retry, until=self._closing)
         probe = getattr(self.sink, "probe", None)
 
         def probe_then_open() -> None:
@@ -285,8 +247,8 @@ class SinkWorker:
             self.sink.open(run)
 
         try:
-            self._attempt(retrying, probe_then_open)
-        except _Abandoned:
+            call_counted(policy, probe_then_open, self.counters, self._abandoned)
+        except Abandoned:
             raise
         except Exception as error:
             _log.error(
@@ -296,22 +258,16 @@ class SinkWorker:
             )
             return
         if self._abandoned.is_set():  # an open that hung past the close timeout came back too late
-            raise _Abandoned
+            raise Abandoned
         self.counters.opened = True
         self._on_open()
         _log.info("sink %s opened", self.sink.name)
 
     def _log_open_retry(self, state: RetryCallState) -> None:
-        level = logging.WARNING if state.attempt_number == 1 else logging.DEBUG
-        error = state.outcome.exception() if state.outcome else None
-        _log.log(
-            level,
-            "sink %s failed to open (%r); retrying in the background (waits of up to %.3g s); "
-            "records go to the spool meanwhile",
-            self.sink.name,
-            error,
-            self._backoff_max,
-        )
+        _log.log(logging.WARNING if state.attempt_number == 1 else logging.DEBUG,
+                 "sink %s failed to open (%r); retrying in the background (waits of up to %.3g s); records go to "
+                 "the spool meanwhile", self.sink.name, state.outcome.exception() if state.outcome else None,
+                 self._backoff_max)
 
     def _spill_while_waiting(self, seconds: float) -> None:
         """tenacity's sleep while the sink is not open: spool what arrives, wake on close."""
@@ -319,7 +275,7 @@ class SinkWorker:
         with self._cond:
             while True:
                 if self._abandoned.is_set():
-                    raise _Abandoned
+                    raise Abandoned
                 while self._queue:
                     item = self._queue.popleft()
                     if isinstance(item, Batch):
@@ -405,24 +361,18 @@ class SinkWorker:
 
     def _try(self, call: Callable[[], Any], *, attempts: int, what: str, then: str) -> tuple[bool, bool]:
         """``(succeeded, needed a retry)``; exceptions are counted and logged, never raised
-        (except :class:`_Abandoned`)."""
+        (except :class:`Abandoned`)."""
         retried = False
 
         def note_retry(state: RetryCallState) -> None:
             nonlocal retried
             retried = True
 
-        retrying = Retrying(
-            stop=stop_after_attempt(attempts),
-            wait=wait_exponential_jitter(initial=self._backoff, max=self._backoff_max, jitter=self._backoff),
-            sleep=self._sleep,
-            retry=retry_if_exception(_retryable),
-            before_sleep=note_retry,
-            reraise=True,
-        )
+        policy = retrying(backoff=self._backoff, backoff_max=self._backoff_max, sleep=self._sleep,
+                          before_sleep=note_retry, attempts=attempts)
         try:
-            self._attempt(retrying, call)
-        except _Abandoned:
+            call_counted(policy, call, self.counters, self._abandoned)
+        except Abandoned:
             raise
         except Exception as error:
             level = logging.WARNING if self._down_until is None else logging.DEBUG
@@ -431,15 +381,3 @@ class SinkWorker:
             )
             return False, retried
         return True, retried
-
-    def _attempt(self, retrying: Retrying, call: Callable[[], Any]) -> None:
-        def attempt() -> None:
-            if self._abandoned.is_set():
-                raise _Abandoned
-            try:
-                call()
-            except Exception as error:
-                self.counters.error(error)
-                raise
-
-        retrying(attempt)
