@@ -19,7 +19,6 @@ from tmetrics_core.observe import observe
 from tmetrics_core.sources.tokens import TokenObserver
 
 _FOLLOW = TokenObserver._follow
-_FOLLOW_PAIR = TokenObserver._follow_pair
 """The unpatched route followers (see :func:`count_routes`)."""
 
 __all__ = ["D", "Model", "Observed", "replay", "row_entropy", "token_rows"]
@@ -130,10 +129,9 @@ def row_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def count_routes(monkeypatch, follow: bool) -> list[int]:
-    """Patch ``TokenObserver._follow`` and ``_follow_pair`` (a block's two residual routes in
-    one kernel pass, counted as two) to count the routes taken (``follow``) or to send every
+    """Patch ``TokenObserver._follow`` to count the routes taken (``follow``) or to send every
     observation down the general path (not ``follow``); returns the one-element counter. Safe to
-    call twice in one test: it wraps the unpatched methods."""
+    call twice in one test: it wraps the unpatched method."""
     taken = [0]
 
     def counted(self, route, tensor, minus):
@@ -141,11 +139,5 @@ def count_routes(monkeypatch, follow: bool) -> list[int]:
         taken[0] += done
         return done
 
-    def counted_pair(self, module, h, x):
-        done = follow and _FOLLOW_PAIR(self, module, h, x)
-        taken[0] += 2 * done
-        return done
-
     monkeypatch.setattr(TokenObserver, "_follow", counted)
-    monkeypatch.setattr(TokenObserver, "_follow_pair", counted_pair)
     return taken

@@ -149,7 +149,7 @@ class ExpertCounts(Statistic):
         _experts(site)
         _check_rows(site, self.name, allow_class_split=False)
 
-    def compute(self, tensors, sites, topology):
+    def compute(self, tensors, sites, topology, rows):
         out = []
         for ids, site in zip(tensors, sites):
             experts = _experts(site)

@@ -31,16 +31,14 @@ from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.distributed.partials import resolve_partials
 from tmetrics_core.distributed.replicas import replica_claims, verify_replicas
-from tmetrics_core.kernels import moments
-from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
+from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.naming.manifest import Manifest, dtensor_placements
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
 from tmetrics_core.sources.optimizer_state import state_keys, state_value
 from tmetrics_core.sources.param_program import ParamProgram
-from tmetrics_core.sources.params import (OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, local_view, read_kind,
-                                          update_pairs)
+from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, local_view, read_kind
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.sources.tokens import TOKEN_KINDS
 from tmetrics_core.topology import Topology
@@ -164,7 +162,6 @@ class ParamObserver:
         self._failed: set[str] = set()
         """Post metrics failed by :meth:`fail_post` this step: the program leaves them failed."""
         self._before: MutableMapping[str, torch.Tensor] | None = None
-        self._spare: torch.Tensor | None = None
         unknown = sorted(set(flat) - FLAT_KINDS)
         if unknown:
             raise ConfigError(f"flat buffers of kind {unknown}: a flat buffer holds one of {sorted(FLAT_KINDS)}")
@@ -184,12 +181,7 @@ class ParamObserver:
         self._verified_now, self._deferred = set(), None
 
     def end(self) -> None:
-        """Release what the step held (the snapshot is a copy of the parameters), but keep the
-        kernel's snapshot buffer where no copy in it was handed out: the next due step writes
-        into it (one copy of the snapshot's parameters held between due steps, instead of fresh
-        memory, and its page faults, on every due step)."""
-        if isinstance(self._before, Snapshot):
-            self._spare = self._before.spare()
+        """Release what the step held (the snapshot is a copy of the parameters)."""
         self.step, self.due, self._before, self.prepared, self.sites = None, (), None, {}, {}
         self._plan = None
 
@@ -248,8 +240,7 @@ class ParamObserver:
         """Copy the parameters the due update metrics read (in the optimizer's pre-hook)."""
         names = self.plan().snapshot_names
         if names:
-            spare, self._spare = self._spare, None  # the buffer is the new snapshot's from here
-            self._before = snapshot(self.manifest, names, spare)
+            self._before = snapshot(self.manifest, names)
 
     @torch.no_grad()
     def finish(self) -> dict[str, Prepared]:
@@ -410,8 +401,7 @@ class ParamObserver:
     def _run_phase(self, phase: str) -> None:
         """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
         state or updates (their parameters are the values after the step; updates are read as
-        ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
-        consume), and first the metrics of ``DueSetPlan.from_snapshot``. A failure to read the
+        ``p - snapshot``, computed in place in the snapshot, which they consume), and first the metrics of ``DueSetPlan.from_snapshot``. A failure to read the
         tensors becomes every phase metric's error. The due set's program prepares the metrics
         it plans first; the general path the rest (all of them where the program did not run)."""
         self._programmed(phase)
@@ -425,25 +415,19 @@ class ParamObserver:
         if not metrics and not before:
             return
         memo: dict = {}
-        before_memo: dict = {}
-        # The snapshot as taken: the fused pass only reads it; read_kind("update") (in
-        # _read_phase) overwrites it with the updates, after the metrics of `before` read it.
+        # The snapshot as taken: read_kind("update") (in _read_phase) overwrites it with the
+        # updates, after the metrics of `before` read it.
         snapshots = dict(self._before or {})
-        pairs, failed = None, None
-        if phase == "post":
-            try:
-                pairs = self._fused_updates(metrics, memo, before_memo)
-            except Exception as exc:  # noqa: BLE001 - the kernel failed (the snapshot is intact)
-                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
+        failed = None
         if before:
-            self._prepare_before(before, snapshots, before_memo)
+            self._prepare_before(before, snapshots, {})
         if not metrics:
             return
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
         if failed is None:
             try:
-                sites, tensors = self._read_phase(metrics, pairs)
+                sites, tensors = self._read_phase(metrics)
             except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
                 failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
         if failed is not None:
@@ -484,12 +468,11 @@ class ParamObserver:
                 self.no_grad.update(self.manifest.entries[i].name for i in program.entries(absent))
                 self.unfed.update(program.pre.unfed(frozenset(absent)))
         else:
-            # The kernel's flat snapshot is read by address; torch's copies as they are. Neither
-            # is changed, so the general path finds the snapshot intact if the program raises.
-            then: moments.Held | Sequence[torch.Tensor] = ()
+            # The snapshot's copies are read, not changed, so the general path finds the snapshot
+            # intact if the program raises.
+            then: Sequence[torch.Tensor] = ()
             if isinstance(self._before, Snapshot):
-                held = self._before.held(program.names)
-                then = held if held is not None else self._before.copies(program.names)
+                then = self._before.copies(program.names)
             try:
                 states, absent = program.read_post(params, then, self.facts.views, local, self._state_tensors,
                                                    self.topology)
@@ -546,8 +529,7 @@ class ParamObserver:
 
     def _prepare_before(self, metrics: list[TensorMetric], snapshots: dict[str, torch.Tensor], memo: dict) -> None:
         """Prepare the metrics of ``DueSetPlan.from_snapshot`` on the parameters as they were
-        before the optimizer step: the snapshot's copies (exact), whose moments rows ``memo``
-        holds when the fused update pass read them; the parameters themselves when no step ran
+        before the optimizer step: the snapshot's copies (exact); the parameters themselves when no step ran
         in the scope (then nothing changed them)."""
         try:
             params = read_kind("param", self.manifest, self.optimizer)
@@ -559,19 +541,11 @@ class ParamObserver:
             failed = f"reading the parameters failed: {type(exc).__name__}: {exc}"
         self._prepare_from(metrics, list(self._kind_sites["param"]), tensors, memo, failed)
 
-    def _read_phase(self, metrics: list[TensorMetric], pairs: list[tuple[torch.Tensor, torch.Tensor] | None] | None
-                    ) -> tuple[list[Site], list[torch.Tensor | None]]:
-        """Sites and local tensors of every kind the phase's metrics read (rank-symmetric sites);
-        ``pairs``: the fused updates of :meth:`_fused_updates` (their moments in the memo)."""
+    def _read_phase(self, metrics: list[TensorMetric]) -> tuple[list[Site], list[torch.Tensor | None]]:
+        """Sites and local tensors of every kind the phase's metrics read (rank-symmetric sites)."""
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
         for kind in sorted({k for m in metrics for k in m.source_kinds}):
-            if kind == "update" and pairs is not None:
-                # The snapshots stand in for the updates: every statistic of them comes from
-                # the moments rows in the memo (kernel of p - prev, nothing written).
-                sites.extend(self._kind_sites[kind])
-                tensors.extend(pair[1] if pair is not None else None for pair in pairs)
-                continue
             if kind in self.flat:
                 read = self._flat_tensors(kind, range(len(self.manifest.entries)))
                 sites.extend(self._flat_sources[kind].sites)
@@ -583,56 +557,6 @@ class ParamObserver:
                                     if t is None and e.name in self.manifest.local)
             tensors.extend(read)
         return sites, tensors
-
-    def _fused_updates(self, metrics: list[TensorMetric], memo: dict, before: dict
-                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
-        """``(parameter now, snapshot)`` per manifest entry, their moments put in ``memo`` (and
-        the snapshots' in ``before``), when every metric reading updates derives all its
-        statistics from fused moments and the kernel takes every pair, so the update need not
-        be written (``p - prev`` is read by the kernel); else None (and ``read_kind`` computes
-        the updates in place)."""
-        readers = [m for m in metrics if "update" in m.source_kinds]
-        if not readers or "update" in self.flat or self._before is None:
-            return None
-        # Partial parameters are materialized after reading (resolve_partials): their local
-        # moments would be of one part.
-        if self.facts.partial_params:
-            return None
-        if not all(reads_only_moments(m) for m in readers):
-            return None
-        pairs = update_pairs(self.manifest, self._before)
-        try:
-            self._remember_updates(pairs, memo, before)
-        except ValueError:  # a tensor the kernel does not take (checked before it reads anything)
-            # Put the snapshots back for read_kind; nothing was consumed.
-            self._before = {e.name: pair[1] for e, pair in zip(self.manifest.entries, pairs) if pair is not None}
-            return None
-        return pairs
-
-    def _remember_updates(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None], memo: dict,
-                          before: dict) -> None:
-        """Moments of every update, of its parameter after the step (into ``memo``) and before
-        it (the snapshot, into ``before``), from one kernel pass over each pair.
-
-        Raises:
-            ValueError: a tensor the kernel does not take, or a snapshot whose dtype or size
-                differs from its parameter's (before anything is read).
-        """
-        keys, tensors, minus = [], [], []
-        params = {s.name: s.key for s in self._kind_sites["param"]} if "param" not in self.flat else {}
-        for site, pair in zip(self._kind_sites["update"], pairs):
-            if pair is None:
-                continue
-            keys.append((site.key, params.get(site.name)))
-            tensors.append(pair[0])
-            minus.append(pair[1])
-        block = moments.parts(tensors, minus).flatten(0, 1)
-        after_rows, before_rows = moments.rows_of(memo), moments.rows_of(before)
-        for i, (update, param) in enumerate(keys):
-            after_rows[update] = (block, 3 * i)
-            if param is not None:
-                after_rows[param] = (block, 3 * i + 1)
-                before_rows[param] = (block, 3 * i + 2)
 
     def _grad_sites(self) -> list[Site]:
         """Gradient sites with the gradient's own DTensor placements where they differ from the

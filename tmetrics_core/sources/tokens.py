@@ -3,10 +3,7 @@
 Every observation is flattened to ``[tokens, features]`` and stripped of padding tokens (the
 last ``token_mask`` observed in the step, when its length matches). Activations, residuals and
 logits are prepared at once by every due metric that accepts the site, and released: only the
-small prepared states outlive the call. Where every metric reading an observation derives its
-statistics from the fused moments (the RMS and norm metrics on CPU), the call only reads the
-tensor with the moments kernel (a residual contribution ``h - x`` without writing it) and the
-metrics are prepared at the step's end from those rows, for every layer at once. Router
+small prepared states outlive the call. Router
 outputs (``[tokens, experts]`` logits, scores and top-k choices, a small fraction of a layer's
 activations) are kept, not copied, until the step's end and prepared there for every layer at
 once: one batch instead of a few small calls in each layer's forward. A model must not change
@@ -32,8 +29,7 @@ import torch
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.executor import DeviceCheck
-from tmetrics_core.kernels import moments
-from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
+from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.cotangents import GRAD_KINDS, CotangentScale
@@ -79,13 +75,6 @@ class TokenSites:
     readers: dict[tuple, list[tuple[TensorMetric, bool]]] = field(default_factory=dict)
     """``(site, module path, due metric names)`` -> the due metrics that read the observation,
     each with whether it is prepared at the step's end (:func:`_joint`)."""
-    from_rows: dict[tuple, bool] = field(default_factory=dict)
-    """The same key -> whether every metric prepared at once derives all it reads from the
-    moments rows (:func:`tmetrics_core.kernels.moments.derivable`)."""
-    standins: dict[tuple, torch.Tensor] = field(default_factory=dict)
-    """``(shape, dtype)`` -> a one-element NaN tensor of that shape (zero strides) that stands in
-    for an observation whose moments rows are in the memo: its statistics never read elements
-    (were one read, it would show as NaN, not as a plausible number)."""
     routes: dict[tuple, Route] = field(default_factory=dict)
     """``(module, name, kind, shard_dim, dtype, width, with minus, due metric names)`` -> the
     :class:`Route` of a plain-tensor observation: later calls skip the site and reader lookups."""
@@ -99,15 +88,10 @@ class TokenSites:
 @dataclass(frozen=True)
 class Route:
     """Where the observations of one hook call go, found on its first call per run and due set:
-    the ``site``, its ``readers`` (as :meth:`TokenObserver._readers`) and whether every metric
-    prepared at once derives from moments rows (``rows``: one kernel read, rows kept)."""
+    the ``site`` and its ``readers`` (as :meth:`TokenObserver._readers`)."""
 
     site: Site
     readers: tuple[tuple[TensorMetric, bool], ...]
-    rows: bool
-    squares: bool = False
-    """The metrics prepared at once read only sums of squares from the rows (RMS, L2): the
-    kernel computes that column alone (``moments.sumsq_suffices``)."""
 
 
 @dataclass(slots=True)
@@ -164,7 +148,6 @@ class TokenObserver:
         self._checks: list[tuple[torch.Tensor, str, frozenset[str] | None]] = []
         self._padding: Padding | None = None
         self._deferred: dict[str, list[tuple[Site, torch.Tensor]]] = {}
-        self._kept: dict[SiteKey, int] = {}
         self._memos: list[dict] = []
         self._fresh: set[SiteKey] = set()
         """Keys of the sites first made in this step (no earlier step saw them)."""
@@ -172,8 +155,6 @@ class TokenObserver:
         """Sum of squares of a fresh residual site's first observation (:meth:`first_sumsq`;
         the first observation of a site always takes the general path, :meth:`_record`)."""
         self._views: list[tuple[Site, torch.Tensor, int]] = []
-        self._row_buffer: torch.Tensor | None = None
-        self._rows_used = 0
         self.cotangent_scale = cotangent_scale or CotangentScale(1, None)
         """What each cotangent is multiplied by (data-parallel averaging, loss scale)."""
 
@@ -255,68 +236,20 @@ class TokenObserver:
     def record_residual(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor | None, *,
                         accumulator: bool) -> None:
         """Observe a block's output ``h`` as the residual accumulator (when ``accumulator``) and
-        ``h - x`` as its contribution (when ``x``, the block's input of the same shape, is given):
-        as the two :meth:`record` calls would, but where both are known to need only moments rows,
-        one kernel pass over ``h`` and ``x`` gives both rows (``h`` is read once, not twice)."""
-        if not (accumulator and x is not None and self._follow_pair(module, h, x)):
-            if accumulator:
-                self._observe(module, "", h, "residual_accumulator", None, None)
-            if x is not None:
-                self._observe(module, "", h, "residual_contribution", None, x)
-
-    def _follow_pair(self, module: torch.nn.Module, h: torch.Tensor, x: torch.Tensor) -> bool:
-        """Both residual rows of one block from one ``parts`` pass (rows of ``h - x``, ``h``),
-        along the routes of earlier steps; False (nothing done) where :meth:`record` must run:
-        a route not known yet or not reading rows, padding to strip, a tensor the kernel does
-        not take, the kernel off."""
-        if (type(h) is not torch.Tensor or type(x) is not torch.Tensor or h.dim() < 2 or self._padding is not None
-                or torch_private.in_backward() or not h.is_cpu or not moments.available()):
-            return False
-        known = self.known.routes
-        width = h.shape[-1]
-        total = known.get((module, "", "residual_accumulator", None, h.dtype, width, True, self._names))
-        part = known.get((module, "", "residual_contribution", None, h.dtype, width, False, self._names))
-        if total is None or part is None or not total.rows or not part.rows:
-            return False
-        buffer, first = self._row_space(3)
-        try:
-            if not moments.write_rows(buffer, first, [h], [x], parts=True, sumsq_only=total.squares and part.squares):
-                return False  # a tensor the kernel does not take (decided from metadata)
-        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
-            for route in (total, part):
-                self.sites[route.site.key] = route.site
-                for metric, joint in route.readers:
-                    if not joint:
-                        self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
-            return True
-        shape = (h.numel() // width, width)
-        for route, row in ((total, 1), (part, 0)):
-            self.sites[route.site.key] = route.site
-            self._keep_row(route.site, route.readers, buffer, first + row, shape, h.dtype)
-        return True
-
-    def _row_space(self, count: int) -> tuple[torch.Tensor, int]:
-        """Room for ``count`` moments rows in the step's row buffer: ``(buffer, first row)``.
-        The rows of every observation of a step lie in one tensor, so a metric's rows of all
-        layers are a strided view of it at the step's end, not a stack of separate rows."""
-        buffer, used = self._row_buffer, self._rows_used
-        if buffer is None or used + count > buffer.shape[0]:
-            buffer = self._row_buffer = torch.empty((max(_ROW_BUFFER, count), len(moments.FIELDS)),
-                                                    dtype=torch.float64)
-            used = 0
-        self._rows_used = used + count
-        return buffer, used
+        ``h - x`` as its contribution (when ``x``, the block's input of the same shape, is given),
+        as the two :meth:`record` calls would."""
+        if accumulator:
+            self._observe(module, "", h, "residual_accumulator", None, None)
+        if x is not None:
+            self._observe(module, "", h, "residual_contribution", None, x)
 
     def _follow(self, route: Route, tensor: torch.Tensor, minus: torch.Tensor | None) -> bool:
-        """Observe along ``route``: read the rows, or keep a router output; False (nothing done)
-        where the general path must run (the kernel is off or does not take the tensors)."""
+        """Observe along ``route``: keep a router output; False (nothing done) where the general
+        path must run (every other kind)."""
         site = route.site
-        self.sites[site.key] = site
-        if route.rows:
-            return self._read_rows(site, route.readers, tensor, minus, (tensor.numel() // tensor.shape[-1],
-                                                                        tensor.shape[-1]), route.squares)
         if site.kind not in ROUTER_KINDS or minus is not None:
             return False
+        self.sites[site.key] = site
         # Detached only when part of a graph (kept past backward, it would hold the graph's
         # saved tensors); viewed as rows only when not 2-D already: no op otherwise.
         x = tensor.detach() if tensor.requires_grad else tensor
@@ -357,16 +290,11 @@ class TokenObserver:
                 and not masked and self.known.sites.get((full, kind, int(x.shape[1]), x.dtype, shard_dim, path,
                                                          split_axes)) is site):
             key = (module, name, kind, shard_dim, tensor.dtype, tensor.shape[-1], minus is None, self._names)
-            rows = self._rows_suffice(site, path, readers)
-            squares = rows and moments.sumsq_suffices(s for m, joint in readers if not joint
-                                                      for s in getattr(m, "statistics", ()))
-            self.known.routes[key] = Route(site, tuple(readers), rows, squares)
+            self.known.routes[key] = Route(site, tuple(readers))
         if site.key in self._fresh and site.key not in self._firsts and kind in SEQUENCE_CHECKED:
             self._firsts[site.key] = torch.linalg.vector_norm(x if y is None else x - y, dtype=torch.float64).square()
-        if not masked and self._from_rows(site, path, readers, x, y):
-            return
-        if y is not None:
-            x = x - y
+        if y is not None:  # low precision widened first: the difference itself, not its rounding
+            x = (x.float() if x.dtype in _LOW else x) - y
         if masked:
             assert self._padding is not None, "masked is only set with a mask"
             x = x.index_select(0, self._padding.on(x.device))
@@ -389,64 +317,6 @@ class TokenObserver:
                 self.states[metric.name] = state if previous is None else metric.merge(previous, state)
             except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
                 self.errors[metric.name] = f"{type(exc).__name__}: {exc}"
-
-    def _rows_suffice(self, site: Site, path: str, readers: list[tuple[TensorMetric, bool]]) -> bool:
-        """Whether every metric prepared at once derives all it reads from moments rows."""
-        key = (site, path, self._names)
-        suffice = self.known.from_rows.get(key)
-        if suffice is None:
-            at_once = [m for m, joint in readers if not joint]
-            suffice = self.known.from_rows[key] = bool(at_once) and all(map(reads_only_moments, at_once))
-        return suffice
-
-    def _from_rows(self, site: Site, path: str, readers: list[tuple[TensorMetric, bool]], x: torch.Tensor,
-                   y: torch.Tensor | None) -> bool:
-        """Read ``x`` (minus ``y``) with the moments kernel and keep the row for the step's end,
-        when every metric prepared at once derives its statistics from it; False (nothing
-        done) otherwise. The metrics then see a stand-in of ``x``'s shape."""
-        return self._rows_suffice(site, path, readers) and self._read_rows(site, readers, x, y, (int(x.shape[0]), int(x.shape[1])))
-
-    def _read_rows(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], x: torch.Tensor,
-                   y: torch.Tensor | None, shape: tuple[int, int], squares: bool = False) -> bool:
-        """Read ``x`` (minus ``y``, of the same dtype and size) with the moments kernel (sums of
-        squares alone with ``squares``), keep the row for the step's end and give the metrics
-        prepared at once a NaN stand-in of ``shape``; False (nothing done) when the kernel is
-        off or does not take the tensors."""
-        if not x.is_cpu or not moments.available():
-            # Checked on every call, not remembered: the kernel may be switched off for a
-            # while (moments.disabled()), and then statistics read the tensors themselves.
-            return False
-        now = [m for m, joint in readers if not joint and m.name not in self.errors]
-        buffer, first = self._row_space(1)
-        try:
-            if not moments.write_rows(buffer, first, [x], [y], sumsq_only=squares):
-                return False  # a tensor the kernel does not take (decided from metadata)
-        except Exception as exc:  # noqa: BLE001 - reported and skipped on every rank
-            for metric in now:
-                self.errors.setdefault(metric.name, f"{type(exc).__name__}: {exc}")
-            return True
-        self._keep_row(site, readers, buffer, first, shape, x.dtype)
-        return True
-
-    def _keep_row(self, site: Site, readers: Sequence[tuple[TensorMetric, bool]], block: torch.Tensor, row: int,
-                  shape: tuple[int, int], dtype: torch.dtype) -> None:
-        """Keep moments row ``row`` of ``block`` as ``site``'s for the step's end (micro-batch k
-        for the site's k-th observation) and give the metrics prepared at once a NaN stand-in of
-        ``shape``."""
-        k = self._kept.get(site.key, 0)
-        self._kept[site.key] = k + 1
-        while len(self._memos) <= k:
-            self._memos.append({})
-        moments.rows_of(self._memos[k])[site.key] = (block, row)
-        standins = self.known.standins
-        standin = standins.get((shape, dtype))
-        if standin is None:
-            if len(standins) >= _STANDINS:  # changing sequence lengths make new shapes: bounded
-                standins.clear()
-            standin = standins[(shape, dtype)] = torch.full((), float("nan"), dtype=dtype).expand(shape)
-        for metric, joint in readers:
-            if not joint and metric.name not in self.errors:
-                self._deferred.setdefault(metric.name, []).append((site, standin))
 
     def first_sumsq(self, key: SiteKey) -> torch.Tensor | None:
         """The sum of squares of residual site ``key``'s first observation this step, where the
@@ -580,14 +450,9 @@ class TokenObserver:
 
 
 _NO_AXES: frozenset[str] = frozenset()
+_LOW = frozenset({torch.bfloat16, torch.float16})
 _MODULE_KINDS = frozenset({"activation", "activation_grad"})
 """Kinds observed at modules that ``modules:`` globs pick."""
-_ROW_BUFFER = 192
-"""Moments rows per chunk of a step's row buffer (a few KiB; rows of 64 blocks' residual pairs)."""
-
-_STANDINS = 256
-"""Stand-in shapes kept across steps at most (each is one element; the cache is cleared when full)."""
-
 ROUTER_KINDS = frozenset({"router_logits", "router_topk", "router_scores"})
 """Token kinds kept until the step's end (``[tokens, experts]``: small next to activations)."""
 
