@@ -29,9 +29,11 @@ plus, per group, one ``stack`` of the columns and, when there are several groups
 on accelerators (their reductions are tree-shaped, not long serial sums). Nothing is read back
 to the host.
 
-One path serves every device: an earlier CPU-only C kernel (one read of each contiguous CPU
-float32/bfloat16 tensor for all columns, compiled at first use) was dropped after measuring the
-demo's CPU overhead with and without it (docs/performance.md, issue 33).
+One path serves every device. An earlier CPU-only C kernel (one read of each contiguous CPU
+float32/bfloat16 tensor for all columns, compiled at first use; accelerators never used it) was
+dropped in issue 33. Measured before dropping it (demo model on CPU, one thread, the standard
+bundle every step, 60 rotations of single steps, paired against the bare step of 103 ms): with
+the kernel +7.4% +- 0.5%, with it switched off +19.2% +- 0.5%; this path +19.2% +- 0.2%.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class StatMetric:
     """Declares that :meth:`prepare` gives, per accepted site (less those :meth:`kept` drops),
     the vectors of :attr:`statistics` in order, and nothing else: then a planned path (the
     parameter side's :class:`~tmetrics_core.sources.param_program.ParamProgram`) may compute the
-    state from moments rows instead of calling :meth:`prepare`. A subclass whose ``prepare``
+    state from rows instead of calling :meth:`prepare`. A subclass whose ``prepare``
     (or ``_block``) computes something else sets False; one that only computes the same vectors
     faster (as ``NonFinite``) keeps True."""
     resume_agreed: bool = True
