@@ -5,8 +5,8 @@
 The CPU tables time tmetrics' Python between the model's own kernels, which leave the caches
 (and the core's clock) as a matmul leaves them. Two side-by-side measurements, in one run:
 
-1. one small call of a forward hook (``moments._packed`` of a block's output and input: the
-   kernel arguments the residual hook builds) timed back to back, right after a 1024 x 1024
+1. one small call of a forward hook (the rows pass of a block's output, sums of squares: what
+   a residual norm reads) timed back to back, right after a 1024 x 1024
    matmul, and right after writing 64 MiB (median of ``--repeats`` each);
 2. the executor's pass at the step's end on the demo with the standard bundle due every step,
    timed where it runs and then again at once on the same prepared states (the second
@@ -28,7 +28,7 @@ import torch
 
 from bench.demo_variants import BUNDLE, make_trainer, tmetrics_factory
 from tmetrics_core.distributed.executor import Executor
-from tmetrics_core.kernels import moments
+from tmetrics_core.kernels.rows import rows
 
 __all__ = ["main"]
 
@@ -45,14 +45,14 @@ def _after(work: Callable[[], Any], call: Callable[[], Any], repeats: int) -> fl
 
 
 def hook_call(repeats: int) -> list[str]:
-    h, x = torch.randn(8, 128, 256), torch.randn(8, 128, 256)
+    h = torch.randn(8, 128, 256)
     a, big = torch.randn(1024, 1024), torch.empty(16 << 20)
     def call() -> Any:
-        return moments._packed([h], [x])
+        return rows([h], ("sumsq",))
     warm = _after(lambda: None, call, repeats)
     rows = [("back to back", warm), ("after a 1024^2 matmul", _after(lambda: a @ a, call, repeats)),
             ("after writing 64 MiB", _after(lambda: big.fill_(1.0), call, repeats))]
-    lines = ["Table 1: one forward hook's kernel arguments (moments._packed of two [8, 128, 256] tensors)",
+    lines = ["Table 1: one forward hook's rows pass (sums of squares of an [8, 128, 256] tensor)",
              f"{'when':<24} {'us':>8} {'x warm':>7}"]
     lines += [f"{name:<24} {us:>8.1f} {us / warm:>7.1f}" for name, us in rows]
     return lines

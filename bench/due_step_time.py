@@ -3,8 +3,8 @@
 :func:`due_step_time` builds the demo trainer with a bundle every step and times, over a few
 steps, the tmetrics code the training thread runs (step scope exit, optimizer hooks,
 ``observe_gradients``, forward-hook observations, the attention observations and the cotangent
-hooks of the backward) and, inside it, the passes over tensor elements: the C kernels (moments,
-row softmax sums), the update snapshot copy, the attention metrics' chunked recompute of the
+hooks of the backward) and, inside it, the passes over tensor elements: the rows passes
+(:func:`tmetrics_core.kernels.rows.rows`), the update snapshot copy, the attention metrics' chunked recompute of the
 scores and the low-precision emulation. The rest is per-tensor and per-observation Python and
 small torch ops. Beside it, the model's own attention kernel (``F.scaled_dot_product_attention``
 in the forward), the work the attention metrics re-read. Timed directly with
@@ -29,10 +29,9 @@ from bench.demo_variants import BUNDLE, make_trainer, tmetrics_factory
 from tmetrics_core import tensor_metrics
 import torch.nn.functional as F
 
-from tmetrics_core.kernels import foreach_moments, moments
-from tmetrics_core.metrics import attention_heads
+from tmetrics_core.metrics import attention_heads, vectors
 from tmetrics_core.metrics.quant import metric as quant_metric
-from tmetrics_core.sources import param_observer, tokens
+from tmetrics_core.sources import param_observer, param_program, tokens
 
 __all__ = ["DueStepTime", "due_step_time", "main", "program_gain"]
 
@@ -43,8 +42,8 @@ _ENTRIES = ((tensor_metrics.TensorMetrics, "_pre_step"), (tensor_metrics.TensorM
             (tokens.TokenObserver, "cotangent"))
 """The tmetrics code of a step (never nested in one another)."""
 
-_PASSES = ((moments, "_run"), (moments, "row_softmax_sums"), (foreach_moments, "foreach_rows"),
-           (param_observer, "snapshot"), (attention_heads, "query_parts"), (quant_metric, "quant_rows"))
+_PASSES = ((vectors, "rows"), (param_program, "moments_rows"), (param_observer, "snapshot"),
+           (attention_heads, "query_parts"), (quant_metric, "quant_rows"))
 """The passes over tensor elements (called only from inside the entries)."""
 
 _ATTENTION = ((F, "scaled_dot_product_attention"),)

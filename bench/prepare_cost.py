@@ -6,10 +6,8 @@ counts and zero fraction of both. Its local preparation (``prepare_states``: eve
 every tensor, shared between metrics through the step memo, no collective) is timed against ONE
 ``torch._foreach_norm`` pass over the same tensors, the floor any norm metric pays.
 
-Two paths are timed: the default, where the fused moments kernel
-(``tmetrics_core.kernels.moments``) reads each tensor once for all its statistics, and the torch
-kernels alone (``moments.disabled()``: what runs without a C compiler or on tensors the kernel
-does not take), one pass per statistic.
+One rows pass (:func:`tmetrics_core.kernels.rows.rows`, batched torch ops) serves every
+statistic of a metric; the breakdown also times that pass alone.
 
 Variants run interleaved in short rounds (order rotated each round), because this machine's
 speed drifts; the figure is the paired ratio (bundle time over the foreach pass in the same
@@ -29,7 +27,7 @@ import torch
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.preparation import prepare_states
-from tmetrics_core.kernels import moments
+from tmetrics_core.kernels.rows import COLUMNS, rows
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import NonFinite, ZeroFraction
 from tmetrics_core.metrics.statistics import ABSMAX, COUNT, NONFINITE, SUMSQ, ZEROS
@@ -103,7 +101,6 @@ def main(argv: list[str] | None = None) -> None:
         for site in sites:
             if metric.accepts(site):
                 metric.check(site, topology)
-    others = [t + 1e-3 for t in tensors]  # a snapshot's stand-in: parts() reads the update and both ends
     numel = sum(t.numel() for t in tensors)
     print(f"{len(tensors)} tensors, {numel / 1e6:.1f} M fp32 elements ({numel * 4 / 2**20:.0f} MiB), "
           f"{len(metrics)} metrics, {args.threads} thread(s)")
@@ -114,25 +111,17 @@ def main(argv: list[str] | None = None) -> None:
     def prepare() -> object:
         return prepare_states(metrics, sites, tensors, topology, {})
 
-    def prepare_torch() -> object:
-        with moments.disabled():
-            return prepare_states(metrics, sites, tensors, topology, {})
-
-    if not moments.available():
-        print("fused moments kernel unavailable (no C compiler?): both bundle rows use torch kernels")
     variants: dict[str, Callable[[], object]] = {
-        "foreach_norm": floor, "bundle prepare": prepare, "torch kernels": prepare_torch,
-        "  moments": lambda: moments.moments(tensors) if moments.available() else None,
-        "  parts": lambda: moments.parts(tensors, others) if moments.available() else None,
-        "  parts, sumsq": lambda: moments.parts(tensors, others, sumsq_only=True) if moments.available() else None}
+        "foreach_norm": floor, "bundle prepare": prepare,
+        "  rows, every column": lambda: rows(tensors, COLUMNS), "  rows, sumsq": lambda: rows(tensors, ("sumsq",))}
     for stat in (SUMSQ, ABSMAX, NONFINITE, ZEROS, COUNT):
-        variants[f"  {stat.name}"] = (lambda s=stat: s.compute(tensors, sites, topology))
-    prepare()  # warm up allocator and kernels (and compile the fused one)
+        variants[f"  {stat.name}"] = (lambda s=stat: s.compute(tensors, sites, topology, rows(tensors, s.reads)
+                                                               if s.reads else None))
+    prepare()  # warm up allocator and kernels
     ratios = _paired(variants, "foreach_norm", args.rounds, args.repeats)
     print(f"bundle prepare / one _foreach_norm pass: {ratios.pop('bundle prepare'):.2f}x (target 1.5x)")
-    print(f"  the same with torch kernels only:      {ratios.pop('torch kernels'):.2f}x")
-    print("one fused moments pass, one parts pass (x - y, x and y: every field, and sums of squares "
-          "alone), and each statistic alone with its torch kernel (same pairing):")
+    print("one rows pass (every column, and sums of squares alone), and each statistic alone with its rows "
+          "(same pairing):")
     for name, ratio in ratios.items():
         print(f"{name:<14} {ratio:.2f}x")
 

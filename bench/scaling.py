@@ -51,7 +51,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.recording import RecordingCollectives, SymmetricWorld
 from tmetrics_core.demo.model import ModelConfig, Transformer
 from tmetrics_core.integrations.megatron_shards import OwnedRanges
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.placements import Shard
 from tmetrics_core.sources.flat import FlatBuffer
@@ -202,42 +201,6 @@ def _clock(device: str) -> Any:
     return synced
 
 
-class _KernelClock:
-    """The C kernel's library with its entry points timed (``seconds`` accumulates this
-    thread's CPU time inside them), put in place of ``moments._kernel`` and
-    ``moments._library`` while a due step runs, so the bench can tell the kernel's passes from
-    the Python around them."""
-
-    def __init__(self, lib: Any, clock: Any) -> None:
-        self._lib, self._clock, self.seconds = lib, clock, 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        f = getattr(self._lib, name)
-
-        def timed(*args: Any) -> Any:
-            start = self._clock()
-            try:
-                return f(*args)
-            finally:
-                self.seconds += self._clock() - start
-        return timed
-
-
-@contextlib.contextmanager
-def _kernel_timed(clock: Any) -> Iterator[_KernelClock | None]:
-    lib = moments._library() if moments.available() else None
-    if lib is None:
-        yield None
-        return
-    timed = _KernelClock(lib, clock)
-    saved = moments._kernel, moments._library
-    moments._kernel = moments._library = lambda: timed  # type: ignore[assignment]
-    try:
-        yield timed
-    finally:
-        moments._kernel, moments._library = saved  # type: ignore[assignment]
-
-
 def _measure(metrics: TensorMetrics, model: Transformer, optimizer: torch.optim.Optimizer,
              rounds: int, device: str) -> dict[str, Any]:
     params = list(model.parameters())
@@ -268,22 +231,17 @@ def _measure(metrics: TensorMetrics, model: Transformer, optimizer: torch.optim.
     with counter:
         due(2)
     tm_ops = counter.ops - bare_ops
-    with_tm, without, norm, kernel = [], [], [], []
-    with _kernel_timed(clock) as timed:
-        for r in range(rounds):
-            before = timed.seconds if timed is not None else 0.0
-            with_tm.append(due(3 + r))
-            kernel.append(timed.seconds - before if timed is not None else 0.0)
-            without.append(bare())
-            norm.append(foreach())
+    with_tm, without, norm = [], [], []
+    for r in range(rounds):
+        with_tm.append(due(3 + r))
+        without.append(bare())
+        norm.append(foreach())
     metrics.close()
     seconds = max(statistics.median(with_tm) - statistics.median(without), 0.0)
-    outside = max(seconds - statistics.median(kernel), 0.0)
     config = model.config
     return {"tensors": len(params), "elements": sum(p.numel() for p in params), "layers": config.n_layers, "experts": config.n_experts, "width": config.d_model,
             "ops": tm_ops,
             "ms": seconds * 1e3, "us per tensor": seconds * 1e6 / len(params),
-            "outside us per tensor": outside * 1e6 / len(params),
             "foreach ms": statistics.median(norm) * 1e3}
 
 
@@ -305,7 +263,7 @@ def tensor_table(large: bool, device: str = "cpu") -> list[dict[str, Any]]:
 def print_tensors(rows: list[dict[str, Any]]) -> None:
     print(f"Table 2: one process, {', '.join(TENSOR_METRICS)} due every step")
     head = (f"{'tensors':>7} {'layers x experts':>16} {'width':>5} | {'torch ops/due step':>18} | "
-            f"{'tmetrics ms/due step':>20} {'us/tensor':>9} {'outside kernel':>14} {'marginal':>8} | "
+            f"{'tmetrics ms/due step':>20} {'us/tensor':>9} {'marginal':>8} | "
             f"{'_foreach_norm ms':>16} {'ratio':>6}")
     print(head)
     print("-" * len(head))
@@ -316,13 +274,12 @@ def print_tensors(rows: list[dict[str, Any]]) -> None:
                     if previous is not None and r["tensors"] > previous["tensors"] and r["width"] == previous["width"]
                     else f"{'':>8}")
         print(f"{r['tensors']:>7} {str(r['layers']) + ' x ' + str(r['experts']):>16} {r['width']:>5} | "
-              f"{r['ops']:>18} | {r['ms']:>20.2f} {r['us per tensor']:>9.1f} {r['outside us per tensor']:>14.1f} "
+              f"{r['ops']:>18} | {r['ms']:>20.2f} {r['us per tensor']:>9.1f} "
               f"{marginal} | {r['foreach ms']:>16.3f} {ratio:>6.1f}")
         previous = r
     print("tmetrics ms: median due step with tmetrics minus the median bare optimizer step (thread CPU time on "
           "the CPU, synchronised wall time on an accelerator); torch ops: those above the bare step's; "
-          "outside kernel: us/tensor less the C kernel's own time (Python, metadata checks and the fixed torch "
-          "ops); marginal: us per tensor added since the row above (the per-tensor cost without the fixed one).")
+          "marginal: us per tensor added since the row above (the per-tensor cost without the fixed one).")
 
 
 FLAT_CASES = ((16, 8, 8), (16, 64, 8))

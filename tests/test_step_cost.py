@@ -102,8 +102,8 @@ def test_update_snapshot_covers_selected_tensors_and_ends_with_the_step(monkeypa
                             optimizer=optimizer)
     taken = []
     original = tm.snapshot
-    monkeypatch.setattr(tm, "snapshot", lambda manifest, names=None, spare=None: taken.append(names)
-                        or original(manifest, names, spare))
+    monkeypatch.setattr(tm, "snapshot", lambda manifest, names=None: taken.append(names)
+                        or original(manifest, names))
     layer1 = [(n, p) for n, p in model.named_parameters() if n.startswith("layers.1.")]
     tokens = torch.randint(0, 256, (2, SMALL.seq_len + 1), generator=torch.Generator().manual_seed(0))
     for step in (1, 2):

@@ -143,22 +143,18 @@ def test_globs_in_another_naming_are_refused_with_the_naming_and_the_nearest_nam
         TensorMetrics(model, metrics=[(build_metric("layer-grad-l2", select="model.layers.*.mlp.gate.*"), 1)])
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_updates_and_adam_state_of_expert_slices_are_read_as_views_on_both_paths(kernel: bool) -> None:
-    from tmetrics_core.kernels import moments
-
+def test_updates_and_adam_state_of_expert_slices_are_read_as_views() -> None:
     model = _model("qwen2_moe")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     names = ("layer-update-ratio", "layer-optimizer-state-rms", "expert-grad-l2")
     metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in names], optimizer=optimizer)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    with moments.disabled() if not kernel else contextlib.nullcontext():
-        for step in (1, 2):
-            with metrics.step(step):
-                model(input_ids=ids, labels=ids).loss.backward()
-                before = [[p.detach().double().clone() for p in layer.parameters()] for layer in model.model.layers]
-                optimizer.step()
-                optimizer.zero_grad()
+    for step in (1, 2):
+        with metrics.step(step):
+            model(input_ids=ids, labels=ids).loss.backward()
+            before = [[p.detach().double().clone() for p in layer.parameters()] for layer in model.model.layers]
+            optimizer.step()
+            optimizer.zero_grad()
     records = {(r.metric, r.layer, r.stat): r.value for r in metrics.last_records}
     assert not metrics.failures
     for i, (layer, then) in enumerate(zip(model.model.layers, before)):

@@ -261,8 +261,8 @@ def test_expert_ids_out_of_range_are_a_clear_error_and_in_range_ones_read_no_val
     site = Site("layers.0.router", "router_topk", (-1, 2), layer=0, num_experts=4)
     stat, topology = ExpertCounts(), Topology.single_process()
     with pytest.raises(ValueError, match=rf"expert ids must be in \[0, 4\); got {shown}"):
-        stat.compute([torch.tensor(ids)], [site], topology)
+        stat.compute([torch.tensor(ids)], [site], topology, None)
     # The common case never reads an id on the host (no .item()/int() of a tensor value).
     monkeypatch.setattr(torch.Tensor, "__int__", lambda self: pytest.fail("host read of an expert id"))
-    (counts,) = stat.compute([torch.tensor([[0, 1], [1, 3]])], [site], topology)
+    (counts,) = stat.compute([torch.tensor([[0, 1], [1, 3]])], [site], topology, None)
     assert counts.tolist() == [1.0, 2.0, 0.0, 1.0]

@@ -1,9 +1,8 @@
-"""Deferred token observation (router outputs kept to the step's end, residuals prepared in
-the hook) against formulas on the full tensors each observation saw: micro-
-batches with and without padding, checkpointing, bf16, awkward block outputs, empty batches,
-forward-only steps, select/modules patterns, interval mixes with changing sequence lengths,
-the kernel switched off between steps, families reading different sites of a layer, and a
-model that changes an observed router tensor in place."""
+"""Deferred token observation (router outputs kept to the step's end) against formulas on the
+full tensors each observation saw: micro-batches with and without padding, checkpointing, bf16,
+awkward block outputs, empty batches, forward-only steps, select/modules patterns, interval mixes
+with changing sequence lengths, families reading different sites of a layer, and a model that
+changes an observed router tensor in place."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from tests.deferred_model import D, Model, Observed, replay, row_entropy, token_
 from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.distributed.executor import Executor
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.observe import observe
 from tmetrics_core.site import Site
@@ -194,22 +192,6 @@ def test_a_router_tensor_changed_in_place_after_observation_fails_its_metrics_in
     _assert_expected(got, replay(model, xs, masks))
 
 
-def test_the_kernel_switched_off_after_a_due_step_reads_the_tensors_themselves() -> None:
-    """A step under moments.disabled() after one with the kernel: the residual metrics must
-    read the tensors, not stand-ins for rows that were never taken."""
-    model = Model()
-    metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in RESIDUAL])
-    for step, off in ((1, False), (2, True), (3, False)):
-        xs, masks = _batches([(2, 5)], [False], seed=step)
-        if off:
-            with moments.disabled(), metrics.step(step):
-                model(xs[0])
-        else:
-            with metrics.step(step):
-                model(xs[0])
-        _assert_expected(_records(metrics), replay(model, xs, masks))
-
-
 class _Awkward(torch.nn.Module):
     """Residual blocks whose outputs are a transposed view, a slice of a wider tensor, another
     dtype than the input, or another width (no contribution then)."""
@@ -289,10 +271,9 @@ def test_empty_micro_batches() -> None:
     with metrics.step(2):
         model(xs[1])
     got = _records(metrics)
-    with moments.disabled():
-        reference = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in names])
-        with reference.step(2):
-            model(xs[1])
+    reference = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in names])
+    with reference.step(2):
+        model(xs[1])
     assert metrics.failures == [] and reference.failures == []
     want = _records(reference)
     assert got[("layer-residual-accumulator-l2", 0, None)] == 0.0

@@ -1,11 +1,10 @@
 """Observation: no raw activation outlives its observation, checkpoint recomputation is not
 observed twice, hooks stay installed and idle steps observe nothing, two metrics objects on one
-model do not feed each other, the token mask removes padding, and residual metrics read through
-moments rows equal those of the full tensors."""
+model do not feed each other, the token mask removes padding, and residual metrics equal those
+of the full tensors."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.norms import L2Norm, NonFinite, Rms
 from tmetrics_core.observe import observe
 from tmetrics_core.observer import _ACTIVE
@@ -221,17 +219,15 @@ def test_the_token_mask_syncs_once_per_micro_batch_not_per_observation(padded: b
     metrics.close()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("padded", [False, True], ids=["all-tokens", "padded"])
-def test_residual_metrics_equal_the_full_tensors_over_micro_batches(fused: bool, padded: bool) -> None:
-    """Stream and contribution (read by the kernel as h - x, never written, and prepared at
-    the step's end) against the same norms of the concatenated full tensors."""
+def test_residual_metrics_equal_the_full_tensors_over_micro_batches(padded: bool) -> None:
+    """Stream and contribution against the same norms of the concatenated full tensors."""
     model = Tiny()
     metrics = _metrics(model)
     torch.manual_seed(5)
     xs = [torch.randn(3, 5, 4), torch.randn(2, 5, 4)]
     masks = [torch.rand(3, 5) > 0.3, torch.rand(2, 5) > 0.3] if padded else [None, None]
-    with (contextlib.nullcontext() if fused else moments.disabled()), metrics.step(1):
+    with metrics.step(1):
         for x, mask in zip(xs, masks):
             if mask is not None:
                 observe(model, "token_mask", mask, kind="token_mask")
@@ -256,7 +252,7 @@ def test_residual_metrics_equal_the_full_tensors_over_micro_batches(fused: bool,
 
 
 def test_a_metric_that_counts_non_finite_values_reads_the_observation_itself() -> None:
-    """Exact NaN counts need the elements: such an observation is not reduced to moments rows."""
+    """Exact NaN counts need the elements: the observation itself is read."""
     model = Tiny()
     metrics = TensorMetrics(model, metrics=[
         (NonFinite(name="global-residual-contribution-nonfinite", source_kinds=["residual_contribution"]), 1),

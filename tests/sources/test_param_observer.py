@@ -1,6 +1,6 @@
 """The parameter side's cost follows the statistics, not the tensors: the torch ops one due step
 issues (parameter side and the executor's reduction) are the same at 20 and at 200 parameter
-tensors, the C kernel off (every tensor read by batched torch ops, as on accelerators), with
+tensors (every tensor read by batched torch ops, as on accelerators), with
 gradients in the parameters' ``.grad`` or in a ZeRO-style flat buffer.
 
 Views (``reshape`` of each tensor for the flat concatenation that non-finite counts read) are
@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.sources.flat import FlatBuffer
 from tmetrics_core.sources.param_observer import ParamObserver
@@ -95,7 +94,7 @@ def _due_step_ops(per_layer: int, monkeypatch: Any, flat: bool = False
         return run
 
     x = torch.randn(2, 4)
-    with moments.disabled(), monkeypatch.context() as patch:
+    with monkeypatch.context() as patch:
         patch.setattr(ParamObserver, "prepare", counted(ParamObserver.prepare))
         patch.setattr(ParamObserver, "take_snapshot", counted(ParamObserver.take_snapshot))
         patch.setattr(TensorMetrics, "_finish_step", counted(TensorMetrics._finish_step))

@@ -121,28 +121,3 @@ def test_the_program_counts_non_finite_values(monkeypatch):
     general, _ = _train(intervals, program=False, steps=2, monkeypatch=monkeypatch)
     assert ran == 4
     _assert_equal(fast, general)
-
-
-@pytest.mark.parametrize(("intervals", "squares"), [
-    ({"layer-grad-l2": 1, "layer-param-l2": 1, "layer-update-ratio": 1}, [True, True]),
-    (BUNDLE_PARAMS, [False, True]),  # the gradients' absolute maximum needs the full rows
-    ({"layer-grad-l2": 1, "layer-param-absmax": 1, "layer-update-ratio": 1}, [True, False]),
-], ids=["norms", "bundle", "param-absmax"])
-def test_phases_read_sums_of_squares_alone_when_their_statistics_allow(intervals, squares, monkeypatch):
-    """Each phase's kernel call computes only sums of squares when every statistic of that phase
-    reads nothing else (L2 norms, the update ratio), and full rows otherwise; the records equal
-    the general path's (full rows throughout) bit for bit."""
-    from tmetrics_core.kernels import moments
-
-    calls: list[bool] = []
-    original = moments._run
-
-    def spied(lib, packed, rows=1, squares=False, out=None, at=None):
-        calls.append(squares)
-        return original(lib, packed, rows, squares, out, at)
-    monkeypatch.setattr(moments, "_run", spied)
-    fast, ran = _train(intervals, program=True, steps=2, monkeypatch=monkeypatch)
-    assert ran == 4 and calls == squares * 2
-    general, _ = _train(intervals, program=False, steps=2, monkeypatch=monkeypatch)
-    assert not any(calls[4:])
-    _assert_equal(fast, general)

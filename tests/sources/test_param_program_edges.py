@@ -12,21 +12,19 @@ steps, frozen parameters and layers without gradients on some steps, steps witho
 backward, non-contiguous parameters and gradients (from the start, or made so by the optimizer),
 a parameter resized by the optimizer, parameters replaced between steps (values and dtype),
 bfloat16 and mixed dtypes, NaN, infinities, -0.0 and empty tensors under every moments
-statistic, a tensor large enough for the threaded kernel, the kernel switched off mid-run or
-between the phases of one step, scopes and optimizer hooks that raise, two optimizer steps in
-one scope, two ``TensorMetrics`` on one model, and data parallelism on two gloo ranks where one
-rank's kernel refuses a gradient. Float64 references check the update ratio and the parameter
+statistic, a large tensor, scopes and optimizer hooks that raise, two optimizer steps in one
+scope, two ``TensorMetrics`` on one model, and data parallelism on two gloo ranks where one
+rank reads a non-contiguous gradient. Float64 references check the update ratio and the parameter
 metrics read from the snapshot.
 
 Two tests show where the program and the general path part (both fail as of d78ae02):
 a ``StatMetric.kept`` that raises (the general path reports the metric; the program's planning
-raises out of ``optimizer.step()``), and a moments statistic whose ``moments_matrix`` reads the
-tensors' shapes without being ``shape_only`` (the program hands it no tensors).
+raises out of ``optimizer.step()``), and a rows statistic whose ``compute`` reads the tensors'
+shapes beside the rows (the program hands it no tensors).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +33,6 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_distributed
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Rms
@@ -380,13 +377,11 @@ class _Transposing(torch.optim.Optimizer):
 
 
 def test_parameter_made_non_contiguous_by_the_optimizer(monkeypatch):
-    """Step 2's parts pass refuses it (the kernel's flat snapshot, the parameter strided after
-    the step): that post phase takes the general path, the snapshot intact; step 3 reads it
-    non-contiguous before the step and its snapshot (torch's copy) after it, both in the
-    program with torch ops."""
+    """The parameter strided after step 2's optimizer step and non-contiguous before step 3's:
+    the program reads it with torch ops in every phase (no layout is refused)."""
     _, ran = _compare(Net, ALL, _plain, monkeypatch,
                       optimizer=lambda m: _Transposing(m.parameters(), m.layers[0].fc.weight, {2}))
-    assert ran == (4, 3)
+    assert ran == (4, 4)
 
 
 class _Resizing(torch.optim.Optimizer):
@@ -496,41 +491,6 @@ def test_every_moments_statistic_on_nan_infinities_negative_zero_empty_and_large
     assert values[("e-param", 2, None, "layers.2.fc.bias", "absmax")] == math.inf
     assert values[("e-param", 1, None, "layers.1.empty", "count")] == 0.0
     assert values[("e-param", 1, None, "layers.1.fc.weight", "zeros")] == WIDTH * WIDTH
-
-
-# -- the kernel switched off -----------------------------------------------------------------
-
-def test_kernel_switched_off_mid_run_and_between_phases(monkeypatch):
-    def off_mid_run(model, optimizer, metrics, step):
-        with moments.disabled() if step in (2, 3) else contextlib.nullcontext():
-            _plain(model, optimizer, metrics, step)
-    _, ran = _compare(Net, ALL, off_mid_run, monkeypatch, steps=5)
-    assert ran == (5, 5)  # the kernel off: batched torch ops, the same numbers as the general path
-
-    def off_after_observe(model, optimizer, metrics, step):
-        _loss(model, step).backward()
-        metrics.observe_gradients()
-        with moments.disabled():
-            optimizer.step()
-        optimizer.zero_grad()
-    _, ran = _compare(Net, ALL, off_after_observe, monkeypatch, steps=2)
-    assert ran == (2, 2)
-
-    def on_after_observe(model, optimizer, metrics, step):
-        with moments.disabled():
-            _loss(model, step).backward()
-            metrics.observe_gradients()
-        optimizer.step()
-        optimizer.zero_grad()
-    _, ran = _compare(Net, ALL, on_after_observe, monkeypatch, steps=2)
-    assert ran == (2, 2)
-
-
-def test_kernel_switched_off_from_the_start_keeps_the_program(monkeypatch):
-    """What ``TMETRICS_FUSED_KERNEL=0`` sets at import: the program reads with torch ops."""
-    monkeypatch.setitem(moments._switch, "on", False)
-    _, ran = _compare(Net, ALL, _plain, monkeypatch, steps=2)
-    assert ran == (2, 2)
 
 
 # -- other metric shapes ---------------------------------------------------------------------
@@ -696,20 +656,17 @@ def test_a_kept_that_raises_is_reported_not_raised_from_optimizer_step(monkeypat
 
 
 class _MeanSquare(Statistic):
-    """Per tensor ``sum x**2 / numel`` from the moments rows and the tensor's shape; reads no
-    element (``moments``, not ``reads_elements``), so a same-shaped stand-in serves
-    (``moments.derivable``)."""
+    """Per tensor ``sum x**2 / numel`` from the rows and the tensor's shape; reads no element
+    (``elements`` False), so a same-shaped stand-in serves (``reads_only_rows``)."""
 
     name = "mean_square"
     op = "max"
-    moments = True
+    elements = False
+    reads = frozenset({"sumsq"})
 
-    def moments_matrix(self, rows, tensors):
+    def compute(self, tensors, sites, topology, rows):
         counts = torch.tensor([[float(max(t.numel(), 1))] for t in tensors], dtype=torch.float64)
         return rows[:, 0:1] / counts
-
-    def compute(self, tensors, sites, topology):
-        return [(t.double().pow(2).sum() / max(t.numel(), 1)).reshape(1) for t in tensors]
 
 
 class _PeakMeanSquare(StatMetric):
@@ -720,7 +677,7 @@ class _PeakMeanSquare(StatMetric):
 
 
 def test_a_moments_statistic_reading_shapes_gets_its_tensors(monkeypatch):
-    """``Statistic.moments_matrix(rows, tensors)`` documents one row per tensor; the program
+    """``Statistic.compute(tensors, sites, topology, rows)`` documents one row per tensor; the program
     passes the tensors only to metrics with a ``shape_only`` statistic, so this metric gets
     ``[]`` (an empty matrix, then ``IndexError`` in finalize) where the general path reports it."""
     spec = [(lambda: _PeakMeanSquare(name="layer-grad-peak-ms", source_kinds=["grad"], scope="layer"), 1),

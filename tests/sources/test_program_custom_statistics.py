@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.statistics import COUNT, Statistic
@@ -17,36 +16,29 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 
 def test_snapshot_mapping():
     ts = [torch.randn(3, 4), torch.randn(5).bfloat16(), torch.randn(0)]
-    buf, held = moments.copied(ts)
-    snap = Snapshot(flat=(buf, list("abc"), held, ts))
-    assert snap.held(["a", "b", "c"]) is not None
+    snap = Snapshot(copies=dict(zip("abc", (t.clone() for t in ts))))
     assert set(snap) == {"a", "b", "c"} and len(snap) == 3
     seen = {k: v for k, v in snap.items()}
-    assert snap.held(["a"]) is None
     assert torch.equal(seen["a"], ts[0]) and torch.equal(seen["b"], ts[1]) and seen["c"].numel() == 0
     snap["a"].add_(1)
     assert torch.equal(snap["a"], ts[0] + 1) and torch.equal(snap["b"], ts[1])
     assert snap.pop("b") is seen["b"] and "b" not in snap and len(snap) == 2
     del snap["c"]
     assert list(snap) == ["a"]
-    fresh = Snapshot(flat=(buf, ["a"], held.pick([0]), [ts[0]]))
+    fresh = Snapshot(copies={"a": ts[0]})
     del fresh["a"]
-    assert len(fresh) == 0 and fresh.held(["a"]) is None
+    assert len(fresh) == 0
     with pytest.raises(KeyError):
         fresh["a"]
-    resized = Snapshot(flat=(buf, ["a"], held.pick([0]), [torch.randn(2, 7)]))  # 14 elements now, 12 copied
-    assert resized["a"].shape == (12,) and torch.equal(resized["a"], ts[0].reshape(-1) + 1)
 
 
 class _Peak(Statistic):
-    """max of the moments rows' max column (custom, reads column 2)."""
-    name, op, moments = "test-peak", "max", True
+    """max of the rows' max column (custom, reads column 2)."""
+    name, op, elements = "test-peak", "max", False
+    reads = frozenset({"max"})
 
-    def moments_matrix(self, rows, tensors):
+    def compute(self, tensors, sites, topology, rows):
         return rows[:, 2:3].clone()
-
-    def compute(self, tensors, sites, topology):
-        return [t.max().double().reshape(1) for t in tensors]
 
 
 PEAK = _Peak()

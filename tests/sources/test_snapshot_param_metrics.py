@@ -4,23 +4,21 @@ before ``optimizer.step()``. Every case here compares against float64 references
 parameters cloned just before the step, and against the same metrics run on a deep copy of the
 model taken then (no update metric due, so nothing is deferred): selections the update metric
 does not cover, changing due sets, ``observe_gradients()``, a parameter resized by the
-optimizer, bfloat16 parameters, the kernel switched off, element-reading metrics (histograms,
+optimizer, bfloat16 parameters, element-reading metrics (histograms,
 non-finite counts) with the update written in place or not, and consecutive due steps."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
 import pytest
 import torch
 
-# A plain SGD that then enlarges one parameter; an update statistic outside the fused moments
+# A plain SGD that then enlarges one parameter; an update statistic outside the rows
 # (so the update is written in place into the snapshot, after the deferred metrics read it).
 from tests.sources.test_update_paths import UpdateMeanRowL2, _Resizing
 from tmetrics_core.demo.model import ModelConfig, Transformer
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.metrics.norms import NonFinite
 from tmetrics_core.tensor_metrics import TensorMetrics
@@ -62,7 +60,7 @@ def _params_by_name(metrics: TensorMetrics) -> dict[str, torch.Tensor]:
 
 
 def _run(builders: dict, intervals: dict[str, int], steps: int, *, optimizer=None, dtype=torch.float32,
-         early: bool = False, kernel: bool = True, before_step=None):
+         early: bool = False, before_step=None):
     """Train ``steps`` steps; per step, the records, the parameters just before the step and
     the pre-phase reference of every due parameter-only metric on a copy taken then."""
     model = Transformer(SMALL, seed=0).to(dtype)
@@ -70,21 +68,20 @@ def _run(builders: dict, intervals: dict[str, int], steps: int, *, optimizer=Non
     metrics = TensorMetrics(model, metrics=[(builders[n](), intervals[n]) for n in builders], optimizer=optimizer)
     params_only = [n for n in builders if set(builders[n]().source_kinds) == {"param"}]
     out = []
-    with contextlib.nullcontext() if kernel else moments.disabled():
-        for step in range(1, steps + 1):
-            with metrics.step(step):
-                _loss(model, step).backward()
-                if before_step is not None:
-                    before_step(model, step)
-                due = [n for n in params_only if step % intervals[n] == 0 or step == 1]
-                reference = _reference(model, due, builders) if due else {}
-                before = _params_by_name(metrics)
-                if early:
-                    metrics.observe_gradients()
-                optimizer.step()
-                optimizer.zero_grad()
-            assert metrics.failures == [], metrics.failures
-            out.append((_values(metrics), before, reference, _params_by_name(metrics)))
+    for step in range(1, steps + 1):
+        with metrics.step(step):
+            _loss(model, step).backward()
+            if before_step is not None:
+                before_step(model, step)
+            due = [n for n in params_only if step % intervals[n] == 0 or step == 1]
+            reference = _reference(model, due, builders) if due else {}
+            before = _params_by_name(metrics)
+            if early:
+                metrics.observe_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert metrics.failures == [], metrics.failures
+        out.append((_values(metrics), before, reference, _params_by_name(metrics)))
     metrics.close()
     return out
 
@@ -112,17 +109,16 @@ BASE = {
 }
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch kernels"])
 @pytest.mark.parametrize("early", [False, True], ids=["pre-hook", "observe_gradients"])
 def test_param_metrics_wider_or_narrower_than_the_update_metric_report_the_parameters_before_the_step(
-        kernel: bool, early: bool) -> None:
+        early: bool) -> None:
     """The update ratio selects the attention weights only: ``layer-param-l2``,
     ``layer-param-absmax`` and ``global-param-l2`` read more (not deferred),
     ``tensor-param-l2`` of ``layers.1.attn.*`` reads a subset (deferred); all report the
     parameters before the step."""
-    ((values, before, reference, after),) = _run(BASE, dict.fromkeys(BASE, 1), 1, early=early, kernel=kernel)
+    ((values, before, reference, after),) = _run(BASE, dict.fromkeys(BASE, 1), 1, early=early)
     _assert_reference(values, reference)
-    rel = 1e-9 if kernel else 1e-6  # torch's float32 norms accumulate in float32
+    rel = 1e-6
     for layer in range(SMALL.n_layers):
         assert values[("layer-param-l2", layer, None, None)] == pytest.approx(_layer_l2(before, layer), rel=rel)
         assert values[("layer-param-absmax", layer, None, None)] == max(
@@ -165,20 +161,17 @@ def test_consecutive_due_steps_each_report_their_own_parameters_before_the_step(
     assert len(set(seen)) == 3
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch kernels"])
-def test_bf16_parameters(kernel: bool) -> None:
+def test_bf16_parameters() -> None:
     builders = {n: BASE[n] for n in ("layer-param-l2", "layer-param-absmax", "tensor-param-l2")}
     builders["layer-update-ratio"] = lambda: build_metric("layer-update-ratio")
     ((values, before, reference, after),) = _run(builders, dict.fromkeys(builders, 1), 1, dtype=torch.bfloat16,
-                                                 optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5),
-                                                 kernel=kernel)
+                                                 optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5))
     _assert_reference(values, reference)
     for layer in range(SMALL.n_layers):
         assert values[("layer-param-l2", layer, None, None)] == pytest.approx(_layer_l2(before, layer),
-                                                                              rel=1e-12 if kernel else 1e-6)
-        # The kernel takes p - prev in float32; the torch kernels write it in the parameter's
-        # dtype (bfloat16), rounding each element of the update.
-        diff = (lambda n: after[n].double() - before[n].double()) if kernel else (lambda n: (after[n] - before[n]).double())
+                                                                              rel=1e-12)
+        # The program widens p - prev to float32: the update is exact, not rounded to bfloat16.
+        diff = (lambda n: after[n].double() - before[n].double())
         delta = math.sqrt(sum(diff(n).pow(2).sum().item() for n in before if n.startswith(f"layers.{layer}.")))
         assert delta > 0
         assert values[("layer-update-ratio", layer, None, None)] == pytest.approx(
@@ -215,9 +208,8 @@ def _poison(model: torch.nn.Module, step: int) -> None:
         weight[0, 0], weight[2, 3] = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize("written", [False, True], ids=["fused", "written update"])
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch kernels"])
-def test_element_reading_param_metrics_read_the_snapshot_not_the_update(written: bool, kernel: bool) -> None:
+@pytest.mark.parametrize("written", [False, True], ids=["program", "written update"])
+def test_element_reading_param_metrics_read_the_snapshot_not_the_update(written: bool) -> None:
     """Histograms, non-finite counts and row norms of the parameters read elements: with the
     update ratio due they read the snapshot, which the written-update path then overwrites in
     place with the update; the records are still those of the parameters before the step, NaN
@@ -225,7 +217,7 @@ def test_element_reading_param_metrics_read_the_snapshot_not_the_update(written:
     builders = dict(ELEMENTS)
     if written:
         builders["update-mean-row-l2"] = UpdateMeanRowL2
-    runs = _run(builders, dict.fromkeys(builders, 1), 2, kernel=kernel, before_step=_poison,
+    runs = _run(builders, dict.fromkeys(builders, 1), 2, before_step=_poison,
                 optimizer=lambda m: _Cleaning(m.parameters(), lr=0.1))
     for values, before, reference, after in runs:
         _assert_reference(values, reference)
@@ -236,9 +228,8 @@ def test_element_reading_param_metrics_read_the_snapshot_not_the_update(written:
         assert math.isnan(values[("layer-update-ratio", 1, None, None)])
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch kernels"])
 def test_a_parameter_resized_by_the_optimizer_leaves_the_param_metrics_on_the_parameters_before_the_step(
-        kernel: bool) -> None:
+) -> None:
     """The update ratio fails (reported); the parameter metrics deferred to the snapshot still
     report the parameters before the step, the resized one at its old size and values."""
     model = Transformer(SMALL, seed=0)
@@ -247,16 +238,15 @@ def test_a_parameter_resized_by_the_optimizer_leaves_the_param_metrics_on_the_pa
     chosen = [(build_metric("layer-param-l2"), 1), (build_metric("tensor-param-l2", select="layers.0.attn.q.weight"), 1),
               (build_metric("layer-update-ratio"), 1)]
     metrics = TensorMetrics(model, metrics=chosen, optimizer=optimizer)
-    with contextlib.nullcontext() if kernel else moments.disabled():
-        with metrics.step(1):
-            _loss(model, 1).backward()
-            before = _params_by_name(metrics)
-            optimizer.step()
+    with metrics.step(1):
+        _loss(model, 1).backward()
+        before = _params_by_name(metrics)
+        optimizer.step()
     assert [f.metric for f in metrics.failures] == ["layer-update-ratio"]
     values = _values(metrics)
     metrics.close()
     assert target.shape[0] == SMALL.d_model + 1
-    rel = 1e-9 if kernel else 1e-6  # torch's float32 norms accumulate in float32
+    rel = 1e-6
     for layer in range(SMALL.n_layers):
         assert values[("layer-param-l2", layer, None, None)] == pytest.approx(_layer_l2(before, layer), rel=rel)
     assert values[("tensor-param-l2", 0, "layers.0.attn.q.weight", None)] == pytest.approx(

@@ -1,20 +1,18 @@
 """The update ratio through each of its paths equals the float64 reference of a real AdamW step:
-the fused one (the kernel reads ``p - prev``, nothing is written), the torch kernels only, and
-the in-place update that a metric with a statistic outside the moments forces."""
+the program's (one ``_foreach_sub``, rows of updates, parameters and snapshots), and the in-place
+update that a metric with a statistic outside the rows forces."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 
 from tmetrics_core.demo.model import ModelConfig, Transformer
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.catalogue import build_metric
-from tmetrics_core.metrics.statistics import RowL2
+from tmetrics_core.metrics.row_l2 import RowL2
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, seq_len=16)
@@ -51,23 +49,22 @@ def _run(path: str, monkeypatch) -> tuple[dict[tuple[str, int | None], float], l
     metrics = TensorMetrics(model, metrics=chosen, optimizer=optimizer)
     tokens = torch.randint(0, 256, (2, SMALL.seq_len + 1), generator=torch.Generator().manual_seed(0))
     params = list(model.parameters())
-    with moments.disabled() if path == "torch kernels" else contextlib.nullcontext():
-        with metrics.step(1):
-            logits = model(tokens[:, :-1])
-            torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
-            before = [p.detach().clone() for p in params]
-            optimizer.step()
-            optimizer.zero_grad()
+    with metrics.step(1):
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+        before = [p.detach().clone() for p in params]
+        optimizer.step()
+        optimizer.zero_grad()
     values = {(r.metric, r.layer): r.value for r in metrics.last_records}
     metrics.close()
     return values, before, [p.detach() for p in params], kinds
 
 
-@pytest.mark.parametrize("path", ["fused", "torch kernels", "written update"])
+@pytest.mark.parametrize("path", ["program", "written update"])
 def test_update_ratio_equals_reference_on_every_path(path: str, monkeypatch) -> None:
     values, before, after, kinds = _run(path, monkeypatch)
-    # The program reads the update without read_kind: the kernel as p - snapshot, or one
-    # _foreach_sub (kernel off); only a metric it does not take writes it in place.
+    # The program reads the update without read_kind (one _foreach_sub); only a metric it does
+    # not take writes it in place.
     assert ("update" in kinds) == (path == "written update")
     model = Transformer(SMALL, seed=0)
     names = [n for n, _ in model.named_parameters()]
@@ -102,20 +99,18 @@ class _Resizing(torch.optim.Optimizer):
         self.target.data = torch.zeros(self.target.shape[0] + 1, *self.target.shape[1:])
 
 
-@pytest.mark.parametrize("path", ["fused", "torch kernels"])
-def test_a_parameter_resized_by_the_optimizer_is_a_reported_failure_not_a_crash(path: str) -> None:
+def test_a_parameter_resized_by_the_optimizer_is_a_reported_failure_not_a_crash() -> None:
     model = Transformer(SMALL, seed=0)
     target = next(p for n, p in model.named_parameters() if n.startswith("layers.0.") and p.dim() == 2)
     optimizer = _Resizing(model.parameters(), target)
     metrics = TensorMetrics(model, metrics=[(build_metric("layer-update-ratio"), 1),
                                             (build_metric("global-grad-l2"), 1)], optimizer=optimizer)
     tokens = torch.randint(0, 256, (2, SMALL.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    with moments.disabled() if path == "torch kernels" else contextlib.nullcontext():
-        with metrics.step(1):
-            logits = model(tokens[:, :-1])
-            torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
-            grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-            optimizer.step()
+    with metrics.step(1):
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+        grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+        optimizer.step()
     assert [f.metric for f in metrics.failures] == ["layer-update-ratio"]
     assert "reading the post-step tensors failed" in metrics.failures[0].error
     (record,) = metrics.last_records  # the gradient norm, read before the step, is unaffected
@@ -144,22 +139,14 @@ def test_non_finite_counts_of_updates_read_the_updates_themselves() -> None:
     assert math.isnan(got[("layer-update-ratio", None)])
 
 
-@pytest.mark.parametrize("path", ["fused", "torch kernels", "written update"])
+@pytest.mark.parametrize("path", ["program", "written update"])
 @pytest.mark.parametrize("early", [False, True], ids=["pre-hook", "observe_gradients"])
 def test_parameter_metrics_with_an_update_due_measure_the_parameters_before_the_step(path: str, early: bool,
                                                                                       monkeypatch) -> None:
     """With an update metric due, metrics of parameters alone are prepared after the step from
-    the update snapshot: the values are those of the parameters before the step, and on the
-    fused path the parameters are read by one kernel pass in all (with the update), none before
-    the step."""
-    passes: list[tuple[int, set[int], bool]] = []  # (moments rows per tensor, data pointers, before the step)
-    stepped = [False]
-    original = moments._run
-    monkeypatch.setattr(moments, "_run", lambda lib, packed, rows=1, squares=False, out=None, at=None: passes.append(
-        (rows, set(packed[0]), not stepped[0])) or original(lib, packed, rows, squares, out, at))
+    the update snapshot: the values are those of the parameters before the step."""
     model = Transformer(SMALL, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))
     chosen = [(build_metric(name), 1) for name in ("layer-param-l2", "layer-param-absmax", "layer-update-ratio",
                                                      "layer-grad-l2")]
     if path == "written update":
@@ -167,25 +154,20 @@ def test_parameter_metrics_with_an_update_due_measure_the_parameters_before_the_
     metrics = TensorMetrics(model, metrics=chosen, optimizer=optimizer)
     tokens = torch.randint(0, 256, (2, SMALL.seq_len + 1), generator=torch.Generator().manual_seed(0))
     names = [n for n, _ in model.named_parameters()]
-    with moments.disabled() if path == "torch kernels" else contextlib.nullcontext():
-        with metrics.step(1):
-            logits = model(tokens[:, :-1])
-            torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
-            before = [p.detach().clone() for p in model.parameters()]
-            if early:
-                metrics.observe_gradients()
-            optimizer.step()
-            optimizer.zero_grad()
+    with metrics.step(1):
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        if early:
+            metrics.observe_gradients()
+        optimizer.step()
+        optimizer.zero_grad()
     values = {(r.metric, r.layer): r.value for r in metrics.last_records}
     metrics.close()
     for layer in range(SMALL.n_layers):
         theta = torch.cat([before[i].reshape(-1) for i, n in enumerate(names) if n.startswith(f"layers.{layer}.")])
         assert values[("layer-param-l2", layer)] == pytest.approx(theta.double().norm().item(), rel=1e-9)
         assert values[("layer-param-absmax", layer)] == theta.abs().max().item()
-    if path == "fused":
-        layered = {p.data_ptr() for p, n in zip(model.parameters(), names) if n.startswith("layers.")}
-        assert [rows for rows, read, _ in passes if read & layered] == [3]  # updates, after and before: one read
-        assert [early for _, read, early in passes if read & layered] == [False]
 
 
 def test_parameter_metrics_without_an_optimizer_step_in_the_scope_read_the_parameters() -> None:

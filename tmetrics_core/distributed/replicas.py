@@ -40,12 +40,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence, cast
+from typing import Mapping, Sequence
 
 import torch
 
 from tmetrics_core.distributed.executor import Executor
-from tmetrics_core.kernels import moments
 from tmetrics_core.errors import PlacementError
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.topology import Topology
@@ -97,11 +96,9 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
     """``[len(tensors), 6]`` float64 on ``device``: per tensor the columns of :data:`FINGERPRINT`;
     a None tensor is a row of zeros (``present`` 0), an empty one ``[1, 0, 0, -inf, inf, 0]``.
 
-    Sums accumulate in float64. Tensors the fused moments kernel takes are read once by it
-    (:func:`tmetrics_core.kernels.moments.moments`); the others (accelerator tensors, other
-    dtypes) by torch reductions. Either way a tensor's row is a deterministic function of its
-    bits, its shape and the path taken, which is the same on every rank of an axis (the ranks
-    hold the same kind of tensor there). The ``sampled`` column is ``sum(w_i * x[p_i])`` over
+    Sums accumulate in float64, by torch reductions: a tensor's row is a deterministic function
+    of its bits, its shape and its device type, which is the same on every rank of an axis (the
+    ranks hold the same kind of tensor there). The ``sampled`` column is ``sum(w_i * x[p_i])`` over
     ``SAMPLE`` evenly spaced flat positions ``p_i`` (rounded; repeated in tensors of fewer
     elements) with weights ``w_i = 1..SAMPLE``.
     """
@@ -110,16 +107,8 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
     if not present:
         return out.to(device)
     out[present, 0] = 1.0
-    held = cast("list[torch.Tensor]", [tensors[i] for i in present])
-    fused = ([] if not held[0].is_cpu or not moments.available() else list(present) if moments.takes_all(held)
-             else [i for i, t in zip(present, held) if moments.takes(t)])
-    if fused:
-        rows = moments.moments([tensors[i] for i in fused])  # type: ignore[misc]  # sumsq, sum, max, min, zeros
-        out[fused, 1:5] = rows[:, [1, 0, 2, 3]]
-    taken = set(fused)
     for i in present:
-        if i not in taken:
-            out[i, 1:5] = _moments(tensors[i].detach()).cpu()  # type: ignore[union-attr]
+        out[i, 1:5] = _moments(tensors[i].detach()).cpu()  # type: ignore[union-attr]
     sampled = [i for i in present if tensors[i].numel()]  # type: ignore[union-attr]
     if sampled:
         picks = torch.stack([_sample(tensors[i].detach()).cpu() for i in sampled])  # type: ignore[union-attr]

@@ -1,1 +1,1 @@
-"""The optional fused CPU kernel (moments of many tensors in one pass) and its ctypes binding."""
+"""Rows of tensors (:mod:`tmetrics_core.kernels.rows`): one batched pass that every elementwise statistic reads."""

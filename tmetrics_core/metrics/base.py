@@ -25,8 +25,8 @@ import torch
 from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.batches import Batch, BatchPlan, advance, canonical, merged_outputs, next_stage
 from tmetrics_core.metrics.block_state import BlockState
-from tmetrics_core.kernels.moments import derivable, moments_rows, statistic_vectors
 from tmetrics_core.metrics.statistics import Statistic
+from tmetrics_core.metrics.vectors import statistic_vectors
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Labels, Value
 from tmetrics_core.sources.params import OPTIMIZER_KINDS
@@ -39,7 +39,6 @@ __all__ = [
     "Scope",
     "StatMetric",
     "TensorMetric",
-    "reads_only_moments",
 ]
 
 _KEY = operator.attrgetter("key")
@@ -135,7 +134,7 @@ class TensorMetric(Protocol):
     def merge(self, a: dict[SiteKey, Any], b: dict[SiteKey, Any]) -> dict[SiteKey, Any]:
         """Combine the states of two observations of the same step (micro-batches) into a new
         state. Never change ``a`` or ``b`` in place: their tensors may be views of memory that
-        other metrics' states share (the kernel's rows of a step)."""
+        other metrics' states share (a step's rows)."""
         ...
 
     def start(self, state: Mapping[SiteKey, Any], sites: Mapping[SiteKey, Site], topology: Topology) -> Round:
@@ -170,7 +169,7 @@ class StatMetric:
     """Declares that :meth:`prepare` gives, per accepted site (less those :meth:`kept` drops),
     the vectors of :attr:`statistics` in order, and nothing else: then a planned path (the
     parameter side's :class:`~tmetrics_core.sources.param_program.ParamProgram`) may compute the
-    state from moments rows instead of calling :meth:`prepare`. A subclass whose ``prepare``
+    state from rows instead of calling :meth:`prepare`. A subclass whose ``prepare``
     (or ``_block``) computes something else sets False; one that only computes the same vectors
     faster (as ``NonFinite``) keeps True."""
     resume_agreed: bool = True
@@ -210,56 +209,39 @@ class StatMetric:
         return None
 
     def prepare(self, sites, tensors, topology, memo):
+        """The vectors of :attr:`statistics` per accepted site (less those :meth:`kept` drops),
+        from :func:`~tmetrics_core.metrics.vectors.statistic_vectors` (the statistics' one
+        entry path: one rows pass per call, shared through ``memo``); placeholders for sites
+        held elsewhere. One matrix per statistic (:class:`BlockState`) where every site is held
+        here and every statistic gives a matrix."""
         kept = self.kept(sites)
         if kept is not None:
             sites, tensors = [sites[i] for i in kept], [tensors[i] for i in kept]
-        block = self._block(sites, tensors, memo)
-        if block is not None:
-            return block
-        held = [(s, t) for s, t in zip(sites, tensors) if t is not None]
-        state: dict[SiteKey, list[torch.Tensor]] = {s.key: [] for s in sites}
-        for stat in self.statistics:
-            todo = [(s, t) for s, t in held if (stat.name, s.key) not in memo]
-            if todo:
-                grad = torch.is_grad_enabled()  # under no_grad a parameter is read as it is
-                computed = statistic_vectors(stat, [t.detach() if grad and t.requires_grad else t for _, t in todo],
-                                             [s for s, _ in todo], topology, memo)
-                for (s, _), vec in zip(todo, computed):
-                    memo[(stat.name, s.key)] = vec
-        for site, tensor in zip(sites, tensors):
-            for stat in self.statistics:
-                if tensor is not None:
-                    state[site.key].append(memo[(stat.name, site.key)])
-                else:
-                    state[site.key].append(stat.placeholder(site, topology))
+        stats = self.statistics
+        if not any(map(operator.is_, tensors, itertools.repeat(None))):
+            computed = statistic_vectors(stats, tensors, sites, topology, memo) if sites else []
+            if sites and all(isinstance(v, torch.Tensor) for v in computed):
+                return BlockState(tuple(map(_KEY, sites)), cast("list[torch.Tensor]", computed))
+            return {s.key: [v[i] for v in computed] for i, s in enumerate(sites)}
+        held = [i for i, t in enumerate(tensors) if t is not None]
+        computed = statistic_vectors(stats, [tensors[i] for i in held], [sites[i] for i in held], topology,
+                                     memo) if held else []
+        state: dict[SiteKey, list[torch.Tensor]] = {}
+        at = {i: k for k, i in enumerate(held)}
+        for i, site in enumerate(sites):
+            k = at.get(i)
+            state[site.key] = ([v[k] for v in computed] if k is not None
+                               else [stat.placeholder(site, topology) for stat in stats])
         return state
 
-    def _block(self, sites: Sequence[Site], tensors: Sequence[torch.Tensor | None],
-               memo: dict[Hashable, Any]) -> BlockState | None:
-        """The state as one matrix per statistic when every site is held here, every statistic
-        derives from the moments rows without reading an element, and the kernel read (or the
-        memo holds) every tensor's row; else None (nothing read but what the memo keeps)."""
-        stats = self.statistics
-        if (not sites or not any(s.moments for s in stats)
-                or not all((s.moments and not s.reads_elements) or s.shape_only for s in stats)
-                or any(map(operator.is_, tensors, itertools.repeat(None)))):
-            return None
-        held = cast("Sequence[torch.Tensor]", tensors)  # none is None (checked above)
-        rows = moments_rows(held, sites, memo)
-        if rows is None:
-            return None
-        return BlockState(tuple(map(_KEY, sites)), [stat.moments_matrix(rows, held) for stat in stats])
-
     def merge(self, a, b):
+        """Each statistic's :meth:`~tmetrics_core.metrics.statistics.Statistic.merge` of the
+        vectors of a site both observations read; a site only one read keeps its vectors."""
         out = dict(a)
         for key, vectors in b.items():
-            if key not in out:
-                out[key] = vectors
-                continue
-            merged = []
-            for stat, x, y in zip(self.statistics, out[key], vectors):
-                merged.append(_combine(stat.op, x, y))
-            out[key] = merged
+            held = out.get(key)
+            out[key] = vectors if held is None else [
+                stat.merge(key, x, y) for stat, x, y in zip(self.statistics, held, vectors)]
         return out
 
     def start(self, state, sites, topology):
@@ -382,20 +364,6 @@ class StatMetric:
     def __repr__(self) -> str:
         sel = f", select={list(self.select)}" if self.select else ""
         return f"{type(self).__name__}({self.name!r}{sel})"
-
-
-def reads_only_moments(metric: TensorMetric) -> bool:
-    """Whether ``metric`` reads its tensors only through statistics that derive from the fused
-    moments rows without reading an element (it declares ``StatMetric.planned``), so rows in the
-    memo and a stand-in tensor of the same shape serve for each tensor (the update ``p - prev``,
-    a residual contribution ``h - x``). False when the kernel is off or unavailable."""
-    return isinstance(metric, StatMetric) and metric.planned and derivable(metric.statistics)
-
-
-def _combine(op: ReduceOpName, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if op == "sum":
-        return x + y
-    return torch.maximum(x, y) if op == "max" else torch.minimum(x, y)
 
 
 def _combine_list(op: ReduceOpName, acc: list[float] | None, values: list[float]) -> list[float]:

@@ -15,8 +15,8 @@ from tmetrics_core.metrics.sketches import LogHistogram
 __all__ = ["COST_CLASSES", "cost_class"]
 
 COST_CLASSES = {
-    "shared-read": "derived from the one fused read of each tensor that all such metrics share (sum of squares, "
-                   "sum, max, min, zeros): several cost about one",
+    "shared-read": "derived from the one batched rows pass over the tensors that such metrics share (sum of "
+                   "squares, sum, max, min, zeros): several cost about one",
     "own-pass": "one more batched pass over the chosen tensors' elements (row norms, softmax rows, expert "
                 "counts, router sums): a fixed number of ops per due step",
     "binning": "a binning pass over every element (searchsorted on the log2 bin edges, batched per 2**22 "
@@ -36,6 +36,6 @@ def cost_class(metric: TensorMetric) -> str:
         return "snapshot"
     if metric.name == "dp-replica-drift":
         return "sampled"
-    if statistics and all(s.moments or s.shape_only for s in statistics):
+    if statistics and all(s.reads or not s.elements for s in statistics):
         return "shared-read"
     return "own-pass"

@@ -73,7 +73,7 @@ class _Drift(Statistic):
     def uniform(self, site: Site, topology: Topology, index: int) -> bool:
         return True  # 2 * width + 1 values, then two
 
-    def compute(self, tensors, sites, topology):
+    def compute(self, tensors, sites, topology, rows):
         out = []
         for tensor, site in zip(tensors, sites):
             v = self.values(tensor.detach(), site).to(torch.float64)

@@ -21,9 +21,9 @@ from tmetrics_core.metrics.statistics import (
     SUM,
     SUMSQ,
     ZEROS,
-    RowL2,
     flagged_value,
 )
+from tmetrics_core.metrics.row_l2 import RowL2
 
 __all__ = ["AbsMax", "L2Norm", "Max", "Mean", "MeanLineL2", "Min", "NonFinite", "Rms", "ZeroFraction"]
 
@@ -124,7 +124,7 @@ class NonFinite(StatMetric):
     """Counts of NaN, +Inf and -Inf elements (exact integers), as stats ``nan``, ``posinf``,
     ``neginf`` and ``total``.
 
-    Local work rides on the moments rows that L2 and RMS metrics share through the step memo
+    Local work rides on the rows that L2 and RMS metrics share through the step memo
     (see ``NONFINITE``: on CPU a finite sum of squares proves a tensor finite; elsewhere the
     counts are batched on the device).
     """

@@ -63,7 +63,7 @@ class ChannelSums(Statistic):
                 start, length = start + begin, count
         return start, length
 
-    def compute(self, tensors, sites, topology):
+    def compute(self, tensors, sites, topology, rows):
         out = []
         for t, site in zip(tensors, sites):
             features = site.logical_shape[-1]

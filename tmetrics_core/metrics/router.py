@@ -93,7 +93,7 @@ class ExpertCounts(Statistic):
         site_experts(site)
         check_router_rows(site, self.name, allow_class_split=False)
 
-    def compute(self, tensors, sites, topology):
+    def compute(self, tensors, sites, topology, rows):
         out = []
         for ids, site in zip(tensors, sites):
             experts = site_experts(site)

@@ -231,7 +231,7 @@ class LogHistogram(Statistic):
     def size(self, site):
         return self.bins.size
 
-    def compute(self, tensors, sites, topology):
+    def compute(self, tensors, sites, topology, rows):
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device, []).append(i)

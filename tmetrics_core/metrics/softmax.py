@@ -15,8 +15,7 @@ that cut rows); one SUM over those axes hands every rank all parts, which combin
 ``M = max m_k``, ``S = sum s_k e^(m_k - M)``, ``T = sum (t_k + s_k (m_k - M)) e^(m_k - M)``,
 ``lse = M + log S``, ``H = log S - T / S``. A second stage sums the row summaries over the axes
 that split the row population (tokens across ``dp``, ``Owned`` on ``pp``).
-All arithmetic is float64, in chunks of rows; whole rows of small CPU tables (router logits)
-go through one call of the C kernel (:func:`tmetrics_core.kernels.moments.row_softmax_sums`).
+All arithmetic is float64, in chunks of rows.
 
 Local vectors start with a header: 0 for finished row sums, the slot count for a slot table.
 Micro-batches merge by adding finished sums and by appending the rows of slot tables
@@ -32,7 +31,6 @@ import torch
 
 from tmetrics_core.topology import Topology
 from tmetrics_core.errors import PlacementError
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.statistics import Stage, Statistic
 from tmetrics_core.site import Site
@@ -111,18 +109,9 @@ class RowSoftmax(Statistic):
         local rows in it."""
         return index > 0 or not self._split(site, topology)[0]
 
-    def compute(self, tensors, sites, topology):
-        whole = [i for i, (t, s) in enumerate(zip(tensors, sites))
-                 if not self._split(s, topology)[0] and t.dim() == 2 and t.shape[0] and t.shape[1]]
-        # Whole rows of small tables (router logits): one kernel call for all of them.
-        rows = moments.row_softmax_sums([tensors[i] for i in whole], [sites[i].logical_shape[-1] for i in whole],
-                                        [sites[i].kind in self.probability_kinds for i in whole]) if whole else None
-        done = dict(zip(whole, rows.unbind(0))) if rows is not None else {}
+    def compute(self, tensors, sites, topology, rows):
         out = []
-        for i, (tensor, site) in enumerate(zip(tensors, sites)):
-            if i in done:
-                out.append(done[i])
-                continue
+        for tensor, site in zip(tensors, sites):
             cut, _ = self._split(site, topology)
             classes = site.logical_shape[-1]
             if not cut:

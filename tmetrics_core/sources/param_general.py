@@ -17,12 +17,11 @@ import torch
 
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.distributed.partials import resolve_partials
-from tmetrics_core.kernels import moments
-from tmetrics_core.metrics.base import TensorMetric, reads_only_moments
+from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.param_reads import ParamReads
-from tmetrics_core.sources.params import read_kind, update_pairs
+from tmetrics_core.sources.params import read_kind
 
 __all__ = ["GeneralPath", "Prepared", "StepStates"]
 
@@ -69,25 +68,19 @@ class GeneralPath:
         every metric's error, with placeholders that keep this rank's collectives (Partial
         gradients) the same as the others'."""
         memo: dict = {}
-        before_memo: dict = {}
-        # The snapshot as taken: the fused pass only reads it; read_kind("update") (in
-        # _read_phase) overwrites it with the updates, after the metrics of `before` read it.
+        # The snapshot as taken: read_kind("update") (in _read_phase) overwrites it with the
+        # updates, after the metrics of `before` read it.
         snapshots = dict(snapshot or {})
-        pairs, failed = None, None
-        if phase == "post":
-            try:
-                pairs, snapshot = self._fused_updates(metrics, memo, before_memo, snapshot)
-            except Exception as exc:  # noqa: BLE001 - the kernel failed (the snapshot is intact)
-                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
+        failed = None
         if before:
-            self._prepare_before(before, snapshots, before_memo, out)
+            self._prepare_before(before, snapshots, {}, out)
         if not metrics:
             return
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
         if failed is None:
             try:
-                sites, tensors = self._read_phase(metrics, pairs, snapshot, out)
+                sites, tensors = self._read_phase(metrics, snapshot, out)
             except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
                 failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
         if failed is not None:
@@ -112,9 +105,8 @@ class GeneralPath:
     def _prepare_before(self, metrics: list[TensorMetric], snapshots: dict[str, torch.Tensor], memo: dict,
                         out: StepStates) -> None:
         """Prepare the metrics of ``DueSetPlan.from_snapshot`` on the parameters as they were
-        before the optimizer step: the snapshot's copies (exact), whose moments rows ``memo``
-        holds when the fused update pass read them; the parameters themselves when no step ran
-        in the scope (then nothing changed them)."""
+        before the optimizer step: the snapshot's copies (exact); the parameters themselves when
+        no step ran in the scope (then nothing changed them)."""
         manifest = self.reads.manifest
         try:
             params = read_kind("param", manifest, self.reads.optimizer)
@@ -125,21 +117,13 @@ class GeneralPath:
             failed = f"reading the parameters failed: {type(exc).__name__}: {exc}"
         self.prepare_from(metrics, list(self.reads.kind_sites["param"]), tensors, memo, failed, out)
 
-    def _read_phase(self, metrics: list[TensorMetric], pairs: list[tuple[torch.Tensor, torch.Tensor] | None] | None,
-                    snapshot: MutableMapping[str, torch.Tensor] | None, out: StepStates
-                    ) -> tuple[list[Site], list[torch.Tensor | None]]:
-        """Sites and local tensors of every kind the phase's metrics read (rank-symmetric sites);
-        ``pairs``: the fused updates of :meth:`_fused_updates` (their moments in the memo)."""
+    def _read_phase(self, metrics: list[TensorMetric], snapshot: MutableMapping[str, torch.Tensor] | None,
+                    out: StepStates) -> tuple[list[Site], list[torch.Tensor | None]]:
+        """Sites and local tensors of every kind the phase's metrics read (rank-symmetric sites)."""
         reads = self.reads
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
         for kind in sorted({k for m in metrics for k in m.source_kinds}):
-            if kind == "update" and pairs is not None:
-                # The snapshots stand in for the updates: every statistic of them comes from
-                # the moments rows in the memo (kernel of p - prev, nothing written).
-                sites.extend(reads.kind_sites[kind])
-                tensors.extend(pair[1] if pair is not None else None for pair in pairs)
-                continue
             if kind in reads.flat:
                 read = reads.flat_tensors(kind, range(len(reads.manifest.entries)))
                 sites.extend(reads.flat_sources[kind].sites)
@@ -151,55 +135,3 @@ class GeneralPath:
                                    if t is None and e.name in reads.manifest.local)
             tensors.extend(read)
         return sites, tensors
-
-    def _fused_updates(self, metrics: list[TensorMetric], memo: dict, before: dict,
-                       snapshot: MutableMapping[str, torch.Tensor] | None
-                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None] | None,
-                                  MutableMapping[str, torch.Tensor] | None]:
-        """``(parameter now, snapshot)`` per manifest entry, their moments put in ``memo`` (and
-        the snapshots' in ``before``), when every metric reading updates derives all its
-        statistics from fused moments and the kernel takes every pair, so the update need not
-        be written (``p - prev`` is read by the kernel); else None (and ``read_kind`` computes
-        the updates in place); and the snapshot ``read_kind`` reads then."""
-        readers = [m for m in metrics if "update" in m.source_kinds]
-        if not readers or "update" in self.reads.flat or snapshot is None:
-            return None, snapshot
-        # Partial parameters are materialized after reading (resolve_partials): their local
-        # moments would be of one part.
-        if self.reads.facts.partial_params:
-            return None, snapshot
-        if not all(reads_only_moments(m) for m in readers):
-            return None, snapshot
-        pairs = update_pairs(self.reads.manifest, snapshot)
-        try:
-            self._remember_updates(pairs, memo, before)
-        except ValueError:  # a tensor the kernel does not take (checked before it reads anything)
-            # Put the snapshots back for read_kind; nothing was consumed.
-            return None, {e.name: pair[1] for e, pair in zip(self.reads.manifest.entries, pairs) if pair is not None}
-        return pairs, snapshot
-
-    def _remember_updates(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None], memo: dict,
-                          before: dict) -> None:
-        """Moments of every update, of its parameter after the step (into ``memo``) and before
-        it (the snapshot, into ``before``), from one kernel pass over each pair.
-
-        Raises:
-            ValueError: a tensor the kernel does not take, or a snapshot whose dtype or size
-                differs from its parameter's (before anything is read).
-        """
-        keys, tensors, minus = [], [], []
-        kind_sites = self.reads.kind_sites
-        params = {s.name: s.key for s in kind_sites["param"]} if "param" not in self.reads.flat else {}
-        for site, pair in zip(kind_sites["update"], pairs):
-            if pair is None:
-                continue
-            keys.append((site.key, params.get(site.name)))
-            tensors.append(pair[0])
-            minus.append(pair[1])
-        block = moments.parts(tensors, minus).flatten(0, 1)
-        after_rows, before_rows = moments.rows_of(memo), moments.rows_of(before)
-        for i, (update, param) in enumerate(keys):
-            after_rows[update] = (block, 3 * i)
-            if param is not None:
-                after_rows[param] = (block, 3 * i + 1)
-                before_rows[param] = (block, 3 * i + 2)

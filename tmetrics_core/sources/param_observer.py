@@ -23,7 +23,6 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence, cast
 import torch
 
 from tmetrics_core.distributed.executor import Executor
-from tmetrics_core.kernels import moments
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.metrics.preparation import SiteChoices
 from tmetrics_core.manifest.table import Manifest
@@ -88,7 +87,6 @@ class ParamObserver:
         self._failed: set[str] = set()
         """Post metrics failed by :meth:`fail_post` this step: the program leaves them failed."""
         self._before: MutableMapping[str, torch.Tensor] | None = None
-        self._spare: torch.Tensor | None = None
 
     @property
     def prepared(self) -> dict[str, Prepared]:
@@ -122,12 +120,7 @@ class ParamObserver:
         self.replicas.begin()
 
     def end(self) -> None:
-        """Release what the step held (the snapshot is a copy of the parameters), but keep the
-        kernel's snapshot buffer where no copy in it was handed out: the next due step writes
-        into it (one copy of the snapshot's parameters held between due steps, instead of fresh
-        memory, and its page faults, on every due step)."""
-        if isinstance(self._before, Snapshot):
-            self._spare = self._before.spare()
+        """Release what the step held (the snapshot is a copy of the parameters)."""
         self.step, self.due, self._before = None, (), None
         self.states = StepStates({}, {}, self.unfed, self.no_grad)
         self._plan = None
@@ -194,8 +187,7 @@ class ParamObserver:
         """Copy the parameters the due update metrics read (in the optimizer's pre-hook)."""
         names = self.plan().snapshot_names
         if names:
-            spare, self._spare = self._spare, None  # the buffer is the new snapshot's from here
-            self._before = snapshot(self.manifest, names, spare)
+            self._before = snapshot(self.manifest, names)
 
     @torch.no_grad()
     def finish(self) -> dict[str, Prepared]:
@@ -235,10 +227,9 @@ class ParamObserver:
     def _run_phase(self, phase: str) -> None:
         """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
         state or updates (their parameters are the values after the step; updates are read as
-        ``p - snapshot`` by the fused kernel, or computed in place in the snapshot, which they
-        consume), and first the metrics of ``DueSetPlan.from_snapshot``. The due set's program
-        prepares the metrics it plans first; the general path the rest (all of them where the
-        program did not run)."""
+        ``p - snapshot``, computed in place in the snapshot, which they consume), and first the
+        metrics of ``DueSetPlan.from_snapshot``. The due set's program prepares the metrics it
+        plans first; the general path the rest (all of them where the program did not run)."""
         self._programmed(phase)
         plan = self.plan()
         metrics = [m for m in (plan.pre if phase == "pre" else plan.post) if m.name not in self.prepared]
@@ -281,12 +272,11 @@ class ParamObserver:
                 self.no_grad.update(self.manifest.entries[i].name for i in program.entries(absent))
                 self.unfed.update(program.pre.unfed(frozenset(absent)))
         else:
-            # The kernel's flat snapshot is read by address; torch's copies as they are. Neither
-            # is changed, so the general path finds the snapshot intact if the program raises.
-            then: moments.Held | Sequence[torch.Tensor] = ()
+            # The snapshot's copies are read, not changed, so the general path finds the snapshot
+            # intact if the program raises.
+            then: Sequence[torch.Tensor] = ()
             if isinstance(self._before, Snapshot):
-                held = self._before.held(program.names)
-                then = held if held is not None else self._before.copies(program.names)
+                then = self._before.copies(program.names)
             try:
                 states, absent = program.read_post(params, then, facts.views, local, self.reads.state_tensors,
                                                    self.topology)

@@ -12,11 +12,11 @@ plans which rows each metric reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, overload
+from typing import Callable, Sequence, cast, overload
 
 import torch
 
-from tmetrics_core.kernels import moments
+from tmetrics_core.kernels.rows import spaced
 from tmetrics_core.metrics.base import StatMetric
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.metrics.statistics import NEUTRAL, Statistic
@@ -97,7 +97,8 @@ class PhasePlan:
                 index = moved
             picked = rows[index] if type(index) is slice else rows.index_select(0, index)
             tensors = _Inputs(recipe.rows, inputs)
-            matrices = [stat.moments_matrix(picked, tensors) for stat in recipe.metric.statistics]
+            matrices = [cast("torch.Tensor", stat.compute(tensors, recipe.sites, cast(Topology, topology), picked))
+                        for stat in recipe.metric.statistics]  # row statistics: matrices, topology unread
             gone = tuple(p for p, r in enumerate(recipe.rows) if r in absent) if absent else ()
             if gone:
                 assert topology is not None  # absent rows come with the topology of their stages
@@ -138,7 +139,7 @@ def _neutral_rows(matrix: torch.Tensor, fills: Sequence[tuple[float, torch.Tenso
 
 def _index(rows: Sequence[int]) -> torch.Tensor | slice:
     """``rows`` of a kernel output as a slice when evenly spaced, else as an index tensor."""
-    even = moments.spaced(rows)
+    even = spaced(rows)
     return even if even is not None else torch.tensor(rows, dtype=torch.int64)
 
 

@@ -11,8 +11,7 @@ cold caches, right after the backward pass.
 A :class:`ParamProgram` finds them once. A due step then runs one moments pass per phase (the
 gradients and parameters read before the optimizer step; each parameter, its snapshot and their
 difference after it) and, per metric, one row gather and its statistics' arithmetic. The pass
-is the C kernel for the tensors it takes and batched torch ops
-(:mod:`tmetrics_core.kernels.foreach_moments`) for every other tensor, on any device: a fixed
+is batched torch ops (:func:`tmetrics_core.kernels.rows.rows`) on any device: a fixed
 number of ops per statistic and ``(device, dtype)`` group, whatever the tensor count. The
 states are those the general path prepares, bit for bit: the same backends, the same rows, the
 same statistic code. :meth:`ParamProgram.plan` says when it applies (plain parameters held
@@ -28,8 +27,7 @@ from typing import Callable, Sequence, cast
 
 import torch
 
-from tmetrics_core.kernels import moments
-from tmetrics_core.kernels.foreach_moments import rows as moments_rows
+from tmetrics_core.kernels.rows import FIELDS, rows as moments_rows
 from tmetrics_core.metrics.base import StatMetric, TensorMetric
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.site import Site, SiteKey
@@ -46,6 +44,7 @@ Local = Callable[[Sequence[torch.Tensor | None]], list[torch.Tensor | None]]
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
+_LOW = frozenset({torch.bfloat16, torch.float16})
 _PRE_KINDS = frozenset({"param", "grad"})
 _STATE_KINDS = frozenset({"exp_avg", "exp_avg_sq"})
 _POST_KINDS = frozenset({"param", "update"}) | _STATE_KINDS
@@ -62,8 +61,8 @@ def _eligible(metric: TensorMetric, kinds: frozenset[str], *, elements: bool = F
     the rows were read from, not a stand-in)."""
     return (isinstance(metric, StatMetric) and metric.planned
             and bool(metric.source_kinds) and metric.source_kinds <= kinds
-            and all((s.moments and (elements or not s.reads_elements)) or s.shape_only for s in metric.statistics)
-            and any(stat.moments for stat in metric.statistics))
+            and all(not s.elements or (elements and bool(s.reads)) for s in metric.statistics)
+            and any(stat.reads for stat in metric.statistics))
 
 
 def _columns(plan: PhasePlan) -> frozenset[str]:
@@ -175,8 +174,7 @@ class ParamProgram:
                  ) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
         """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
         entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grads_of`),
-        from one moments pass (:func:`~tmetrics_core.kernels.foreach_moments.rows`: the C kernel
-        where it takes a tensor, batched torch ops elsewhere), and the rows of the gradients this
+        from one moments pass (:func:`~tmetrics_core.kernels.rows.rows`), and the rows of the gradients this
         rank does not have this step (:meth:`entries` names their manifest entries): their
         gradients are left out of the statistics with placeholders (see :meth:`PhasePlan.states`,
         on ``topology``), as the general path does. ``views[i]``, where given and not None, reads entry ``i`` (an expert slice of a
@@ -205,14 +203,13 @@ class ParamProgram:
         """The manifest entries that ``read_pre``'s rows ``rows`` read."""
         return [self._indices[k] for k in rows]
 
-    def read_post(self, params: Sequence[torch.Tensor], then: moments.Held | Sequence[torch.Tensor],
+    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[torch.Tensor],
                   views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = (), local: Local | None = None,
                   state: Callable[[Sequence[tuple[str, int]]], list[torch.Tensor | None]] | None = None,
                   topology: Topology | None = None) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
         """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
         ``params`` and ``views``, as in :meth:`read_pre`) and their snapshots (``then``, in the
-        same order): where each copy lies in the kernel's flat snapshot, read by one ``parts``
-        pass of the C kernel; or the copies themselves (torch made them), whose updates are one
+        same order): the copies themselves, whose updates are one
         ``_foreach_sub`` and whose rows come from one moments pass over updates, parameters and
         snapshots. The Adam state of :attr:`state_reads` comes from ``state`` (the local tensor
         of each, None where the optimizer has none yet: a placeholder, as for a missing
@@ -230,18 +227,19 @@ class ParamProgram:
         blocks = []
         if not now:
             pass
-        elif isinstance(then, moments.Held):
-            blocks.append(moments.parts(now, then, sumsq_only=self._columns[1] <= {"sumsq"}).flatten(0, 1))
         else:
             copies = cast("list[torch.Tensor]", list(then))
             if (list(map(_SHAPE, now)) != list(map(_SHAPE, copies))
                     or list(map(_DTYPE, now)) != list(map(_DTYPE, copies))):
                 raise ValueError("a parameter's shape or dtype changed in the optimizer step")
-            updates = torch_private.foreach_sub(now, copies)
+            # Low-precision parameters widened first (float32 minus their own dtype promotes):
+            # the update itself, not its rounding to the parameter's dtype.
+            updates = torch_private.foreach_sub([t.float() if t.dtype in _LOW else t for t in now]
+                                                if _LOW.intersection(map(_DTYPE, now)) else now, copies)
             n = len(now)
             # Rows in the parts layout: update, after, before of each tensor in turn.
             blocks.append(moments_rows([*updates, *now, *copies], self._columns[1]).view(
-                3, n, len(moments.FIELDS)).transpose(0, 1).reshape(3 * n, -1))
+                3, n, len(FIELDS)).transpose(0, 1).reshape(3 * n, -1))
         held: list[torch.Tensor] = []
         absent: list[int] = []
         if self.state_reads:

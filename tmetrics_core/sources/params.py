@@ -36,6 +36,7 @@ STATE_KINDS = frozenset({"exp_avg", "exp_avg_sq"})
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_LOW = frozenset({torch.bfloat16, torch.float16})
 
 
 @overload
@@ -104,10 +105,15 @@ def read_kind(kind: str, manifest: Manifest, optimizer: Any,
         pairs = update_pairs(manifest, before)
         stepped = [pair for pair in pairs if pair is not None]
         if stepped:
-            # prev <- -(prev - p) = p - prev, in place, as two batched kernels for all tensors.
             prevs = [prev for _, prev in stepped]
-            torch_private.foreach_sub_(prevs, [now for now, _ in stepped])
-            torch_private.foreach_neg_(prevs)
+            if _LOW.isdisjoint(prev.dtype for prev in prevs):
+                # prev <- -(prev - p) = p - prev, in place, as two batched kernels for all tensors.
+                torch_private.foreach_sub_(prevs, [now for now, _ in stepped])
+                torch_private.foreach_neg_(prevs)
+            else:  # low precision widened first (float32 minus its own dtype promotes): the exact update
+                updates = iter(torch_private.foreach_sub([now.float() if now.dtype in _LOW else now
+                                                          for now, _ in stepped], prevs))
+                return [next(updates) if pair is not None else None for pair in pairs]
         return [pair[1] if pair is not None else None for pair in pairs]
     out: list[torch.Tensor | None] = []
     for entry in manifest.entries:

@@ -80,7 +80,6 @@ class QuantMetric(StatMetric):
             raise ConfigError(f"recipe lists {list(names)}: a recipe appears twice; list each once", path="recipe")
         self.held = Held()
         self.statistics = tuple(QuantStatistic(r, part, self.held) for r in self.recipes for part in ("sums", "extremes"))
-        self._two: set = set()
 
     def accepts(self, site: Site) -> bool:
         """Sites of the metric's kind (and ``select``); activations of a chosen module only (as
@@ -103,7 +102,7 @@ class QuantMetric(StatMetric):
                     self.held.reading[sites[i].key] = [copy]
                 else:  # one copy per observation (micro-batch)
                     self.held.reading.setdefault(sites[i].key, []).append(copy)
-                self._two.add(sites[i].key)
+                self.held.two.add(sites[i].key)
         for recipe, sums_stat, max_stat in zip(self.recipes, self.statistics[::2], self.statistics[1::2]):
             now = [i for i in held if not (recipe.tensor_amax and i in cut)]
             sums, maxes = quant_rows(recipe, [tensors[i] for i in now]) if now else (None, None)
@@ -117,23 +116,6 @@ class QuantMetric(StatMetric):
                     first = _amax_flag(tensors[j])
                     state[site.key] += [first, first]
         return state
-
-    def merge(self, a, b):
-        out = dict(a)
-        for key, vectors in b.items():
-            if key not in out:
-                out[key] = vectors
-                continue
-            merged = []
-            for stat, x, y in zip(self.statistics, out[key], vectors):
-                if key in self._two and stat.recipe.tensor_amax:  # type: ignore[attr-defined]
-                    merged.append(torch.cat([x, y]))  # one [amax, flag] per observation
-                elif stat.op == "sum":
-                    merged.append(x + y)
-                else:
-                    merged.append(torch.maximum(x, y))
-            out[key] = merged
-        return out
 
     def start(self, state, sites, topology):
         self.held.begin()

@@ -202,6 +202,9 @@ class Held:
         self.step: dict[SiteKey, list[torch.Tensor]] = {}
         """The copies of the step whose rounds are running."""
         self.done: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.two: set[SiteKey] = set()
+        """Sites read in two stages (the tensor amax over ranks) at some step: their first-stage
+        vectors hold one ``[amax, flag]`` per observation (:meth:`QuantStatistic.merge`)."""
 
     def begin(self) -> None:
         """Hand this step's copies to its rounds; the next observations start afresh."""
@@ -241,9 +244,17 @@ class QuantStatistic(Statistic):
     def check(self, site: Site, topology: Topology) -> None:
         check_blocks(self.recipe, site, topology)
 
-    def compute(self, tensors, sites, topology):
+    def compute(self, tensors, sites, topology, rows):
         sums, maxes = quant_rows(self.recipe, tensors)
         return list((sums if self.part == "sums" else maxes).unbind(0))
+
+    def merge(self, key: SiteKey, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Observations of a two-stage site under a recipe scaled by the tensor amax keep one
+        ``[amax, flag]`` each (joined: each observation's copy is quantised with its own amax
+        in :meth:`between`); the others merge by the op."""
+        if self.recipe.tensor_amax and key in self.held.two:
+            return torch.cat([x, y])
+        return super().merge(key, x, y)
 
     def between(self, index, vector, site, topology):
         key = site.key

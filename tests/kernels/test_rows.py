@@ -1,4 +1,4 @@
-"""Moments rows from batched torch ops against float64 references, and the backend choice."""
+"""Rows from batched torch ops against float64 references."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from tmetrics_core.kernels import moments
-from tmetrics_core.kernels.foreach_moments import foreach_rows, nonfinite_counts, rows
+from tmetrics_core.kernels.rows import nonfinite_counts, rows, spaced
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -27,7 +26,7 @@ def _reference(t: torch.Tensor) -> list[float]:
 
 def test_every_column_of_mixed_dtypes_layouts_and_empties_equals_float64():
     ts = _tensors()
-    got = foreach_rows(ts)
+    got = rows(ts)
     assert got.dtype == torch.float64 and got.shape == (len(ts), 5)
     for i, t in enumerate(ts):
         for column, (a, b) in enumerate(zip(got[i].tolist(), _reference(t))):
@@ -36,26 +35,13 @@ def test_every_column_of_mixed_dtypes_layouts_and_empties_equals_float64():
 
 def test_only_the_columns_asked_for_are_computed():
     ts = _tensors()
-    squares = foreach_rows(ts, {"sumsq"})
-    assert torch.isnan(squares[:, 1:]).all() and torch.equal(squares[:, 0], foreach_rows(ts)[:, 0])
-    peaks = foreach_rows(ts, {"absmax"})
+    squares = rows(ts, {"sumsq"})
+    assert torch.isnan(squares[:, 1:]).all() and torch.equal(squares[:, 0], rows(ts)[:, 0])
+    peaks = rows(ts, {"absmax"})
     absmax = [max(abs(r[2]), abs(r[3])) if t.numel() else 0.0 for t, r in zip(ts, map(_reference, ts))]
     assert peaks[:, 2].tolist() == absmax and peaks[:, 3].tolist() == [-a for a in absmax]
     with pytest.raises(ValueError, match="unknown moments columns"):
-        foreach_rows(ts, {"mean"})
-
-
-def test_the_kernel_takes_what_it_can_and_torch_ops_the_rest():
-    """Contiguous CPU float32/bfloat16 go to the C kernel (its float64 sums), the others to torch
-    ops: each row equals the backend's own row for that tensor alone."""
-    ts = _tensors()
-    mixed = rows(ts)
-    for i, t in enumerate(ts):
-        alone = moments.moments([t]) if moments.available() and moments.takes(t) else foreach_rows([t])
-        assert torch.equal(mixed[i], alone[0]) or all(
-            (math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(mixed[i].tolist(), alone[0].tolist())), i
-    with moments.disabled():
-        assert torch.equal(rows(ts), foreach_rows(ts))
+        rows(ts, {"mean"})
 
 
 def test_non_finite_counts_per_tensor():
@@ -66,3 +52,8 @@ def test_non_finite_counts_per_tensor():
     edge = [torch.tensor([torch.finfo(d).max, -torch.finfo(d).max, math.nan, -math.inf], dtype=d)
             for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)]
     assert nonfinite_counts(edge).tolist() == [[1, 0, 1]] * 4
+
+
+def test_evenly_spaced_indices_are_a_slice():
+    assert spaced([0, 1, 2]) == slice(0, 3, 1) and spaced([1, 4, 7]) == slice(1, 8, 3) and spaced([5]) == slice(5, 6, 1)
+    assert spaced([0, 2, 3]) is None and spaced([3, 2]) is None

@@ -1,0 +1,51 @@
+"""The one entry path of statistics: their local vectors of a list of tensors.
+
+:func:`statistic_vectors` computes, for the statistics of one call (a metric's), the rows of the
+tensors once, with the columns the statistics declare (:attr:`Statistic.reads`, one batched pass
+of :func:`tmetrics_core.kernels.rows.rows` on any device), and hands each statistic the tensors
+and those rows (:meth:`Statistic.compute`). Rows and vectors are kept in the step's memo, so
+metrics reading the same statistics of the same sites share one computation.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from tmetrics_core.kernels.rows import rows
+from tmetrics_core.metrics.statistics import Statistic
+from tmetrics_core.site import Site
+from tmetrics_core.topology import Topology
+
+__all__ = ["statistic_vectors"]
+
+_KEY = operator.attrgetter("key")
+
+
+def statistic_vectors(statistics: Sequence[Statistic], tensors: Sequence[torch.Tensor], sites: Sequence[Site],
+                      topology: Topology, memo: dict[Hashable, Any]) -> list[torch.Tensor | list[torch.Tensor]]:
+    """Per statistic, its first-stage vectors of ``tensors`` (the local tensors of ``sites``):
+    a float64 ``[len(tensors), size]`` matrix or a list of one vector per tensor
+    (:meth:`Statistic.compute`). Tensors that require grad are read detached while autograd
+    records. The rows (float64 ``[len(tensors), 5]``, the union of the statistics' columns) and
+    each statistic's result are kept in ``memo`` under the site keys, for every later call of the
+    step with the same sites. Vectors are shared: never change them in place.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # under no_grad read as they are
+        tensors = [t.detach() if t.requires_grad else t for t in tensors]
+    keys = tuple(map(_KEY, sites))
+    columns = frozenset().union(*(s.reads for s in statistics))
+    read = None
+    if columns:
+        read = memo.get(("rows", columns, keys))
+        if read is None:
+            read = memo[("rows", columns, keys)] = rows(tensors, columns)
+    out = []
+    for stat in statistics:
+        vectors = memo.get((stat.name, keys))
+        if vectors is None:
+            vectors = memo[(stat.name, keys)] = stat.compute(tensors, sites, topology, read if stat.reads else None)
+        out.append(vectors)
+    return out
