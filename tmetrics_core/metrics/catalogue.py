@@ -106,7 +106,9 @@ def _load(path: tuple[str, ...]) -> _Registry:
     registry = _Registry()
     for name, family in FAMILIES:
         _register(registry, family, f"{_BUILT_IN}: {name}", built_in=True)
-    for point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    # In name order, not the path's: a name clash or a failure is said alike on every machine.
+    points = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda p: (p.name, p.value))
+    for point in points:
         dist = point.dist.name if point.dist is not None else "an unknown distribution"
         origin = f"{point.name} ({dist})"
         try:
