@@ -3,7 +3,7 @@
 Everything a config can get wrong is checked here, before the first step: names against the
 catalogue and the installed sinks, sink options by each sink's constructor (on every rank, so
 no rank proceeds into a collective that a failing rank never joins), the topology, and then
-(:mod:`~tmetrics_core.startup_checks`, run by ``TensorMetrics``) selections and placements
+(:mod:`~tmetrics_core.scope.startup_checks`, run by ``TensorMetrics``) selections and placements
 against the model.
 
 Frameworks are read through their adapters (:mod:`tmetrics_core.integrations.adapter`), taken

@@ -17,11 +17,11 @@ every metric and its plan are checked at once). On steps where nothing is due, `
 installs nothing and the optimizer hooks return at once. Parameters and gradients are read in
 the optimizer's step pre-hook (before the update, gradients before ``zero_grad``; call
 :meth:`observe_gradients` to read them earlier), or, for ``optimizer.step(closure)``, when the
-closure has run; Adam state and updates in its post-hook (:mod:`~tmetrics_core.optimizer_steps`);
-activations while the forward runs (:mod:`~tmetrics_core.observation_hooks`). At the step's end
-(:mod:`~tmetrics_core.step_end`) the executor reduces every due metric in one pass and the
-records go to the sinks (logging rank only). Plans: :mod:`~tmetrics_core.planning`; start-up
-checks: :mod:`~tmetrics_core.startup_checks`; closing: :mod:`~tmetrics_core.shutdown`.
+closure has run; Adam state and updates in its post-hook (:mod:`~tmetrics_core.scope.optimizer_steps`);
+activations while the forward runs (:mod:`~tmetrics_core.scope.observation_hooks`). At the step's end
+(:mod:`~tmetrics_core.scope.step_end`) the executor reduces every due metric in one pass and the
+records go to the sinks (logging rank only). Plans: :mod:`~tmetrics_core.scope.planning`; start-up
+checks: :mod:`~tmetrics_core.scope.startup_checks`; closing: :mod:`~tmetrics_core.scope.shutdown`.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ from tmetrics_core.distributed.executor import Executor, Pending
 from tmetrics_core.errors import ConfigError, TMetricsError
 from tmetrics_core.hub.sink_hub import NullHub
 from tmetrics_core.metrics.base import TensorMetric
-from tmetrics_core.observation_hooks import install_observation_hooks
+from tmetrics_core.scope.observation_hooks import install_observation_hooks
 from tmetrics_core.observe import in_backward, new_owner
 from tmetrics_core.observer import _ACTIVE
-from tmetrics_core.optimizer_steps import OptimizerSteps
+from tmetrics_core.scope.optimizer_steps import OptimizerSteps
 from tmetrics_core.placements import Placement
-from tmetrics_core.planning import Planning, write_manifest
+from tmetrics_core.scope.planning import Planning, write_manifest
 from tmetrics_core.records import MetricRecord, RunInfo, RunStatus, status_on_exit
 from tmetrics_core.reporter import Reporter
-from tmetrics_core.shutdown import Shutdown
+from tmetrics_core.scope.shutdown import Shutdown
 from tmetrics_core.sinks.keys import KeyRules
 from tmetrics_core.sources.adapters import AdapterWatch
 from tmetrics_core.kinds import GRAD_KINDS, TOKEN_KINDS
@@ -63,8 +63,8 @@ from tmetrics_core.sources.pipelining import quiet_shape_inference
 from tmetrics_core.sources.token_plan import TokenPlan
 from tmetrics_core.sources.token_step import TokenSites
 from tmetrics_core.sources.tokens import TokenObserver
-from tmetrics_core.startup_checks import StartupInputs, check_against_model
-from tmetrics_core.step_end import StepEnd
+from tmetrics_core.scope.startup_checks import StartupInputs, check_against_model
+from tmetrics_core.scope.step_end import StepEnd
 from tmetrics_core.topology import Topology
 from tmetrics_core.user_scalars import scalar_records
 
@@ -392,7 +392,7 @@ class TensorMetrics(OptimizerSteps, StepEnd, Shutdown, Planning):
             self.hub.submit(scalar_records(values, step, reserved={m.name for m, _ in self.metrics}), step)
 
     def _observation_hooks(self) -> list[Any]:
-        """The token sources' hooks (:func:`~tmetrics_core.observation_hooks.install_observation_hooks`)."""
+        """The token sources' hooks (:func:`~tmetrics_core.scope.observation_hooks.install_observation_hooks`)."""
         return install_observation_hooks(self.model, [m for m, _ in self.metrics], index=self.index,
                                          routers=self.routers, topology=self.topology, modules=self.modules,
                                          token_modules=self._token_modules, owner=self._owner, reporter=self.reporter)

@@ -32,7 +32,7 @@ class Shutdown:
     _hooks: list[Any]
     _in_flight: tuple[int, Pending] | None
     _deliver: Callable[[int, Pending], None]
-    """Reads and submits a launched step's results (:meth:`~tmetrics_core.step_end.StepEnd._deliver`)."""
+    """Reads and submits a launched step's results (:meth:`~tmetrics_core.scope.step_end.StepEnd._deliver`)."""
 
     def _check_open(self, call: str) -> None:
         """Raise after :meth:`close`, unless SIGTERM closed this object: a job shutting down

@@ -42,7 +42,7 @@ class OptimizerSteps:
     _in_scope: bool
     _scaler: ScalerWatch | None
     _check_open: Callable[[str], None]
-    """Refuses a call after ``close()`` (:meth:`~tmetrics_core.shutdown.Shutdown._check_open`)."""
+    """Refuses a call after ``close()`` (:meth:`~tmetrics_core.scope.shutdown.Shutdown._check_open`)."""
 
     def observe_gradients(self) -> None:
         """Read gradients (and parameters) now, e.g. before clipping, instead of in the optimizer's

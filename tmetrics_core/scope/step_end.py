@@ -64,7 +64,7 @@ class StepEnd:
     _closed_by_signal: bool
     _in_flight: tuple[int, Pending] | None
     _read_pre: Callable[[], None]
-    """Reads the parameters and gradients (:meth:`~tmetrics_core.optimizer_steps.OptimizerSteps._read_pre`)."""
+    """Reads the parameters and gradients (:meth:`~tmetrics_core.scope.optimizer_steps.OptimizerSteps._read_pre`)."""
 
     @torch.no_grad()
     def _finish_step(self, step: int, observer: TokenObserver | None) -> None:
