@@ -8,10 +8,9 @@ Hugging Face ``Trainer`` callback, and by ``from_config`` given an ``Accelerated
 from __future__ import annotations
 
 import sys
-from typing import Any, Mapping
+from typing import Any
 
-from tmetrics_core.integrations.adapter import Prepared
-from tmetrics_core.topology import Topology
+from tmetrics_core.integrations.adapter import Wrapper
 
 __all__ = ["Accelerate", "unwrap_accelerated"]
 
@@ -26,23 +25,12 @@ def unwrap_accelerated(optimizer: Any) -> Any:
     return optimizer
 
 
-class Accelerate:
+class Accelerate(Wrapper):
     """Unwraps an ``AcceleratedOptimizer``; states no topology (multi-process accelerate runs
     DDP: :func:`~tmetrics_core.integrations.accelerate.attach` passes ``{"dp": WORLD}``),
     placements or offsets."""
 
     name = "accelerate"
-    layouts: tuple[str, ...] = ()
 
     def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
         return model, unwrap_accelerated(optimizer)
-
-    def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
-        return False  # nothing left of accelerate once unwrapped
-
-    def topology(self, model: Any, optimizer: Any, mesh: Any, axes: Mapping[str, Any] | None, *,
-                 timeout_s: float) -> Topology | None:
-        return None
-
-    def prepare(self, model: Any, optimizer: Any, topology: Topology) -> Prepared:
-        return Prepared(model=model, optimizer=optimizer)

@@ -26,7 +26,7 @@ from tmetrics_core.integrations.megatron_shards import OwnedRanges
 from tmetrics_core.placements import Placement
 from tmetrics_core.topology import Topology
 
-__all__ = ["FrameworkAdapter", "Prepared"]
+__all__ = ["FrameworkAdapter", "Prepared", "Wrapper"]
 
 
 @dataclass
@@ -100,3 +100,25 @@ class FrameworkAdapter(Protocol):
         undone by the handles. Raises ``ConfigError`` for what the framework does that tmetrics
         does not read."""
         ...
+
+
+class Wrapper:
+    """A framework that only wraps the user's objects (accelerate's optimizer, a
+    LightningModule): once :meth:`unwrap` has run nothing of it is left to detect, so it states
+    no topology, placements or offsets. A subclass sets ``name`` and overrides :meth:`unwrap`."""
+
+    name = "wrapper"
+    layouts: tuple[str, ...] = ()
+
+    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
+        return model, optimizer
+
+    def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
+        return False
+
+    def topology(self, model: Any, optimizer: Any, mesh: Any, axes: Mapping[str, Any] | None, *,
+                 timeout_s: float) -> Topology | None:
+        return None
+
+    def prepare(self, model: Any, optimizer: Any, topology: Topology) -> Prepared:
+        return Prepared(model=model, optimizer=optimizer)

@@ -6,12 +6,11 @@ Lightning is not imported here: a module is recognised by its classes' names and
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from tmetrics_core.integrations.adapter import Prepared
-from tmetrics_core.topology import Topology
+from tmetrics_core.integrations.adapter import Wrapper
 
 __all__ = ["Lightning", "measured_model"]
 
@@ -31,22 +30,11 @@ def measured_model(pl_module: torch.nn.Module) -> torch.nn.Module:
     return holders[0] if len(holders) == 1 else pl_module
 
 
-class Lightning:
+class Lightning(Wrapper):
     """Unwraps a ``LightningModule`` (:func:`measured_model`); states no topology (the callback
     passes ``{"dp": WORLD}`` under DDP), placements or offsets."""
 
     name = "lightning"
-    layouts: tuple[str, ...] = ()
 
     def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
         return (measured_model(model) if _is_lightning_module(model) else model), optimizer
-
-    def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
-        return False  # nothing left of Lightning once unwrapped
-
-    def topology(self, model: Any, optimizer: Any, mesh: Any, axes: Mapping[str, Any] | None, *,
-                 timeout_s: float) -> Topology | None:
-        return None
-
-    def prepare(self, model: Any, optimizer: Any, topology: Topology) -> Prepared:
-        return Prepared(model=model, optimizer=optimizer)
