@@ -55,3 +55,24 @@ def test_pipelining_stage_has_a_shape_inference_method() -> None:
 
 def test_replicate_with_fsdp_is_importable() -> None:
     assert callable(torch_private.replicate_with_fsdp())
+
+
+def test_dtensor_internals() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    assert torch_private.strided_shard().__name__ == "_StridedShard"
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        t = distribute_tensor(torch.arange(4.0), mesh, [Replicate()])
+        assert torch.equal(torch_private.held_local(t), torch.arange(4.0))
+        assert torch_private.held_local(torch.ones(2)) is None
+        spec = torch_private.dtensor_spec(t)
+        assert spec.mesh is mesh and tuple(spec.placements) == (Replicate(),)
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -15,6 +15,11 @@ names from here only.
   forward to learn shapes (``_forward_metadata_inference``; ``_shape_inference`` before it).
 - ``replicate_with_fsdp()``: FSDP2's replicate mode (``torch.distributed._composable``), which,
   unlike DDP, takes DTensor parameters; the demo's data parallel over tensor parallel uses it.
+- ``strided_shard()``: DTensor's ``_StridedShard`` placement class (what ``fully_shard`` gives
+  a parameter tensor parallelism already sharded on the same dim).
+- ``held_local(t)``: a DTensor's local tensor as held (``DTensor._local_tensor``), without the
+  autograd function ``to_local()`` adds; None for anything else.
+- ``dtensor_spec(t)``: a DTensor's spec (``DTensor._spec``: mesh and placements by identity).
 - ``cxx11_abi()``: the C++ ABI torch was built with (``torch._C._GLIBCXX_USE_CXX11_ABI``).
 """
 
@@ -28,7 +33,8 @@ from torch._library.effects import EffectType
 __all__ = ["EffectType", "PIPELINE_SHAPE_INFERENCE", "cxx11_abi", "foreach_add_", "foreach_clamp_max",
            "foreach_clamp_min", "foreach_max", "foreach_mul", "foreach_mul_", "foreach_neg",
            "foreach_neg_", "foreach_norm", "foreach_powsum", "foreach_sub", "foreach_sub_",
-           "in_backward", "register_effectful_op", "replicate_with_fsdp"]
+           "dtensor_spec", "held_local", "in_backward", "register_effectful_op", "replicate_with_fsdp",
+           "strided_shard"]
 
 register_effectful_op = torch.library._register_effectful_op
 
@@ -65,3 +71,21 @@ def replicate_with_fsdp() -> Callable[..., Any]:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     return replicate  # type: ignore[no-any-return]
+
+
+def strided_shard() -> Any:
+    """``torch.distributed.tensor.placement_types._StridedShard``, imported on call."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def held_local(tensor: Any) -> torch.Tensor | None:
+    """``tensor._local_tensor`` of a DTensor (the data ``to_local()`` views, without its
+    autograd function); None where ``tensor`` has none."""
+    return getattr(tensor, "_local_tensor", None)
+
+
+def dtensor_spec(tensor: Any) -> Any:
+    """``tensor._spec`` of a DTensor: its ``DTensorSpec`` (``.mesh``, ``.placements``)."""
+    return tensor._spec

@@ -24,6 +24,7 @@ import torch
 
 from tmetrics_core.errors import ConfigError, PlacementError
 from tmetrics_core.placements import Partial, Placement, Replica, Shard, StridedShard
+from tmetrics_core import torch_private
 
 __all__ = ["dtensor_placements"]
 
@@ -46,7 +47,7 @@ def dtensor_placements(tensor: torch.Tensor, name: str = "") -> tuple[tuple[str,
     """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Partial as TorchPartial
-    from torch.distributed.tensor.placement_types import Replicate, _StridedShard
+    from torch.distributed.tensor.placement_types import Replicate
     from torch.distributed.tensor.placement_types import Shard as TorchShard
 
     if not isinstance(tensor, DTensor):
@@ -59,9 +60,10 @@ def dtensor_placements(tensor: torch.Tensor, name: str = "") -> tuple[tuple[str,
             "init_device_mesh(..., mesh_dim_names=(...)) so tmetrics can map its dims to axes"
         )
     out: list[tuple[str, Placement]] = []
+    strided = torch_private.strided_shard()
     for axis, p in zip(names, tensor.placements):
         exact = type(p)  # subclasses (_MaskPartial) are other placements
-        if isinstance(p, _StridedShard) and exact is _StridedShard:
+        if isinstance(p, strided) and exact is strided:
             out.append((axis, StridedShard(p.dim, split_factor=int(p.split_factor))))
         elif isinstance(p, TorchShard) and exact is TorchShard:
             out.append((axis, Shard(p.dim)))
@@ -91,7 +93,7 @@ def _check_local_shape(tensor: Any, placements: list[tuple[str, Placement]], lab
         d = p.shard_dim()
         if d is not None:
             shape[d] = p.local_length(shape[d], size, coord)  # type: ignore[attr-defined]
-    local = tuple(tensor._local_tensor.shape)
+    local = tuple(torch_private.held_local(tensor).shape)  # type: ignore[union-attr]
     if tuple(shape) != local:
         raise PlacementError(
             f"{label}: placements {tensor.placements} on mesh {mesh.mesh_dim_names} give this rank (coordinate "

@@ -24,6 +24,7 @@ from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
 from tmetrics_core.sources.optimizer_state import state_keys, state_value
 from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, local_view, read_kind
 from tmetrics_core.topology import Topology
+from tmetrics_core import torch_private
 
 __all__ = ["ManifestFacts", "ParamReads", "grads_placed_as_params", "local_tensors"]
 
@@ -179,7 +180,7 @@ def grads_placed_as_params(params: Sequence[torch.Tensor]) -> bool:
             # The specs' mesh and placements, compared by identity first (FSDP2 gives a
             # gradient its parameter's): the properties and the placements' equality are
             # Python calls per tensor and step.
-            mine, theirs = grad._spec, param._spec
+            mine, theirs = torch_private.dtensor_spec(grad), torch_private.dtensor_spec(param)
             if ((mine.mesh is not theirs.mesh and mine.mesh != theirs.mesh)
                     or (mine.placements is not theirs.placements and mine.placements != theirs.placements)):
                 return False

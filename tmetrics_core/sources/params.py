@@ -59,7 +59,7 @@ def local_view(tensor: torch.Tensor | None) -> torch.Tensor | None:
     tensor and read on CPU), not requiring grad; any other local tensor through ``to_local()``."""
     if tensor is None or type(tensor) in _PLAIN:
         return tensor  # the common case, without a failing attribute lookup
-    held = getattr(tensor, "_local_tensor", None)
+    held = torch_private.held_local(tensor)
     if held is not None and type(held) in _PLAIN and not held.requires_grad:
         return held
     to_local = getattr(tensor, "to_local", None)
