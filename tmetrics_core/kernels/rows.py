@@ -87,7 +87,7 @@ def rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> t
     out = torch.empty((n, len(FIELDS)), dtype=torch.float64, device=device)
     for members in groups:
         block = _group_rows([tensors[i] for i in members], wanted).to(device)
-        out.index_copy_(0, torch.tensor(members, device=device), block)
+        out.index_copy_(0, _index(tuple(members), device), block)
     return out
 
 
@@ -168,8 +168,15 @@ def _filled(values: torch.Tensor | None, full: list[int], n: int, device: torch.
         return values.to(torch.float64)
     out = torch.full((n,), empty, dtype=torch.float64, device=device)
     if values is not None:
-        out[torch.tensor(full, device=device)] = values.to(torch.float64)
+        out[_index(tuple(full), device)] = values.to(torch.float64)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _index(positions: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``positions`` as an int64 index on ``device``, made once per (positions, device): the
+    same groups come back every due step, and a fresh index is a host-to-device copy each time."""
+    return torch.tensor(positions, dtype=torch.int64, device=device)
 
 
 def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -205,7 +212,7 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         counts = torch.stack([up_or_nan + down_or_nan - every, every - down_or_nan, every - up_or_nan], 1).to(device)
         if len(members) == n:
             return counts
-        out.index_copy_(0, torch.tensor(members, device=device), counts)
+        out.index_copy_(0, _index(tuple(members), device), counts)
     return out
 
 
