@@ -40,12 +40,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, cast
 
 import torch
 
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.errors import PlacementError
+from tmetrics_core.kernels.rows import rows
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.topology import Topology
 
@@ -96,9 +97,11 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
     """``[len(tensors), 6]`` float64 on ``device``: per tensor the columns of :data:`FINGERPRINT`;
     a None tensor is a row of zeros (``present`` 0), an empty one ``[1, 0, 0, -inf, inf, 0]``.
 
-    Sums accumulate in float64, by torch reductions: a tensor's row is a deterministic function
-    of its bits, its shape and its device type, which is the same on every rank of an axis (the
-    ranks hold the same kind of tensor there). The ``sampled`` column is ``sum(w_i * x[p_i])`` over
+    The sums and extremes are one rows pass over all the tensors
+    (:func:`~tmetrics_core.kernels.rows.rows`, batched ops, float64 accumulation on CPU): a
+    tensor's row is a deterministic function of its bits, its shape, its dtype and its device
+    type, which are the same on every rank of an axis (the ranks hold the same kind of tensor
+    there); one copy to the host for all of them. The ``sampled`` column is ``sum(w_i * x[p_i])`` over
     ``SAMPLE`` evenly spaced flat positions ``p_i`` (rounded; repeated in tensors of fewer
     elements) with weights ``w_i = 1..SAMPLE``.
     """
@@ -107,12 +110,13 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
     if not present:
         return out.to(device)
     out[present, 0] = 1.0
-    for i in present:
-        out[i, 1:5] = _moments(tensors[i].detach()).cpu()  # type: ignore[union-attr]
-    sampled = [i for i in present if tensors[i].numel()]  # type: ignore[union-attr]
+    held = [cast("torch.Tensor", tensors[i]).detach() for i in present]
+    # rows' fields are (sumsq, sum, max, min, zeros): the fingerprint's are (sum, sumsq, max, min)
+    out[present, 1:5] = rows(held, ("sum", "max", "min"))[:, [1, 0, 2, 3]].cpu()
+    sampled = [k for k, t in enumerate(held) if t.numel()]
     if sampled:
-        picks = torch.stack([_sample(tensors[i].detach()).cpu() for i in sampled])  # type: ignore[union-attr]
-        out[sampled, 5] = picks @ torch.arange(1, SAMPLE + 1, dtype=torch.float64)
+        picks = torch.stack([_sample(held[k]) for k in sampled]).cpu()
+        out[[present[k] for k in sampled], 5] = picks @ torch.arange(1, SAMPLE + 1, dtype=torch.float64)
     return out.to(device)
 
 
@@ -125,15 +129,6 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=256)
 def _positions(numel: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(0, numel - 1, SAMPLE, dtype=torch.float64, device=device).round().long()
-
-
-def _moments(x: torch.Tensor) -> torch.Tensor:
-    """``[sum, sumsq, max, min]`` in float64 by torch reductions, on ``x``'s device."""
-    if not x.numel():
-        return torch.tensor([0.0, 0.0, -math.inf, math.inf], dtype=torch.float64, device=x.device)
-    wide = x.to(torch.float64)
-    low, high = torch.aminmax(wide)
-    return torch.stack([wide.sum(), wide.square().sum(), high, low])
 
 
 def verify_replicas(claims: Sequence[ReplicaClaim], tensors: Mapping[SiteKey, torch.Tensor | None], *,
