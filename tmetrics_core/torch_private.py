@@ -19,8 +19,9 @@ names from here only.
   a parameter tensor parallelism already sharded on the same dim).
 - ``held_local(t)``: a DTensor's local tensor as held (``DTensor._local_tensor``), without the
   autograd function ``to_local()`` adds; None for anything else.
+- ``version(t)``: a tensor's version counter (``Tensor._version``), which every in-place change
+  moves.
 - ``dtensor_spec(t)``: a DTensor's spec (``DTensor._spec``: mesh and placements by identity).
-- ``cxx11_abi()``: the C++ ABI torch was built with (``torch._C._GLIBCXX_USE_CXX11_ABI``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from typing import Any, Callable
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["EffectType", "PIPELINE_SHAPE_INFERENCE", "cxx11_abi", "foreach_add_", "foreach_clamp_max",
+__all__ = ["EffectType", "PIPELINE_SHAPE_INFERENCE", "foreach_add_", "foreach_clamp_max",
            "foreach_clamp_min", "foreach_max", "foreach_mul", "foreach_mul_", "foreach_neg",
            "foreach_neg_", "foreach_norm", "foreach_powsum", "foreach_sub", "foreach_sub_",
            "dtensor_spec", "held_local", "in_backward", "register_effectful_op", "replicate_with_fsdp",
-           "strided_shard"]
+           "strided_shard", "version"]
 
 register_effectful_op = torch.library._register_effectful_op
 
@@ -58,11 +59,6 @@ def in_backward() -> bool:
     """Whether autograd's engine runs a backward graph on this thread now (checkpoint
     recomputation included); ``False`` in forward and outside autograd."""
     return bool(torch._C._current_graph_task_id() != -1)
-
-
-def cxx11_abi() -> int:
-    """1 when torch was built with the C++11 ABI of libstdc++, else 0 (``-D_GLIBCXX_USE_CXX11_ABI``)."""
-    return int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
 
 
 def replicate_with_fsdp() -> Callable[..., Any]:
@@ -89,3 +85,8 @@ def held_local(tensor: Any) -> torch.Tensor | None:
 def dtensor_spec(tensor: Any) -> Any:
     """``tensor._spec`` of a DTensor: its ``DTensorSpec`` (``.mesh``, ``.placements``)."""
     return tensor._spec
+
+
+def version(tensor: torch.Tensor) -> int:
+    """``tensor._version``: bumped by every in-place change of the tensor (or of a view of it)."""
+    return int(tensor._version)

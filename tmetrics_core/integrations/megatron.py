@@ -96,7 +96,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     modules of Megatron that hold no parameter of their own and keep the model at ``.module``."""
     inner = getattr(model, "module", None)
     while type(model).__module__.startswith("megatron.") and isinstance(inner, torch.nn.Module) \
-            and not model._parameters:
+            and next(model.parameters(recurse=False), None) is None:
         model, inner = inner, getattr(inner, "module", None)
     return model
 
@@ -205,7 +205,7 @@ def joined(parts: Sequence[torch.nn.Module]) -> torch.nn.Module:
 def _register(parent: torch.nn.Module, path: str, name: str, child: torch.nn.Module) -> None:
     if next(child.parameters(), None) is None:
         return  # no parameter: nothing tmetrics reads (rotary embeddings)
-    if name in parent._modules:
+    if name in dict(parent.named_children()):
         raise ConfigError(f"two virtual pipeline chunks hold parameters under {path!r}; tmetrics joins chunks "
                           "that split the decoder's layers only")
     parent.add_module(name, child)

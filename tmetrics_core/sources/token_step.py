@@ -14,6 +14,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from tmetrics_core import torch_private
+
 from tmetrics_core.kinds import EXPERT_COLUMN_KINDS, KEPT_KINDS, MODULE_GLOB_KINDS
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.placements import Placement, Shard
@@ -176,7 +178,7 @@ def local_tokens(tensor: torch.Tensor, shard_dim: int | None
     names = tensor.device_mesh.mesh_dim_names or ()
     split: set[str] = set()
     for axis, p in zip(names, tensor.placements):
-        sharded = p.is_shard() or type(p).__name__ == "_StridedShard"  # not a Shard in torch 2.13
+        sharded = p.is_shard() or type(p) is torch_private.strided_shard()  # not a Shard in torch 2.13
         if sharded and getattr(p, "dim", None) in (-1, tensor.dim() - 1):
             shard_dim = tensor.dim() - 1
         elif sharded:

@@ -206,7 +206,7 @@ class TokenObserver(TokenStep):
             # Kept, not copied, until finish(): its version tells there whether the model
             # changed it in place meanwhile (inference tensors have no version counter). An
             # expert_bias is left out: models update it in place within the step, by design.
-            self._views.append((site, x, x._version))
+            self._views.append((site, x, torch_private.version(x)))
         memo: dict = {}  # metrics of this observation share statistics (expert counts, sums of squares)
         for metric, joint in readers:
             if metric.name in self.errors:
@@ -246,7 +246,8 @@ class TokenObserver(TokenStep):
         # A family's layer summary depends on which of the layer's sites it reads (scores or
         # logits, the bias or not): families share it only when they read the same sites.
         joint_memos: dict[tuple, dict] = {}
-        changed = {site.key: (version, x._version) for site, x, version in self._views if x._version != version}
+        changed = {site.key: (version, now) for site, x, version in self._views
+                   if (now := torch_private.version(x)) != version}
         self._views = []
         for metric in self.metrics:
             observed = self._deferred.pop(metric.name, [])
