@@ -657,7 +657,7 @@ def test_a_kept_that_raises_is_reported_not_raised_from_optimizer_step(monkeypat
 
 class _MeanSquare(Statistic):
     """Per tensor ``sum x**2 / numel`` from the rows and the tensor's shape; reads no element
-    (``elements`` False), so a same-shaped stand-in serves (``reads_only_rows``)."""
+    (``elements`` False), so a same-shaped stand-in serves (``_eligible`` in sources/param_program.py)."""
 
     name = "mean_square"
     op = "max"

@@ -41,7 +41,6 @@ __all__ = [
     "Stage",
     "Statistic",
     "neutral",
-    "reads_only_rows",
 ]
 
 NEUTRAL = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -302,10 +301,3 @@ MIN: Statistic = _Min()
 NONFINITE: Statistic = _NonFinite()
 ZEROS: Statistic = _Zeros()
 
-
-def reads_only_rows(statistics: Sequence[Statistic]) -> bool:
-    """Whether ``statistics`` (at least one) read the rows and shapes alone (no
-    :attr:`Statistic.elements`), at least one of them rows: then rows kept from an earlier read,
-    with a tensor of the same shape for each, stand for the tensors themselves."""
-    return (bool(statistics) and not any(s.elements for s in statistics)
-            and any(s.reads for s in statistics))

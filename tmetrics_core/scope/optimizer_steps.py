@@ -51,7 +51,7 @@ class OptimizerSteps:
         ``optimizer.step()`` (after each micro-batch's backward), it reads them again: the last
         call's values are the step's. Metrics of parameters alone still see them as the
         optimizer step does when an update metric is due: they are read from its snapshot (see
-        :class:`~tmetrics_core.sources.param_observer.DueSetPlan`).
+        :class:`~tmetrics_core.sources.param_plan.DueSetPlan`).
 
         Raises:
             TMetricsError: after :meth:`close`, or outside a step scope (nothing would be read).

@@ -68,22 +68,19 @@ class GeneralPath:
         every metric's error, with placeholders that keep this rank's collectives (Partial
         gradients) the same as the others'."""
         memo: dict = {}
-        # The snapshot as taken: read_kind("update") (in _read_phase) overwrites it with the
-        # updates, after the metrics of `before` read it.
-        snapshots = dict(snapshot or {})
-        failed = None
         if before:
-            self._prepare_before(before, snapshots, {}, out)
+            # The snapshot as taken: read_kind("update") (in _read_phase) overwrites it with the
+            # updates, after the metrics of `before` read it.
+            self._prepare_before(before, dict(snapshot or {}), {}, out)
         if not metrics:
             return
         sites: list[Site] = []
         tensors: list[torch.Tensor | None] = []
-        if failed is None:
-            try:
-                sites, tensors = self._read_phase(metrics, snapshot, out)
-            except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
-                failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
-        if failed is not None:
+        failed = None
+        try:
+            sites, tensors = self._read_phase(metrics, snapshot, out)
+        except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
+            failed = f"reading the {phase}-step tensors failed: {type(exc).__name__}: {exc}"
             # Reported and skipped on every rank by the executor's failure agreement.
             sites = [s for kind in sorted({k for m in metrics for k in m.source_kinds})
                      for s in (self.reads.grad_sites() if kind == "grad" else self.reads.kind_sites[kind])]

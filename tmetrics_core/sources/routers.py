@@ -59,8 +59,6 @@ from tmetrics_core.sources.modules import ModuleIndex
 
 __all__ = ["RECOGNIZERS", "Recognizer", "Router", "find_routers", "install"]
 
-"""The kinds a found router provides."""
-
 SCORE_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "softmax": lambda logits: torch.softmax(logits.float(), dim=-1),
     "sigmoid": lambda logits: torch.sigmoid(logits.float()),
