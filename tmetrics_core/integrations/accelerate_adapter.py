@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tmetrics_core.integrations.adapter import Wrapper
+from tmetrics_core.integrations.adapter import BaseAdapter
 
 __all__ = ["Accelerate", "unwrap_accelerated"]
 
@@ -25,7 +25,7 @@ def unwrap_accelerated(optimizer: Any) -> Any:
     return optimizer
 
 
-class Accelerate(Wrapper):
+class Accelerate(BaseAdapter):
     """Unwraps an ``AcceleratedOptimizer``; states no topology (multi-process accelerate runs
     DDP: :func:`~tmetrics_core.integrations.accelerate.attach` passes ``{"dp": WORLD}``),
     placements or offsets."""

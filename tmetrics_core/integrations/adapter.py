@@ -26,7 +26,7 @@ from tmetrics_core.integrations.megatron_shards import OwnedRanges
 from tmetrics_core.placements import Placement
 from tmetrics_core.topology import Topology
 
-__all__ = ["FrameworkAdapter", "Prepared", "Wrapper"]
+__all__ = ["BaseAdapter", "FrameworkAdapter", "Prepared"]
 
 
 @dataclass
@@ -102,12 +102,14 @@ class FrameworkAdapter(Protocol):
         ...
 
 
-class Wrapper:
-    """A framework that only wraps the user's objects (accelerate's optimizer, a
-    LightningModule): once :meth:`unwrap` has run nothing of it is left to detect, so it states
-    no topology, placements or offsets. A subclass sets ``name`` and overrides :meth:`unwrap`."""
+class BaseAdapter:
+    """The defaults of a :class:`FrameworkAdapter`: unwraps nothing, detects nothing, states no
+    topology, and prepares the model and optimizer as given (no placements, offsets or hooks).
+    A framework that only wraps the user's objects (accelerate's optimizer, a LightningModule)
+    overrides :meth:`unwrap`; one that tells something about a model overrides :meth:`detect`
+    and what it tells. A subclass sets ``name`` (and ``layouts``, its naming tables)."""
 
-    name = "wrapper"
+    name = "base"
     layouts: tuple[str, ...] = ()
 
     def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:

@@ -11,20 +11,17 @@ from typing import Any, Mapping
 
 from tmetrics_core.distributed import world
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.integrations.adapter import Prepared
+from tmetrics_core.integrations.adapter import BaseAdapter
 from tmetrics_core.topology import Topology
 
 __all__ = ["Generic"]
 
 
-class Generic:
+class Generic(BaseAdapter):
     """The :class:`~tmetrics_core.integrations.adapter.FrameworkAdapter` of no framework."""
 
     name = "torch"
     layouts: tuple[str, ...] = ("canonical",)
-
-    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
-        return model, optimizer
 
     def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
         return True
@@ -49,6 +46,3 @@ class Generic:
                 "axes={'dp': torch.distributed.group.WORLD})"
             )
         return Topology.single_process()
-
-    def prepare(self, model: Any, optimizer: Any, topology: Topology) -> Prepared:
-        return Prepared(model=model, optimizer=optimizer)

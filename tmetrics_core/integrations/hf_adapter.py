@@ -8,31 +8,20 @@ optimizer is unwrapped by the accelerate adapter). The ``Trainer`` callback is
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
-from tmetrics_core.integrations.adapter import Prepared
-from tmetrics_core.topology import Topology
+from tmetrics_core.integrations.adapter import BaseAdapter
 
 __all__ = ["HuggingFace"]
 
 
-class HuggingFace:
+class HuggingFace(BaseAdapter):
     """Detected for a ``transformers`` ``PreTrainedModel`` (by class name and module, so
     transformers is not imported); states no topology, placements or offsets."""
 
     name = "transformers"
     layouts: tuple[str, ...] = ("hf", "hf-gpt2", "hf-gpt-oss", "hf-switch")
 
-    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
-        return model, optimizer
-
     def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
         return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
                    for c in type(model).__mro__)
-
-    def topology(self, model: Any, optimizer: Any, mesh: Any, axes: Mapping[str, Any] | None, *,
-                 timeout_s: float) -> Topology | None:
-        return None
-
-    def prepare(self, model: Any, optimizer: Any, topology: Topology) -> Prepared:
-        return Prepared(model=model, optimizer=optimizer)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tmetrics_core.integrations.adapter import Wrapper
+from tmetrics_core.integrations.adapter import BaseAdapter
 
 __all__ = ["Lightning", "measured_model"]
 
@@ -30,7 +30,7 @@ def measured_model(pl_module: torch.nn.Module) -> torch.nn.Module:
     return holders[0] if len(holders) == 1 else pl_module
 
 
-class Lightning(Wrapper):
+class Lightning(BaseAdapter):
     """Unwraps a ``LightningModule`` (:func:`measured_model`); states no topology (the callback
     passes ``{"dp": WORLD}`` under DDP), placements or offsets."""
 
