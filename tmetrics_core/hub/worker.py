@@ -216,9 +216,10 @@ class SinkWorker:
         self._queue.clear()
         self._queued_records = 0
         self._spiller.offer_merged(self.counters, left)
-        _log.warning("sink %s: %d queued records would not be written by the close's drain deadline (%d writes "
-                     "of about %.3f s); they go to the spool and the sink is closed now", self.sink.name,
-                     sum(len(i.records) for i in left if isinstance(i, Batch)), len(left), self._write_s or 0.0)
+        took = f" of about {self._write_s:.3f} s" if self._write_s is not None else ""  # none measured yet
+        _log.warning("sink %s: %d queued records would not be written by the close's drain deadline (%d writes%s); "
+                     "they go to the spool and the sink is closed now", self.sink.name,
+                     sum(len(i.records) for i in left if isinstance(i, Batch)), len(left), took)
 
     def _release(self, *, spill: bool, written: int = 0, retried: int = 0) -> None:
         """End ownership of the in-flight item: spill it when asked, count what was written.
