@@ -114,7 +114,7 @@ def test_torch_distributed_is_called_only_under_distributed() -> None:
 def test_private_torch_names_only_in_torch_private() -> None:
     private = re.compile(r"\btorch(\.[A-Za-z]\w*)*\._[A-Za-z]"  # torch._C, torch.library._x
                          r"|\bfrom torch[\w.]* import .*\b_[A-Za-z]"  # from torch... import _StridedShard
-                         r"|\._(spec|local_tensor)\b")  # DTensor internals
+                         r"|\._(spec|local_tensor|version|parameters|modules)\b")  # torch objects' internals
     found = [f"{_relative(p)}:{i}" for p in FILES if p.name != "torch_private.py"
              for i, line in _code_lines(p) if private.search(line)]
     assert found == []

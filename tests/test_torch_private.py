@@ -75,3 +75,10 @@ def test_dtensor_internals() -> None:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_child_modules_lists_a_repeated_child_under_each_key() -> None:
+    block = torch.nn.Linear(2, 2)
+    stack = torch.nn.Sequential(block, block)
+    assert list(torch_private.child_modules(stack).items()) == [("0", block), ("1", block)]
+    assert torch_private.version(torch.ones(1).add_(1)) == 1

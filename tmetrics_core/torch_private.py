@@ -21,6 +21,8 @@ names from here only.
   autograd function ``to_local()`` adds; None for anything else.
 - ``version(t)``: a tensor's version counter (``Tensor._version``), which every in-place change
   moves.
+- ``child_modules(m)``: a module's registered children by key (``Module._modules``), a module
+  held under several keys listed under each (``named_children()`` lists it once).
 - ``dtensor_spec(t)``: a DTensor's spec (``DTensor._spec``: mesh and placements by identity).
 """
 
@@ -31,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["EffectType", "PIPELINE_SHAPE_INFERENCE", "foreach_add_", "foreach_clamp_max",
+__all__ = ["EffectType", "PIPELINE_SHAPE_INFERENCE", "child_modules", "foreach_add_", "foreach_clamp_max",
            "foreach_clamp_min", "foreach_max", "foreach_mul", "foreach_mul_", "foreach_neg",
            "foreach_neg_", "foreach_norm", "foreach_powsum", "foreach_sub", "foreach_sub_",
            "dtensor_spec", "held_local", "in_backward", "register_effectful_op", "replicate_with_fsdp",
@@ -90,3 +92,8 @@ def dtensor_spec(tensor: Any) -> Any:
 def version(tensor: torch.Tensor) -> int:
     """``tensor._version``: bumped by every in-place change of the tensor (or of a view of it)."""
     return int(tensor._version)
+
+
+def child_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """``module._modules``: its children by key, repeats included (not a copy: do not change it)."""
+    return module._modules

@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from tmetrics_core import torch_private
+
 from tmetrics_core.naming.canonical import strip_wrappers
 
 __all__ = ["AdapterWatch"]
@@ -41,7 +43,8 @@ class AdapterWatch:
         if self._said or not self._wrappers:
             return
         merged = [name for name, _, _, module in self._wrappers if getattr(module, "merged_adapters", None)]
-        gone = [name for name, parent, key, module in self._wrappers if parent._modules.get(key) is not module]
+        gone = [name for name, parent, key, module in self._wrappers
+                if torch_private.child_modules(parent).get(key) is not module]
         if not (merged or gone):
             return
         self._said = True

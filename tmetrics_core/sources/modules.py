@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from tmetrics_core import torch_private
+
 from tmetrics_core.naming.canonical import canonicalize, strip_wrappers
 from tmetrics_core.naming.stacks import find_stacks
 from tmetrics_core.observe import register_modules
@@ -260,7 +262,7 @@ def _positions(parent: torch.nn.Module | None, module: torch.nn.Module) -> list[
     object is reused (``named_modules`` lists it once, under its first key)."""
     if parent is None:
         return []
-    return [int(k) for k, m in parent._modules.items() if m is module and k.isdigit()]
+    return [int(k) for k, m in torch_private.child_modules(parent).items() if m is module and k.isdigit()]
 
 
 def _parent(model: torch.nn.Module, raw: str) -> torch.nn.Module | None:
