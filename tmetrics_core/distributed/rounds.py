@@ -133,13 +133,14 @@ class Rounds:
         up."""
         sizes = [self.topology.axes[a].size for a in union]
         members = math.prod(sizes)
-        values = [[(-current[r.key] if r.op == "min" else current[r.key]).to(torch.float64) for r in bucket]
-                  for bucket in buckets.values()]
-        total = sum(v.numel() for vs in values for v in vs)
+        total = sum(current[r.key].numel() for bucket in buckets.values() for r in bucket)
         small = total * members <= _GATHER_LIMIT and members <= _GATHER_MEMBERS
         group = self.topology.joint_group(union) if small else None
         if group is None:
             return False
+        # Widened (and ``min`` negated) only once the round is known to be gathered.
+        values = [[(-current[r.key] if r.op == "min" else current[r.key]).to(torch.float64) for r in bucket]
+                  for bucket in buckets.values()]
         packed = torch.cat([v for vs in values for v in vs])
         self.stats.add("+".join(union), total)
         start = time.perf_counter()
