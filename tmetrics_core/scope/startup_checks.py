@@ -7,7 +7,6 @@ matching something, its placements handled, and no two labels rendering to one k
 from __future__ import annotations
 
 import dataclasses
-import logging
 from fnmatch import fnmatchcase
 from typing import Any, Collection, Mapping, Sequence
 
@@ -21,6 +20,7 @@ from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.naming.stacks import describe_lists
 from tmetrics_core.records import Labels
+from tmetrics_core.reporter import Reporter
 from tmetrics_core.site import Site
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.sources.modules import ModuleIndex
@@ -30,8 +30,6 @@ from tmetrics_core.kinds import ROUTER_OUTPUT_KINDS
 from tmetrics_core.topology import Topology
 
 __all__ = ["StartupInputs", "check_against_model"]
-
-_log = logging.getLogger("tmetrics")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +49,7 @@ class StartupInputs:
         modules: metric name -> configured module globs (``activation`` metrics).
         token_modules: ``modules`` with the default globs of cotangent metrics given none.
         optional: names of metrics marked ``optional: true``.
+        reporter: says what the checks report (an optional metric skipped) on the logging rank.
     """
 
     model: torch.nn.Module
@@ -65,6 +64,7 @@ class StartupInputs:
     modules: Mapping[str, Sequence[str]]
     token_modules: Mapping[str, Sequence[str]]
     optional: Collection[str]
+    reporter: Reporter
 
 
 def check_against_model(metrics: Sequence[tuple[TensorMetric, int]], inputs: StartupInputs,
@@ -77,7 +77,7 @@ def check_against_model(metrics: Sequence[tuple[TensorMetric, int]], inputs: Sta
 
     A metric in ``inputs.optional`` for which the model has no source (router outputs on a dense
     model, no matching module or tensor, no blocks or head, no such optimizer state) is taken
-    left out with one INFO line instead.
+    left out with one INFO line instead, said by the logging rank (``inputs.reporter``).
 
     Args:
         key_rules: sink name -> that sink's key rules, for every configured sink.
@@ -108,7 +108,7 @@ def check_against_model(metrics: Sequence[tuple[TensorMetric, int]], inputs: Sta
             if metric.name not in inputs.optional:
                 raise ConfigError(f"{exc.message}; or mark it optional: true to skip it where the model has "
                                   "no such source", path=exc.path) from None
-            _log.info("tmetrics: optional metric %r skipped: %s", metric.name, exc.message)
+            inputs.reporter.info("tmetrics: optional metric %r skipped: %s", metric.name, exc.message)
             skipped.append(metric.name)
     kept = [(m, i) for m, i in metrics if m.name not in skipped]
     _check_keys(inputs, kept, key_rules)
