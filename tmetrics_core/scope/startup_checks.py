@@ -191,23 +191,30 @@ def _present_anywhere(inputs: StartupInputs, metrics: Sequence[tuple[TensorMetri
     cotangent metrics) matching modules whose outputs may have a cotangent."""
     chosen = inputs.token_modules
     graded = [m.name for m, _ in metrics if "activation_grad" in m.source_kinds and m.name in chosen]
+    ahead = _trainable_ahead(inputs.model) if graded else {}  # one walk of the model for every graded metric
+    without = {name: _without_cotangent(ahead, inputs.index.matching(chosen[name])) for name in graded}
     blocks, head, *flags = inputs.executor.any_ranks(
         [bool(inputs.index.blocks), inputs.index.head is not None, *(bool(inputs.index.matching(p)) for p in chosen.values()),
-         *(bool(_without_cotangent(inputs.model, inputs.index.matching(chosen[name]))) for name in graded)])
+         *(bool(without[name]) for name in graded)])
     return {"blocks": blocks, "head": head, "modules": dict(zip(chosen, flags)),
-            "no_cotangent": {name: _without_cotangent(inputs.model, inputs.index.matching(chosen[name]))
-                             for name, some in zip(graded, flags[len(chosen):]) if some}}
+            "no_cotangent": {name: without[name] for name, some in zip(graded, flags[len(chosen):]) if some}}
 
 
-def _without_cotangent(model: torch.nn.Module, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[str]:
-    """The paths of ``modules`` whose output has no cotangent: no trainable parameter in the
-    module nor in a module registered before it (registration order stands for the order of
-    the forward; a tensor that nothing trainable precedes does not require grad)."""
+def _trainable_ahead(model: torch.nn.Module) -> dict[int, bool]:
+    """Module id -> whether a trainable parameter sits in it or in a module registered before
+    it (registration order stands for the order of the forward), in one walk of ``model``."""
     trainable_before = False
     ahead: dict[int, bool] = {}
     for module in model.modules():
         trainable_before = trainable_before or any(p.requires_grad for p in module.parameters(recurse=False))
         ahead.setdefault(id(module), trainable_before)
+    return ahead
+
+
+def _without_cotangent(ahead: Mapping[int, bool], modules: Sequence[tuple[str, torch.nn.Module]]) -> list[str]:
+    """The paths of ``modules`` whose output has no cotangent: no trainable parameter in the
+    module nor before it (``ahead``: :func:`_trainable_ahead`; a tensor that nothing trainable
+    precedes does not require grad)."""
     return [path for path, module in modules
             if not (ahead.get(id(module)) or any(p.requires_grad for p in module.parameters()))]
 
