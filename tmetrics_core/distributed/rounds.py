@@ -41,12 +41,18 @@ class CollectiveStats:
     """Counters for benchmarks and tests: collective calls and elements moved, per axis."""
 
     calls: dict[str, int] = field(default_factory=dict)
+    """Collective calls per label: an axis (``dp``), a joint group (``dp+tp``) or ``world``."""
     elements: dict[str, int] = field(default_factory=dict)
+    """Elements this rank sent per label, summed over its calls, of any dtype (a gather of
+    picklable objects counts 1)."""
     rounds: int = 0
+    """Rounds reduced (:meth:`Rounds.reduce`)."""
     seconds: float = 0.0
     """Wall time spent inside data collectives (the communication itself), seconds."""
 
     def add(self, axis: str, numel: int) -> None:
+        """Count one collective call on ``axis`` (a label of :attr:`calls`) that sends ``numel``
+        elements from this rank. Counts only: it checks nothing and raises nothing."""
         self.calls[axis] = self.calls.get(axis, 0) + 1
         self.elements[axis] = self.elements.get(axis, 0) + numel
 
