@@ -4,9 +4,9 @@ Ranks that see different sites would pack different buckets and hang (or, worse,
 unrelated values) in the first mismatched collective. :func:`check_plan` compares a fingerprint
 of this rank's layout on each axis with the other ranks of that axis: one ``all_reduce(MAX)``
 per axis of ``[fingerprint, -fingerprint]`` (the group's max and min), one host read of all
-axes' results, then one over the world of the mismatch flags, so every rank raises together. Per-rank bytes do not grow with the world
-size. Only on a mismatch are the layouts gathered, to name the metric, the axis and the ranks
-that differ.
+axes' results, then one over the world of the mismatch flags, so every rank raises together.
+Per-rank bytes do not grow with the world size. Only on a mismatch are the layouts gathered, to
+name the metric, the axis and the ranks that differ.
 
 The executor owns the collectives and hands them in (so they are counted with its others).
 """
