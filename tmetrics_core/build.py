@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import difflib
 import inspect
-import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -36,11 +35,10 @@ from tmetrics_core.integrations.adapter import FrameworkAdapter, Prepared
 from tmetrics_core.integrations.frameworks import FRAMEWORKS
 from tmetrics_core.metrics.catalogue import build_metric, metric_names, metric_options, resolve_metric
 from tmetrics_core.records import RunInfo
+from tmetrics_core.reporter import Reporter
 from tmetrics_core.config.redact import redact
 from tmetrics_core.sinks.registry import available_sinks, build_sinks
 from tmetrics_core.sinks.trackers import tracker_sinks
-
-_log = logging.getLogger("tmetrics")
 
 __all__ = ["NO_SINKS", "build_from_config", "join_trackers", "topology_for"]
 
@@ -246,19 +244,19 @@ def _construct(cls: Any, config: Config, model: Any, optimizer: Any, topology: T
             raise ConfigError(str(exc), path=f"metrics[{i}]") from exc
         metrics.append((metric, mc.interval))
     built = build_sinks(config.sinks)
-    logging_rank = topology.logs(config.distributed.log_rank)
-    if logging_rank and not config.sinks:
-        _log.warning("tmetrics: the config %s", NO_SINKS)
+    reporter = Reporter(topology, config.distributed.log_rank)  # the logging rank warns and owns the sinks
+    if not config.sinks:
+        reporter.warning("tmetrics: the config %s", NO_SINKS)
     run_path = Path(config.run.dir)
-    if logging_rank and (run_path / "manifest.json").exists():
-        _log.warning("run directory %s already holds a run (its manifest.json): file sinks add to it (jsonl lines "
-                     "after the earlier ones, a second TensorBoard event file: overlapping curves) and trackers "
-                     "open another run named %r; pass run_dir= (--run-dir) for a fresh directory",
-                     run_path, config.run.name)
+    if reporter.speaks and (run_path / "manifest.json").exists():
+        reporter.warning("run directory %s already holds a run (its manifest.json): file sinks add to it (jsonl "
+                         "lines after the earlier ones, a second TensorBoard event file: overlapping curves) and "
+                         "trackers open another run named %r; pass run_dir= (--run-dir) for a fresh directory",
+                         run_path, config.run.name)
     hub = (SinkHub(built, spool_dir=run_path / "spool", alerts=AlertEngine(config.alerts),
                    close_timeout=config.run.close_timeout_s,
                    interrupt_timeout=config.run.interrupt_timeout_s)
-           if logging_rank else NullHub())
+           if reporter.speaks else NullHub())
     run = RunInfo(name=config.run.name, dir=str(run_path), config=redact(config.to_dict()),
                   tags={"model": type(model).__name__, **topology.tags()},
                   metrics=tuple(m.name for m, _ in metrics))

@@ -223,7 +223,7 @@ class TensorMetrics(OptimizerSteps, StepEnd, Shutdown, Planning):
             model=model, manifest=self.manifest, index=self.index, routers=self.routers,
             num_experts=self._num_experts, topology=self.topology, executor=self.executor, optimizer=self.optimizer,
             flat_kinds=frozenset(self.flat), modules=self.modules, token_modules=self._token_modules,
-            optional=frozenset(optional_metrics)), key_rules or {})
+            optional=frozenset(optional_metrics), reporter=self.reporter), key_rules or {})
         skipped = {m.name for m, _ in metrics} - {m.name for m, _ in self.metrics}
         self.modules = {name: p for name, p in self.modules.items() if name not in skipped}
         self._verify_replicas = verify_replicas

@@ -45,13 +45,13 @@ from tmetrics_core.errors import ConfigError
 from tmetrics_core.sinks.keys import TENSORBOARD_RULES, KeyRules
 from tmetrics_core.sinks.render import Heatmap, StepRenderer
 from tmetrics_core.records import Histogram, MetricRecord, RunInfo, RunStatus
+from tmetrics_core.sinks.vector_bins import vector_bins
 from tmetrics_tb.event_file import EventFile
 from tmetrics_tb.layout import CONFIG_TAG, ScalarLayout
 
 __all__ = ["TensorBoardSink"]
 
 _OPTIONS = ("log_dir", "flush_secs", "expert_scalars", "prefix")
-_VECTOR_BINS = 30
 
 
 class TensorBoardSink:
@@ -306,21 +306,20 @@ def _histogram_proto(hist: Histogram) -> Any:
 
 
 def _vector_proto(values: tuple[float, ...]) -> Any:
-    """TensorBoard's ``HistogramProto`` of the finite elements of a vector (exact min, max, sum)."""
-    import numpy as np
+    """TensorBoard's ``HistogramProto`` of the finite elements of a vector (their bins:
+    :func:`~tmetrics_core.sinks.vector_bins.vector_bins`; exact min, max, sum)."""
     from tensorboard.compat.proto import summary_pb2
 
-    array = np.asarray(values, dtype=np.float64)
-    finite = array[np.isfinite(array)]
-    if finite.size == 0:
+    bins = vector_bins(values)
+    if bins is None:
         return summary_pb2.HistogramProto(min=0.0, max=0.0, num=0.0, sum=0.0, sum_squares=0.0, bucket_limit=[0.0], bucket=[0.0])
-    counts, edges = np.histogram(finite, bins=min(_VECTOR_BINS, finite.size))
+    finite = bins.finite
     return summary_pb2.HistogramProto(
         min=float(finite.min()),
         max=float(finite.max()),
         num=float(finite.size),
         sum=float(finite.sum()),
-        sum_squares=float(np.square(finite).sum()),
-        bucket_limit=[float(e) for e in edges[1:]],
-        bucket=[float(c) for c in counts],
+        sum_squares=float((finite * finite).sum()),
+        bucket_limit=[float(e) for e in bins.edges[1:]],
+        bucket=[float(c) for c in bins.counts],
     )

@@ -9,11 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from tmetrics_core.records import Histogram
+from tmetrics_core.sinks.vector_bins import vector_bins
 
-__all__ = ["VECTOR_BINS", "bins_with_zeros", "vector_histogram"]
-
-VECTOR_BINS = 30
-"""The most bins of a vector's histogram."""
+__all__ = ["bins_with_zeros", "vector_histogram"]
 
 
 def bins_with_zeros(hist: Histogram) -> tuple[list[int], list[float]]:
@@ -38,13 +36,9 @@ def bins_with_zeros(hist: Histogram) -> tuple[list[int], list[float]]:
 
 
 def vector_histogram(wandb: Any, values: tuple[float, ...]) -> Any:
-    """A ``wandb.Histogram`` of a vector's finite values (tokens per expert): up to 30 equal bins
-    over their range; one empty bin when none is finite."""
-    import numpy as np
-
-    array = np.asarray(values, dtype=np.float64)
-    finite = array[np.isfinite(array)]
-    if finite.size == 0:
+    """A ``wandb.Histogram`` of a vector's finite values (tokens per expert): their bins
+    (:func:`~tmetrics_core.sinks.vector_bins.vector_bins`); one empty bin when none is finite."""
+    bins = vector_bins(values)
+    if bins is None:
         return wandb.Histogram(np_histogram=([0], [0.0, 1.0]))
-    counts, edges = np.histogram(finite, bins=min(VECTOR_BINS, finite.size))
-    return wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
+    return wandb.Histogram(np_histogram=(bins.counts.tolist(), bins.edges.tolist()))

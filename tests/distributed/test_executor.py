@@ -349,3 +349,23 @@ def test_metric_raising_in_resume_on_one_rank_is_dropped_on_all_before_the_next_
         assert results["twice"] == [pytest.approx(2 * (2 + 4))]  # the dp sum, summed over dp again
         assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]
         assert "resume failed on rank 1" in failures[0].error
+
+
+def _changed_rank(rank, world, comm):
+    topology = sim_topology(rank, (2,), ("dp",))
+    sites = [Site(name="layers.0.w", kind="grad", logical_shape=(4,), placements=(("dp", Shard(0)),), layer=0)]
+    tensors = [torch.full((2,), float(rank + 1))]
+    metrics = [_TwoRounds("bad", raising=True), _TwoRounds("twice", raising=False)]
+    executor = Executor(topology, collectives=comm)
+    pending = executor.launch(prepare_states(metrics, sites, tensors, topology), {s.key: s for s in sites},
+                              changed=rank == 1)
+    results, failures = executor.collect(pending)
+    return executor.changed, {k: [r.value for r in v] for k, v in results.items()}, [f.metric for f in failures]
+
+
+def test_a_model_change_on_one_rank_survives_the_agreement_after_a_round():
+    """Rank 1's model changed; both metrics' first rounds need an agreement after them (not
+    ``Round.agreed``), where one metric raised on rank 1: the change is still known everywhere."""
+    for changed, results, failures in run_threaded(_changed_rank, 2, timeout=30):
+        assert changed is True
+        assert results == {"twice": [pytest.approx(2 * (2 + 4))]} and failures == ["bad"]

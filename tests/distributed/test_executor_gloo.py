@@ -157,3 +157,13 @@ def test_exception_in_resume_on_one_rank_is_agreed_before_the_next_round():
         assert sorted(results) == ["good", "twice"] and results["twice"] == [pytest.approx(12.0)]
         assert [(f.metric, f.ranks) for f in failures] == [("bad", (1,))]
     assert time.monotonic() - start < 20  # no collective timeout (20 s) was waited for
+
+
+def _changed(rank, world):
+    return _with_real(cases._changed_rank)(rank, world)
+
+
+def test_a_model_change_on_one_rank_survives_the_agreement_after_a_round_on_gloo():
+    for changed, results, failures in run_distributed(_changed, 2, timeout=60):
+        assert changed is True
+        assert results == {"twice": [pytest.approx(12.0)]} and failures == ["bad"]

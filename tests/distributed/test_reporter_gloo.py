@@ -2,7 +2,9 @@
 warnings and rank 0 says none. Before the Reporter, three of them tested ``global_rank == 0``
 and ignored ``distributed.log_rank``: the metric that found nothing to measure
 (``TensorMetrics``), the observation of a kind no metric reads (``sources/tokens.py``) and the
-residual stream found split by sequence (``sources/sequence_split.py``) were printed by rank 0."""
+residual stream found split by sequence (``sources/sequence_split.py``) were printed by rank 0.
+Three more were said by every rank: an optional metric skipped (``scope/startup_checks.py``), a
+config without sinks (``build.py``) and a Trainer tracker passed over (``integrations/hf.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from tmetrics_core.topology import Topology
 
 D = 4
 SAID = {"unfed": "found nothing to measure on any rank", "unread kind": "no metric reads this kind",
-        "sequence split": "holds different tokens on the ranks of axis 'tp'"}
+        "sequence split": "holds different tokens on the ranks of axis 'tp'",
+        "optional skipped": "optional metric 'global-output-logits-l2' skipped"}
 
 
 class Routed(nn.Module):
@@ -65,8 +68,10 @@ def _run(rank: int, world: int, log_rank: int) -> dict[str, list[str]]:
     level, logger.level = logger.level, logging.INFO
     try:
         metrics = TensorMetrics(model, metrics=[(build_metric("layer-router-logits-l2"), 1),
-                                                (build_metric("layer-residual-accumulator-rms"), 1)],
-                                topology=topology, log_rank=log_rank, timeout_s=60)
+                                                (build_metric("layer-residual-accumulator-rms"), 1),
+                                                (build_metric("global-output-logits-l2"), 1)],  # no head here
+                                topology=topology, log_rank=log_rank, timeout_s=60,
+                                optional_metrics={"global-output-logits-l2"})
         for step in (1, 2):
             with metrics.step(step):  # different tokens on each rank: the residual stream is split
                 model.layers[1](model.layers[0](torch.randn(3, D, generator=torch.Generator().manual_seed(rank))))
@@ -83,6 +88,31 @@ def test_only_the_log_rank_says_the_warnings():
         quiet = said[1 - log_rank]
         assert quiet == {what: [] for what in SAID}, f"rank {1 - log_rank} spoke with log_rank={log_rank}"
         speaker = said[log_rank]
-        assert {what: len(m) for what, m in speaker.items()} == {"unfed": 1, "unread kind": 1, "sequence split": 2}
+        assert {what: len(m) for what, m in speaker.items()} == {"unfed": 1, "unread kind": 1, "sequence split": 2,
+                                                                 "optional skipped": 1}
         assert "metric 'layer-router-logits-l2' found nothing to measure on any rank at step 1" in speaker["unfed"][0]
         assert "kind='router_logit'" in speaker["unread kind"][0]
+
+
+def _without_sinks(rank: int, world: int, log_rank: int, run_dir: str) -> tuple[list[str], str]:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)  # the same parameters on both ranks: the replicas check at start-up passes
+    handler = _Collect()
+    logger = logging.getLogger("tmetrics")
+    logger.addHandler(handler)
+    try:
+        metrics = TensorMetrics.from_config({"metrics": ["global-param-l2"], "distributed": {"log_rank": log_rank}},
+                                            model=nn.Sequential(nn.Linear(D, D)), axes={"dp": dist.group.WORLD},
+                                            run_dir=run_dir)
+        hub = type(metrics.hub).__name__
+        metrics.close()
+    finally:
+        logger.removeHandler(handler)
+    return [m for m in handler.messages if "names no sinks" in m], hub
+
+
+def test_only_the_log_rank_says_a_config_has_no_sinks_and_holds_the_hub(tmp_path):
+    said = run_distributed(_without_sinks, 2, 1, str(tmp_path), timeout=120)
+    assert [len(messages) for messages, _ in said] == [0, 1]
+    assert [hub for _, hub in said] == ["NullHub", "SinkHub"]

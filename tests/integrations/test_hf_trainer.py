@@ -7,6 +7,7 @@ the test, not by the product)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -24,9 +25,9 @@ STEPS = 3
 MAX_GRAD_NORM = 0.05
 
 
-def _train(tmp_path, report_to="none"):
+def _train(tmp_path, report_to="none", strict=True):
     model = tiny_llama()
-    callback = TMetricsCallback(config(tmp_path / "run"), report_to=True if report_to != "none" else None)
+    callback = TMetricsCallback(config(tmp_path / "run"), report_to=True if report_to != "none" and strict else None)
     args = TrainingArguments(str(tmp_path / "out"), max_steps=STEPS, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, max_grad_norm=MAX_GRAD_NORM, learning_rate=1e-2,
                              logging_steps=1, report_to=report_to, save_strategy="no", use_cpu=True,
@@ -89,6 +90,18 @@ def test_report_to_refuses_a_run_it_cannot_find(tmp_path, monkeypatch):
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
     with pytest.raises(ConfigError, match="report_to.*TENSORBOARD_LOGGING_DIR"):
         _train(tmp_path, report_to="tensorboard")
+
+
+def test_a_run_it_cannot_find_is_passed_over_in_one_info_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    caplog.set_level(logging.INFO, logger="tmetrics")
+    _, logged = _train(tmp_path, report_to="tensorboard", strict=False)
+    said = [r.getMessage() for r in caplog.records if "TENSORBOARD_LOGGING_DIR" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("tmetrics: the Trainer reports to TensorBoard in a directory")
+    steps = by_step(read_jsonl(tmp_path / "run"))  # the configured sinks still write
+    assert sorted(steps) == sorted(logged) == list(range(1, STEPS + 1))
+    for step in steps:
+        assert steps[step][("global-grad-l2", None)] == pytest.approx(logged[step], rel=1e-5)
 
 
 def test_report_to_writes_into_the_trainers_tensorboard_directory(tmp_path, monkeypatch):

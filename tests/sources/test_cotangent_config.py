@@ -34,3 +34,22 @@ def test_globs_matching_nothing_and_missing_blocks_or_head_are_refused():
         _start(bare, "layer-backward-gain")
     with pytest.raises(ConfigError, match="needs the output head"):
         _start(bare, "output-logits-grad-l2")
+
+
+def test_start_up_walks_the_model_once_for_every_cotangent_metric(monkeypatch):
+    import sys
+
+    walks = []
+    original = torch.nn.Module.modules
+
+    def modules(self):
+        if sys._getframe(1).f_code.co_filename.endswith("startup_checks.py"):
+            walks.append(type(self).__name__)
+        return original(self)
+
+    monkeypatch.setattr(torch.nn.Module, "modules", modules)
+    metrics = TensorMetrics(Net(), metrics=[(build_metric("layer-activation-grad-rms", modules=["layers.*.mlp"]), 1),
+                                            (build_metric("layer-activation-grad-quant", modules=["layers.1.mlp"]), 1)])
+    assert [m.name for m, _ in metrics.metrics] == ["layer-activation-grad-rms", "layer-activation-grad-quant"]
+    assert walks == ["Net"]  # it was one per cotangent metric (2 here), and one more for each refused
+    metrics.close()

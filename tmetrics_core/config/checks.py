@@ -45,7 +45,13 @@ WHOLE_NUMBER = re.compile(r"[+-]?[0-9]+")
 
 
 def keys_of(value: Any, *, path: str, valid: tuple[str, ...]) -> dict[str, Any]:
-    """``value`` as a dict whose keys are all in ``valid``; ``None`` counts as empty."""
+    """``value`` (a config section) as a dict whose keys are all in ``valid``; ``None`` counts
+    as empty.
+
+    Raises:
+        ConfigError: ``value`` is not a mapping (at ``path``), a key is not a string, or a key
+            is not in ``valid`` (at ``path.key``, with the closest valid key).
+    """
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -63,6 +69,16 @@ def keys_of(value: Any, *, path: str, valid: tuple[str, ...]) -> dict[str, Any]:
 
 
 def sink_table(value: Any) -> dict[str, dict[str, Any]]:
+    """The ``sinks:`` section as sink name -> its options (a deep copy, so the config never
+    shares a mutable option with its source). ``None`` is no sink; a list of names, and a name
+    mapped to nothing, give ``{}`` (the sink's defaults). The
+    options themselves are checked later, by each sink's constructor.
+
+    Raises:
+        ConfigError: ``value`` is neither a mapping nor a list (path ``sinks``); a name is not
+            :func:`check_name`-valid or is listed twice (``sinks[i]``, ``sinks.<name>``); a
+            sink's options are not a mapping, or an option name is not a string.
+    """
     if value is None:
         return {}
     if isinstance(value, (list, tuple)):
@@ -102,6 +118,15 @@ def _listed_sinks(names: list[Any] | tuple[Any, ...], *, path: str) -> dict[str,
 
 
 def placement_table(value: Any) -> dict[str, dict[str, str]]:
+    """The ``placements:`` section as glob on canonical tensor names -> ``{axis: placement}``,
+    the placement strings kept as written (parsed where they are applied). ``None`` is empty.
+
+    Raises:
+        ConfigError: ``value`` is not a mapping (path ``placements``); a glob is not a
+            non-empty string; its axes are not a non-empty mapping (``placements.<glob>``); an
+            axis is not a name (letters, digits, ``_``, not starting with a digit); a placement
+            does not parse (:func:`check_placement`, ``placements.<glob>.<axis>``).
+    """
     if value is None:
         return {}
     shape = (
@@ -132,6 +157,13 @@ def placement_table(value: Any) -> dict[str, dict[str, str]]:
 
 
 def check_placement(value: Any, *, path: str) -> None:
+    """Check one placement override: a string that :func:`~tmetrics_core.placements.parse_placement`
+    reads (short ``R``, ``S0``, ``S*``, ``O1``, ``P(sum)`` or long ``Shard(0)``, ...), other than
+    ``FlatShard``, whose range depends on each tensor's shape.
+
+    Raises:
+        ConfigError: at ``path``, with the forms an override takes.
+    """
     forms = "overrides take 'R', 'S0', 'S*', 'O1', 'P(sum)' or their long forms ('Shard(0)', ...)"
     if not isinstance(value, str):
         raise ConfigError(f"got {describe(value)}; need a placement string; {forms}", path=path)
@@ -142,11 +174,25 @@ def check_placement(value: Any, *, path: str) -> None:
 
 
 def check_name(value: Any, *, path: str, what: str) -> None:
+    """Check a name (a metric's, a sink's): a string of letters, digits, ``-``, ``_`` and ``.``
+    that starts with a letter or digit.
+
+    Raises:
+        ConfigError: at ``path``, saying the value is not ``what`` (e.g. "a sink name such as
+            'tensorboard'").
+    """
     if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise ConfigError(f"got {describe(value)}; need {what} (letters, digits, '-', '_', '.')", path=path)
 
 
 def check_int(value: Any, *, path: str, minimum: int, meaning: str) -> None:
+    """Check an ``int`` (a ``bool`` is refused) of at least ``minimum``; ``meaning`` (with its
+    unit, e.g. "steps between two computations") goes into the error.
+
+    Raises:
+        ConfigError: at ``path``; for a quoted whole number (``"10"``), with the hint to write
+            it without quotes.
+    """
     need = f"need an integer >= {minimum} ({meaning})"
     if isinstance(value, bool) or not isinstance(value, int):
         hint = "; write it without quotes" if isinstance(value, str) and WHOLE_NUMBER.fullmatch(value.strip()) else ""
@@ -156,6 +202,16 @@ def check_int(value: Any, *, path: str, minimum: int, meaning: str) -> None:
 
 
 def glob_list(value: Any, *, path: str, of: str) -> tuple[str, ...]:
+    """A ``select:`` or ``modules:`` value as globs: ``None`` is none, a string is one glob, a
+    list or tuple several; brace alternatives are expanded
+    (:func:`~tmetrics_core.config.globs.expand_braces`) and repeats dropped, order kept.
+    ``of``: what the globs match, for the error (e.g. "canonical tensor names").
+
+    Raises:
+        ConfigError: ``value`` is neither a string nor a list (at ``path``); an item is not a
+            non-empty string, or its braces are unbalanced or hold one alternative (at
+            ``path[i]``, or ``path`` for a single string).
+    """
     items = () if value is None else (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
         raise ConfigError(f"got {describe(value)}; need a glob on {of} or a list of globs", path=path)
@@ -196,11 +252,20 @@ def suggest(word: Any, choices: Iterable[str], *, n: int = 1) -> str:
 
 
 def child_path(path: str, key: str) -> str:
+    """The config path of ``key`` under ``path``: ``sinks.tensorboard`` for a plain key
+    (letters, digits, ``_``, ``-``), ``placements['layers.*.q']`` for any other; no leading
+    ``.`` at the top level (``path`` empty)."""
     part = f".{key}" if _PLAIN_KEY.fullmatch(key) else f"[{key!r}]"
     return f"{path}{part}" if path else part.lstrip(".")
 
 
 def field_names(kind: type) -> tuple[str, ...]:
+    """The field names of the dataclass ``kind``, in declaration order: the valid keys of its
+    config section.
+
+    Raises:
+        TypeError: ``kind`` is not a dataclass.
+    """
     return tuple(f.name for f in fields(kind))
 
 
@@ -223,6 +288,9 @@ def under(prefix: str) -> Iterator[None]:
 
 
 def plain(value: Any) -> Any:
+    """``value`` as plain data, recursively: a dataclass instance and a mapping become dicts, a
+    list or tuple a list, anything else a deep copy; what ``Config.to_dict()`` returns and a
+    YAML or JSON dump takes."""
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, Mapping):

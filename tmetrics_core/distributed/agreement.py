@@ -57,14 +57,15 @@ class Agreed:
         failures: the metrics that raised on some rank (ranks and the lowest one's error).
         unfed: the metrics fed on no rank (and raised on none), when ``unfed`` was asked.
         flagged: whether any rank passed a true ``flag`` (None where no flag was asked).
-        changed: whether any rank passed ``changed=True``.
+        changed: whether any rank passed ``changed=True`` (None where no ``changed`` was asked:
+            an agreement after a round, which must not clear the step's answer).
         checks: whether any rank has device checks.
     """
 
     failures: list[MetricFailure]
     unfed: tuple[str, ...] | None
     flagged: bool | None
-    changed: bool
+    changed: bool | None
     checks: bool
 
 
@@ -92,12 +93,13 @@ class Agreement:
 
     def agree(self, names: Sequence[str], errors: Sequence[str | None], *, unfed: Collection[str] = (),
               flag: bool | None = None, checks: bool = False, step: int | None = None,
-              changed: bool = False) -> Agreed:
+              changed: bool | None = None) -> Agreed:
         """Metrics (``names``, config order) that raised on any rank (``errors``: this rank's
         error text per metric, None where none), in one ``all_reduce(MAX)`` on the host over the
         world of ``[raised per metric, fed per metric, step, -step, changed, flag, checks]``.
         Only when some metric raised does a second collective gather the error texts, to name
-        the failing ranks and the lowest one's error.
+        the failing ranks and the lowest one's error. ``unfed`` (not empty), ``flag`` and
+        ``changed`` (not None) are answered only where given.
 
         Raises:
             TMetricsError: on every rank, when ranks passed different ``step`` numbers.
@@ -123,8 +125,8 @@ class Agreement:
             ranks = tuple(r for r, theirs in enumerate(texts) if theirs[index] is not None)
             error = texts[ranks[0]][index]
             failures.append(MetricFailure(name, ranks, error or f"raised on rank(s) {list(ranks)}"))
-        return Agreed(failures, fed_nowhere, bool(agreed[-2]) if flag is not None else None, bool(agreed[-3]),
-                      bool(agreed[-1]))
+        return Agreed(failures, fed_nowhere, bool(agreed[-2]) if flag is not None else None,
+                      bool(agreed[-3]) if changed is not None else None, bool(agreed[-1]))
 
     def device_flags(self, names: Sequence[str], checks: Sequence[DeviceCheck],
                      device: torch.device) -> list[torch.Tensor]:

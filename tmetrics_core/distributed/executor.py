@@ -330,10 +330,12 @@ class Executor:
     # -- the agreement's collectives ------------------------------------------------------------
     def _agree(self, items: Sequence[_Due], **agreement: Any) -> tuple[list[MetricFailure], bool]:
         """The failure agreement over ``items`` (:meth:`Agreement.agree`, keyword arguments as
-        there): sets :attr:`changed`, and :attr:`unfed` and :attr:`flagged` where they were asked;
-        returns the failures and whether any rank has device checks."""
+        there): sets :attr:`changed`, :attr:`unfed` and :attr:`flagged` where they were asked (an
+        agreement after a round asks none, so it keeps the step's); returns the failures and
+        whether any rank has device checks."""
         agreed = self.agreement.agree([i.metric.name for i in items], [i.error for i in items], **agreement)
-        self.changed = agreed.changed
+        if agreed.changed is not None:
+            self.changed = agreed.changed
         if agreed.unfed is not None:
             self.unfed = agreed.unfed
         if agreed.flagged is not None:

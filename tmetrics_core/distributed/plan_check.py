@@ -3,10 +3,10 @@
 Ranks that see different sites would pack different buckets and hang (or, worse, combine
 unrelated values) in the first mismatched collective. :func:`check_plan` compares a fingerprint
 of this rank's layout on each axis with the other ranks of that axis: one ``all_reduce(MAX)``
-per axis of ``[fingerprint, -fingerprint]`` (the group's max and min), then one over the world
-of the mismatch flags, so every rank raises together. Per-rank bytes do not grow with the world
-size. Only on a mismatch are the layouts gathered, to name the metric, the axis and the ranks
-that differ.
+per axis of ``[fingerprint, -fingerprint]`` (the group's max and min), one host read of all
+axes' results, then one over the world of the mismatch flags, so every rank raises together.
+Per-rank bytes do not grow with the world size. Only on a mismatch are the layouts gathered, to
+name the metric, the axis and the ranks that differ.
 
 The executor owns the collectives and hands them in (so they are counted with its others).
 """
@@ -52,11 +52,12 @@ def check_plan(topology: Topology, requests: Sequence[CollectiveRequest], owner:
     names = [a for a in topology.names if topology.axes[a].size > 1]
     layouts = {a: _layout(requests, a, owner) for a in names}
     fps = {a: _fingerprint(layouts[a]) for a in names}
-    mismatched = []
-    for axis in names:
-        spread = torch.tensor([fps[axis], -fps[axis]], dtype=torch.int64, device=device)
-        all_reduce(spread, axis)
-        mismatched.append(int(spread[0].item() != -spread[1].item()))
+    # Row i: axis i's fingerprint and its negation, MAX-reduced over that axis in place (the
+    # group's max and negated min); then one host read for every axis.
+    spread = torch.tensor([[fps[a], -fps[a]] for a in names], dtype=torch.int64, device=device).reshape(-1, 2)
+    for row, axis in enumerate(names):
+        all_reduce(spread[row], axis)
+    mismatched = [int(high != -low) for high, low in spread.tolist()]
     if not any(world_max(mismatched or [0])):
         return
     coords = {a: topology.axes[a].rank for a in names}

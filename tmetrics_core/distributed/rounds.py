@@ -41,12 +41,18 @@ class CollectiveStats:
     """Counters for benchmarks and tests: collective calls and elements moved, per axis."""
 
     calls: dict[str, int] = field(default_factory=dict)
+    """Collective calls per label: an axis (``dp``), a joint group (``dp+tp``) or ``world``."""
     elements: dict[str, int] = field(default_factory=dict)
+    """Elements this rank sent per label, summed over its calls, of any dtype (a gather of
+    picklable objects counts 1)."""
     rounds: int = 0
+    """Rounds reduced (:meth:`Rounds.reduce`)."""
     seconds: float = 0.0
     """Wall time spent inside data collectives (the communication itself), seconds."""
 
     def add(self, axis: str, numel: int) -> None:
+        """Count one collective call on ``axis`` (a label of :attr:`calls`) that sends ``numel``
+        elements from this rank. Counts only: it checks nothing and raises nothing."""
         self.calls[axis] = self.calls.get(axis, 0) + 1
         self.elements[axis] = self.elements.get(axis, 0) + numel
 
@@ -133,13 +139,14 @@ class Rounds:
         up."""
         sizes = [self.topology.axes[a].size for a in union]
         members = math.prod(sizes)
-        values = [[(-current[r.key] if r.op == "min" else current[r.key]).to(torch.float64) for r in bucket]
-                  for bucket in buckets.values()]
-        total = sum(v.numel() for vs in values for v in vs)
+        total = sum(current[r.key].numel() for bucket in buckets.values() for r in bucket)
         small = total * members <= _GATHER_LIMIT and members <= _GATHER_MEMBERS
         group = self.topology.joint_group(union) if small else None
         if group is None:
             return False
+        # Widened (and ``min`` negated) only once the round is known to be gathered.
+        values = [[(-current[r.key] if r.op == "min" else current[r.key]).to(torch.float64) for r in bucket]
+                  for bucket in buckets.values()]
         packed = torch.cat([v for vs in values for v in vs])
         self.stats.add("+".join(union), total)
         start = time.perf_counter()

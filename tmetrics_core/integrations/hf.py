@@ -37,7 +37,6 @@ tmetrics cannot join is passed over with an INFO line; ``report_to=True`` refuse
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from typing import Any, Mapping, Sequence
 
@@ -53,8 +52,6 @@ from tmetrics_core.sinks.trackers import SHARED_PREFIX
 from tmetrics_core.tensor_metrics import TensorMetrics
 
 __all__ = ["TMetricsCallback"]
-
-_log = logging.getLogger("tmetrics")
 
 
 class TMetricsCallback(TrainerCallback):
@@ -92,10 +89,14 @@ class TMetricsCallback(TrainerCallback):
         options = dict(self._options)
         options["axes"] = default_axes(options["mesh"], options["axes"])
         config = self.config
+        passed_over: list[str] = []
         if self.report_to is not False:  # the sinks override first, so it cannot drop the Trainer's trackers
-            config = _join_trainer_runs(config, options.pop("sinks"), args.report_to, strict=bool(self.report_to))
+            config, passed_over = _join_trainer_runs(config, options.pop("sinks"), args.report_to,
+                                                     strict=bool(self.report_to))
         # The Trainer's AcceleratedOptimizer is unwrapped by the accelerate adapter.
         metrics = TensorMetrics.from_config(config, model=model, optimizer=optimizer, **options)
+        for message in passed_over:  # said once, by the logging rank
+            metrics.reporter.info("tmetrics: %s", message)
         scope = OpenScope(metrics)
         gradient_state = getattr(optimizer, "gradient_state", None)
 
@@ -131,21 +132,26 @@ class TMetricsCallback(TrainerCallback):
 
 
 def _join_trainer_runs(source: Any, sinks_override: str | Sequence[str] | None,
-                       report_to: Sequence[str] | str | None, *, strict: bool) -> Config:
+                       report_to: Sequence[str] | str | None, *, strict: bool) -> tuple[Config, list[str]]:
     """The config (its sinks overridden by ``sinks_override`` when given) with a sink for each
     tracker in the Trainer's ``report_to``, set to write into the run the Trainer's callback
-    started (which ran ``on_train_begin`` before this one). Not ``strict``: a tracker that
-    cannot be joined is passed over with an INFO line instead of a ConfigError."""
+    started (which ran ``on_train_begin`` before this one), and why each tracker that cannot be
+    joined was passed over (for an INFO line on the logging rank, once the run's reporter exists).
+
+    Raises:
+        ConfigError: ``strict`` and a tracker that cannot be joined (path ``report_to``).
+    """
     config = source if isinstance(source, Config) else load_config(source)
     if sinks_override:
         config = override_sinks(config, sinks_override)
     names = [report_to] if isinstance(report_to, str) else list(report_to or ())
     names = [n for n in names if n != "none"]
+    passed_over: list[str] = []
 
     def cannot(message: str) -> None:
         if strict:
             raise ConfigError(message, path="report_to")
-        _log.info("tmetrics: %s", message)
+        passed_over.append(message)
 
     unsupported = [n for n in names if n not in ("mlflow", "wandb", "tensorboard")]
     if unsupported:
@@ -180,4 +186,4 @@ def _join_trainer_runs(source: Any, sinks_override: str | Sequence[str] | None,
         else:
             sinks["tensorboard"] = {**(sinks.get("tensorboard") or {}), "log_dir": os.path.expanduser(log_dir),
                                     "prefix": SHARED_PREFIX}
-    return dataclasses.replace(config, sinks=sinks)
+    return dataclasses.replace(config, sinks=sinks), passed_over

@@ -51,9 +51,16 @@ class StepHooks:
         return False
 
     def register_step_pre_hook(self, hook: Hook) -> RemovableHandle:
+        """Run ``hook(self, args, kwargs)`` before every framework ``step`` (``args``, ``kwargs``:
+        those the step was called with), in registration order, as torch's
+        ``Optimizer.register_step_pre_hook``. An exception from the hook propagates and the
+        step does not run. Returns the handle whose ``remove()`` takes the hook off."""
         return self._register(self._pre, hook)
 
     def register_step_post_hook(self, hook: Hook) -> RemovableHandle:
+        """Run ``hook(self, args, kwargs)`` after every framework ``step`` that was not skipped
+        (:meth:`skipped`; the skipped hooks run instead), in registration order, as torch's
+        ``Optimizer.register_step_post_hook``. Returns the handle that takes the hook off."""
         return self._register(self._post, hook)
 
     def register_step_skipped_hook(self, hook: Hook) -> RemovableHandle:

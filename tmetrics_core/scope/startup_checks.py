@@ -7,7 +7,6 @@ matching something, its placements handled, and no two labels rendering to one k
 from __future__ import annotations
 
 import dataclasses
-import logging
 from fnmatch import fnmatchcase
 from typing import Any, Collection, Mapping, Sequence
 
@@ -21,6 +20,7 @@ from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.naming.nearest import nearest
 from tmetrics_core.naming.stacks import describe_lists
 from tmetrics_core.records import Labels
+from tmetrics_core.reporter import Reporter
 from tmetrics_core.site import Site
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.sources.modules import ModuleIndex
@@ -30,8 +30,6 @@ from tmetrics_core.kinds import ROUTER_OUTPUT_KINDS
 from tmetrics_core.topology import Topology
 
 __all__ = ["StartupInputs", "check_against_model"]
-
-_log = logging.getLogger("tmetrics")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +49,7 @@ class StartupInputs:
         modules: metric name -> configured module globs (``activation`` metrics).
         token_modules: ``modules`` with the default globs of cotangent metrics given none.
         optional: names of metrics marked ``optional: true``.
+        reporter: says what the checks report (an optional metric skipped) on the logging rank.
     """
 
     model: torch.nn.Module
@@ -65,6 +64,7 @@ class StartupInputs:
     modules: Mapping[str, Sequence[str]]
     token_modules: Mapping[str, Sequence[str]]
     optional: Collection[str]
+    reporter: Reporter
 
 
 def check_against_model(metrics: Sequence[tuple[TensorMetric, int]], inputs: StartupInputs,
@@ -77,7 +77,7 @@ def check_against_model(metrics: Sequence[tuple[TensorMetric, int]], inputs: Sta
 
     A metric in ``inputs.optional`` for which the model has no source (router outputs on a dense
     model, no matching module or tensor, no blocks or head, no such optimizer state) is taken
-    left out with one INFO line instead.
+    left out with one INFO line instead, said by the logging rank (``inputs.reporter``).
 
     Args:
         key_rules: sink name -> that sink's key rules, for every configured sink.
@@ -108,7 +108,7 @@ def check_against_model(metrics: Sequence[tuple[TensorMetric, int]], inputs: Sta
             if metric.name not in inputs.optional:
                 raise ConfigError(f"{exc.message}; or mark it optional: true to skip it where the model has "
                                   "no such source", path=exc.path) from None
-            _log.info("tmetrics: optional metric %r skipped: %s", metric.name, exc.message)
+            inputs.reporter.info("tmetrics: optional metric %r skipped: %s", metric.name, exc.message)
             skipped.append(metric.name)
     kept = [(m, i) for m, i in metrics if m.name not in skipped]
     _check_keys(inputs, kept, key_rules)
@@ -191,23 +191,30 @@ def _present_anywhere(inputs: StartupInputs, metrics: Sequence[tuple[TensorMetri
     cotangent metrics) matching modules whose outputs may have a cotangent."""
     chosen = inputs.token_modules
     graded = [m.name for m, _ in metrics if "activation_grad" in m.source_kinds and m.name in chosen]
+    ahead = _trainable_ahead(inputs.model) if graded else {}  # one walk of the model for every graded metric
+    without = {name: _without_cotangent(ahead, inputs.index.matching(chosen[name])) for name in graded}
     blocks, head, *flags = inputs.executor.any_ranks(
         [bool(inputs.index.blocks), inputs.index.head is not None, *(bool(inputs.index.matching(p)) for p in chosen.values()),
-         *(bool(_without_cotangent(inputs.model, inputs.index.matching(chosen[name]))) for name in graded)])
+         *(bool(without[name]) for name in graded)])
     return {"blocks": blocks, "head": head, "modules": dict(zip(chosen, flags)),
-            "no_cotangent": {name: _without_cotangent(inputs.model, inputs.index.matching(chosen[name]))
-                             for name, some in zip(graded, flags[len(chosen):]) if some}}
+            "no_cotangent": {name: without[name] for name, some in zip(graded, flags[len(chosen):]) if some}}
 
 
-def _without_cotangent(model: torch.nn.Module, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[str]:
-    """The paths of ``modules`` whose output has no cotangent: no trainable parameter in the
-    module nor in a module registered before it (registration order stands for the order of
-    the forward; a tensor that nothing trainable precedes does not require grad)."""
+def _trainable_ahead(model: torch.nn.Module) -> dict[int, bool]:
+    """Module id -> whether a trainable parameter sits in it or in a module registered before
+    it (registration order stands for the order of the forward), in one walk of ``model``."""
     trainable_before = False
     ahead: dict[int, bool] = {}
     for module in model.modules():
         trainable_before = trainable_before or any(p.requires_grad for p in module.parameters(recurse=False))
         ahead.setdefault(id(module), trainable_before)
+    return ahead
+
+
+def _without_cotangent(ahead: Mapping[int, bool], modules: Sequence[tuple[str, torch.nn.Module]]) -> list[str]:
+    """The paths of ``modules`` whose output has no cotangent: no trainable parameter in the
+    module nor before it (``ahead``: :func:`_trainable_ahead`; a tensor that nothing trainable
+    precedes does not require grad)."""
     return [path for path, module in modules
             if not (ahead.get(id(module)) or any(p.requires_grad for p in module.parameters()))]
 
