@@ -11,9 +11,7 @@ in the forward), the work the attention metrics re-read. Timed directly with
 ``time.perf_counter`` around those functions, so the figures are the in-step costs (slower
 than the same code in a warm loop: the model's kernels evict the caches between calls).
 
-:func:`program_gain` times the same code with and without the parameter-side program
-(``tmetrics_core.sources.param_program``) on two trainers stepping in turn in one process, so the
-machine's drift cancels: ``python -m bench.due_step_time [--steps N]`` prints both.
+``python -m bench.due_step_time [--steps N]`` prints the figures of the standard bundle.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from tmetrics_core.metrics import attention_heads, vectors
 from tmetrics_core.metrics.quant import metric as quant_metric
 from tmetrics_core.sources import param_observer, param_program, tokens
 
-__all__ = ["DueStepTime", "due_step_time", "main", "program_gain"]
+__all__ = ["DueStepTime", "due_step_time", "main"]
 
 _ENTRIES = ((tensor_metrics.TensorMetrics, "_pre_step"), (tensor_metrics.TensorMetrics, "_post_step"),
             (tensor_metrics.TensorMetrics, "observe_gradients"), (tensor_metrics.TensorMetrics, "_finish_step"),
@@ -108,39 +106,14 @@ def _median(per_step: Sequence[tuple[float, ...]]) -> DueStepTime:
     return DueStepTime(*(sorted(column)[len(column) // 2] * 1e3 for column in zip(*per_step)))
 
 
-def program_gain(bundle: tuple[str, ...] = BUNDLE, steps: int = 40) -> tuple[DueStepTime, DueStepTime]:
-    """Medians over ``steps`` due steps (after 3 warm-up steps) of the tmetrics time with the
-    parameter-side program and with it planned away (the general path), on two demo trainers
-    that take their steps in turn (order swapped every step), in ms."""
-    total, passes = [0.0], [0.0]
-    with _timed(_ENTRIES, total), _timed(_PASSES, passes):
-        program = make_trainer(tmetrics_factory(1, bundle))
-        general = make_trainer(tmetrics_factory(1, bundle))
-        general.metrics.params._plan_program = lambda *args: None  # every phase takes the general path
-        for step in range(1, 4):
-            program.step(step)
-            general.step(step)
-        per_step: dict[str, list[tuple[float, float]]] = {"program": [], "general": []}
-        for step in range(4, 4 + steps):
-            order = (("program", program), ("general", general))
-            for name, trainer in order if step % 2 else order[::-1]:
-                before = (total[0], passes[0])
-                trainer.step(step)
-                per_step[name].append((total[0] - before[0], passes[0] - before[1]))
-    program.metrics.close()
-    general.metrics.close()
-    return _median(per_step["program"]), _median(per_step["general"])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="due steps per variant (default 40)")
+    parser.add_argument("--steps", type=int, default=40, help="due steps timed (default 40)")
     args = parser.parse_args()
-    with_program, general = program_gain(BUNDLE, args.steps)
-    print(f"due step of the standard bundle, tmetrics code timed directly, median of {args.steps} steps per variant")
-    for name, t in (("program", with_program), ("general path", general)):
-        print(f"{name:13s} {t.total_ms:6.2f} ms  (passes over tensor elements {t.passes_ms:5.2f} ms)")
-    print(f"program saves {general.total_ms - with_program.total_ms:.2f} ms per due step")
+    t = due_step_time(BUNDLE, args.steps)
+    print(f"due step of the standard bundle, tmetrics code timed directly, median of {args.steps} steps")
+    print(f"tmetrics code {t.total_ms:6.2f} ms  (passes over tensor elements {t.passes_ms:5.2f} ms; "
+          f"the model's attention kernels {t.attention_ms:5.2f} ms)")
 
 
 if __name__ == "__main__":

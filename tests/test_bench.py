@@ -69,18 +69,6 @@ def test_due_step_time_splits_the_tmetrics_code_and_restores_what_it_wraps():
     assert [getattr(owner, name) for owner, name in _ENTRIES + _PASSES] == before
 
 
-def test_program_gain_times_the_program_against_the_general_path(monkeypatch):
-    from bench.due_step_time import program_gain
-    from tmetrics_core.sources.param_program import ParamProgram
-
-    read = []
-    original = ParamProgram.read_post
-    monkeypatch.setattr(ParamProgram, "read_post", lambda self, *args: read.append(1) or original(self, *args))
-    with_program, general = program_gain(("layer-grad-l2", "layer-update-ratio"), steps=2)
-    assert len(read) == 3 + 2  # the program's trainer only: warm-up and timed steps
-    assert 0.0 < with_program.passes_ms < with_program.total_ms and 0.0 < general.passes_ms < general.total_ms
-
-
 def test_the_switched_pair_runs_one_trainer_with_tmetrics_off_then_on():
     from bench.demo_variants import make_trainer, tmetrics_factory
     from bench.step_overhead import SWITCHED, _switched

@@ -243,29 +243,24 @@ def test_strided_shard_round_trips(text):
 
 PLANNED = ("global-grad-l2", "layer-param-l2", "layer-grad-l2", "layer-grad-absmax", "layer-update-ratio",
            "layer-param-rms", "tensor-grad-l2", "layer-optimizer-state-rms")
-"""Metrics the parameter program prepares (no histogram): DTensor layouts take it."""
+"""Metrics prepared from the parameter program's rows (no histogram)."""
 
 
 def _planned_rank(rank, world):
-    from tmetrics_core.sources.param_program import ParamProgram
+    from tmetrics_core.sources.param_program import PhaseProgram
 
     ran = {"pre": 0, "post": 0}
-    pre, post = ParamProgram.read_pre, ParamProgram.read_post
+    run = PhaseProgram.run
 
-    def counted_pre(self, *args, **kwargs):
-        out = pre(self, *args, **kwargs)  # counted when it returned (an exception: the general path)
-        ran["pre"] += 1
+    def counted(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)  # counted when it returned
+        ran[self.name] += 1
         return out
-
-    def counted_post(self, *args, **kwargs):
-        out = post(self, *args, **kwargs)
-        ran["post"] += 1
-        return out
-    ParamProgram.read_pre, ParamProgram.read_post = counted_pre, counted_post
+    PhaseProgram.run = counted
     try:
         return {layout: (_run_layout(layout, PLANNED), dict(ran)) for layout in ("fsdp-tp", "hsdp")}
     finally:
-        ParamProgram.read_pre, ParamProgram.read_post = pre, post
+        PhaseProgram.run = run
 
 
 def test_dtensor_parameters_take_the_program_and_equal_full_tensor_reference():

@@ -17,15 +17,12 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 NAMES = ("global-grad-l2", "layer-grad-l2", "layer-grad-absmax", "layer-update-ratio", "layer-param-l2")
 
 
-@pytest.mark.parametrize("program", [True, False])
-def test_the_last_call_before_the_optimizer_step_is_the_steps(program, caplog):
+def test_the_last_call_before_the_optimizer_step_is_the_steps(caplog):
     torch.manual_seed(0)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     metrics = TensorMetrics(model, metrics=[(build_metric(n), 1) for n in NAMES], optimizer=optimizer)
-    if not program:
-        metrics.params._plan_program = lambda *args: None  # the general path
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     with caplog.at_level(logging.WARNING, logger="tmetrics"), metrics.step(1):
         model.layers[0](x).pow(2).mean().backward()  # layer 1 has no gradient yet

@@ -3,11 +3,15 @@
 A site that is ``Partial`` on an axis, read by a metric whose statistic does not commute with
 that partial reduction (a sum of squares of a partial sum), is reduced to the full tensor first:
 one packed collective round per axis for every such site, through the executor.
+:func:`plan_partials` finds, once per list of sites, which sites need it and what they become
+(``Replica`` on the reduced axes); :func:`materialize_partials` runs the rounds on each step's
+local tensors; :func:`resolve_partials` does both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -19,15 +23,29 @@ from tmetrics_core.placements import Replica
 from tmetrics_core.site import Site
 from tmetrics_core.topology import Topology
 
-__all__ = ["resolve_partials"]
+__all__ = ["PartialPlan", "materialize_partials", "plan_partials", "resolve_partials"]
 
 
-def resolve_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site],
-                     tensors: Sequence[torch.Tensor | None], topology: Topology,
-                     executor: Executor) -> tuple[list[Site], list[torch.Tensor | None]]:
-    """Materialize sites that are ``Partial`` on an axis some accepting metric cannot reduce
-    directly; such sites become ``Replica`` on that axis. Every rank takes part in the same
-    packed round (sites are rank-symmetric); placeholders contribute zeros."""
+@dataclass(frozen=True, slots=True)
+class PartialPlan:
+    """Which sites of a list are materialized, and the list as it reads afterwards.
+
+    Attributes:
+        need: indices of the sites reduced to the full tensor.
+        rounds: per axis with such sites, innermost first: ``(axis, indices, ops)``, the sites
+            ``Partial`` on it and the reduction of each (``sum``, ``avg``, ``max``, ``min``).
+        sites: every site of the list, those of ``need`` ``Replica`` where they were ``Partial``.
+    """
+
+    need: tuple[int, ...]
+    rounds: tuple[tuple[str, tuple[int, ...], tuple[str, ...]], ...]
+    sites: tuple[Site, ...]
+
+
+def plan_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site], topology: Topology) -> PartialPlan | None:
+    """The :class:`PartialPlan` of ``sites`` for ``metrics`` (those accepting a site decide
+    whether it is reduced), or None when no site needs it. Depends on the sites and metrics
+    alone, which every rank knows alike (sites are rank-symmetric)."""
     need: list[int] = []
     for i in [i for i, site in enumerate(sites) if site.partial]:
         site = sites[i]
@@ -39,33 +57,55 @@ def resolve_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site],
         if any(not commutes(p.op, s.op, linear=s.linear) for _, p in partial for s in stats):  # type: ignore[attr-defined]
             need.append(i)
     if not need:
-        return list(sites), list(tensors)
-    new_sites, new_tensors = list(sites), list(tensors)
-    locals_: dict[int, torch.Tensor] = {}
-    for i in need:
-        held = tensors[i]
-        locals_[i] = held if held is not None else torch.zeros(_shape(sites[i], None, topology))
+        return None
     # NOTE [nested partials]: with Partial on several axes the logical tensor is the outer
     # axis's op over the inner axis's op, so reduce the innermost axis (last in topology order)
     # first; one packed round per axis that has partial sites.
+    rounds = []
     for axis in reversed(topology.names):
-        todo = [i for i in need if sites[i].placement(axis).is_partial() and topology.axes[axis].size > 1]
-        if not todo:
-            continue
-        ops = [sites[i].placement(axis).op for i in todo]  # type: ignore[attr-defined]
-        full = executor.materialize([locals_[i] for i in todo], [(axis,)] * len(todo), ops)
-        for i, t in zip(todo, full):
-            locals_[i] = t
+        todo = tuple(i for i in need if sites[i].placement(axis).is_partial() and topology.axes[axis].size > 1)
+        if todo:
+            rounds.append((axis, todo, tuple(sites[i].placement(axis).op for i in todo)))  # type: ignore[attr-defined]
+    resolved = list(sites)
     for i in need:
         site = sites[i]
-        placements = tuple((a, Replica() if p.is_partial() else p) for a, p in site.placements)
-        new_sites[i] = dataclasses.replace(site, placements=placements)
-        if new_tensors[i] is not None:
-            new_tensors[i] = locals_[i]
-    return new_sites, new_tensors
+        resolved[i] = dataclasses.replace(site, placements=tuple((a, Replica() if p.is_partial() else p)
+                                                                 for a, p in site.placements))
+    return PartialPlan(tuple(need), tuple(rounds), tuple(resolved))
 
 
-def _shape(site: Site, tensor: torch.Tensor | None, topology: Topology) -> tuple[int, ...]:
-    if tensor is not None:
-        return tuple(tensor.shape)
-    return site.local_shape(topology.coords(), {n: a.size for n, a in topology.axes.items()})
+def materialize_partials(plan: PartialPlan, sites: Sequence[Site], tensors: Sequence[torch.Tensor | None],
+                         topology: Topology, executor: Executor) -> list[torch.Tensor | None]:
+    """``tensors`` (the local tensors of ``sites``, None where held elsewhere) with those of
+    ``plan.need`` reduced over their ``Partial`` axes: one packed round per axis of
+    ``plan.rounds``, on every rank alike (a tensor this rank does not hold contributes zeros of
+    its local shape and stays None).
+
+    Raises:
+        RuntimeError: from the executor, a collective that failed or timed out.
+    """
+    held: dict[int, torch.Tensor] = {}
+    for i in plan.need:
+        tensor = tensors[i]
+        held[i] = tensor if tensor is not None else torch.zeros(
+            sites[i].local_shape(topology.coords(), {n: a.size for n, a in topology.axes.items()}))
+    for axis, todo, ops in plan.rounds:
+        for i, full in zip(todo, executor.materialize([held[i] for i in todo], [(axis,)] * len(todo), ops)):
+            held[i] = full
+    out = list(tensors)
+    for i in plan.need:
+        if out[i] is not None:
+            out[i] = held[i]
+    return out
+
+
+def resolve_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site],
+                     tensors: Sequence[torch.Tensor | None], topology: Topology,
+                     executor: Executor) -> tuple[list[Site], list[torch.Tensor | None]]:
+    """Materialize sites that are ``Partial`` on an axis some accepting metric cannot reduce
+    directly (:func:`plan_partials`, then :func:`materialize_partials`); such sites become
+    ``Replica`` on that axis. Returns the sites and tensors as they then read."""
+    plan = plan_partials(metrics, sites, topology)
+    if plan is None:
+        return list(sites), list(tensors)
+    return list(plan.sites), materialize_partials(plan, sites, tensors, topology, executor)

@@ -9,16 +9,16 @@ post-hook), :meth:`ParamObserver.take_snapshot` between them (the parameters bef
 update, for update metrics), and at the step's end :meth:`ParamObserver.finish`, which hands
 back each due metric's prepared state.
 
-This module holds the step's life cycle and runs the due set's program. What it reads from
-(:mod:`~tmetrics_core.sources.param_reads`), what a due set fixes
-(:mod:`~tmetrics_core.sources.param_plan`), the Replica checks
-(:mod:`~tmetrics_core.sources.param_replicas`) and the general path
-(:mod:`~tmetrics_core.sources.param_general`) live in their own modules.
+This module holds the step's life cycle and runs the due set's program
+(:mod:`~tmetrics_core.sources.param_program`, the one path of every parameter-side metric). What
+it reads from (:mod:`~tmetrics_core.sources.param_reads`), what a due set fixes
+(:mod:`~tmetrics_core.sources.param_plan`) and the Replica checks
+(:mod:`~tmetrics_core.sources.param_replicas`) live in their own modules.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, MutableMapping, Sequence, cast
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -28,10 +28,9 @@ from tmetrics_core.metrics.preparation import SiteChoices
 from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.flat import FlatBuffer
-from tmetrics_core.sources.param_general import GeneralPath, Prepared, StepStates
-from tmetrics_core.sources.param_plan import DueSetPlan, due_set_plan, programmable
-from tmetrics_core.sources.param_program import ParamProgram
-from tmetrics_core.sources.param_reads import ParamReads, grads_placed_as_params, local_tensors
+from tmetrics_core.sources.param_plan import DueSetPlan, due_set_plan
+from tmetrics_core.sources.param_program import PhaseResult, Prepared
+from tmetrics_core.sources.param_reads import ParamReads
 from tmetrics_core.sources.param_replicas import ParamReplicas
 from tmetrics_core.sources.snapshot import Snapshot, snapshot
 from tmetrics_core.topology import Topology
@@ -74,19 +73,18 @@ class ParamObserver:
         self.reads = ParamReads(manifest, topology, optimizer=optimizer, flat=flat, metrics=self.metrics)
         self.replicas = ParamReplicas(self.reads, executor, self.metrics, verify_replicas, on_verified)
         self._choices = SiteChoices()
-        self.general = GeneralPath(self.reads, executor, self._choices)
         self._plans: dict[tuple[str, ...], DueSetPlan] = {}
         self._plan: DueSetPlan | None = None
         """The current step's plan, once looked up (:meth:`plan` runs several times a step)."""
         self.step: int | None = None
         self.due: tuple[TensorMetric, ...] = ()
-        self.states = StepStates({}, {}, set(), set())
+        self.states = PhaseResult()
         """This step's prepared states, their sites, the unfed metrics and the parameters
         without a gradient, filled as the phases run."""
         self._done: set[str] = set()
         self._failed: set[str] = set()
         """Post metrics failed by :meth:`fail_post` this step: the program leaves them failed."""
-        self._before: MutableMapping[str, torch.Tensor] | None = None
+        self._before: Snapshot | None = None
 
     @property
     def prepared(self) -> dict[str, Prepared]:
@@ -113,7 +111,7 @@ class ParamObserver:
         """Start due step ``step`` with the due metrics ``due`` (config order)."""
         self.step = step
         self.due = tuple(due)
-        self.states = StepStates({}, {}, set(), set())
+        self.states = PhaseResult()
         self._done, self._failed = set(), set()
         self._before = None
         self._plan = None
@@ -122,7 +120,7 @@ class ParamObserver:
     def end(self) -> None:
         """Release what the step held (the snapshot is a copy of the parameters)."""
         self.step, self.due, self._before = None, (), None
-        self.states = StepStates({}, {}, self.unfed, self.no_grad)
+        self.states = PhaseResult(unfed=self.unfed, no_grad=self.no_grad)
         self._plan = None
 
     def read_again(self) -> None:
@@ -208,85 +206,29 @@ class ParamObserver:
         key = tuple(m.name for m in self.due)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = due_set_plan(self.due, self.reads, self._plan_program)
+            plan = self._plans[key] = due_set_plan(self.due, self.reads, self._choices.of)
         self._plan = plan
         return plan
-
-    def _plan_program(self, pre: Sequence[TensorMetric], post: Sequence[TensorMetric],
-                      before: Sequence[TensorMetric], names: frozenset[str]) -> ParamProgram | None:
-        """The due set's :class:`ParamProgram`, where one may run (:func:`programmable`). A
-        DTensor parameter is read as its local tensor; a step where some DTensor gradient is
-        placed otherwise than its parameter takes the general path (see :meth:`_programmed`)."""
-        if not programmable(self.reads):
-            return None
-        return ParamProgram.plan(pre, post, before, self.reads.sites_of, self._choices.of, names,
-                                 len(self.manifest.entries))
 
     # -- the phases --------------------------------------------------------------------------
     @torch.no_grad()  # metric arithmetic builds no graph (and skips autograd's dispatch work)
     def _run_phase(self, phase: str) -> None:
         """``pre``: metrics of parameters and gradients only; ``post``: metrics that read Adam
-        state or updates (their parameters are the values after the step; updates are read as
-        ``p - snapshot``, computed in place in the snapshot, which they consume), and first the
-        metrics of ``DueSetPlan.from_snapshot``. The due set's program prepares the metrics it
-        plans first; the general path the rest (all of them where the program did not run)."""
-        self._programmed(phase)
-        plan = self.plan()
-        metrics = [m for m in (plan.pre if phase == "pre" else plan.post) if m.name not in self.prepared]
-        before = [m for m in (plan.from_snapshot if phase == "post" else ()) if m.name not in self.prepared]
-        if phase == "post" and self._before is None:
-            for m in [m for m in metrics if "update" in m.source_kinds]:
-                self.prepared[m.name] = ({}, "optimizer.step() did not run inside this step scope; no update")
-                metrics.remove(m)
-        if metrics or before:
-            self.general.run(phase, metrics, before, self._before, self.states)
-
-    def _programmed(self, phase: str) -> None:
-        """Prepare the phase's metrics the due set's :class:`ParamProgram` plans (the states the
-        general path prepares, without its per-tensor work), on every device and dtype; nothing
-        prepared or consumed where the general path must run them: no program for the due set,
-        no optimizer step in the scope, a DTensor gradient placed otherwise than its parameter,
-        or an error (which the general path then reports). A parameter without a gradient is
-        left out of gradient statistics with a placeholder, as the general path does."""
+        state or updates (their parameters are the values after the step; updates are
+        ``p - snapshot``) and those of ``DueSetPlan.from_snapshot`` (on the snapshot). Without an
+        optimizer step in the scope, the update metrics are failed (there is no update)."""
         program = self.plan().program
-        if program is None:
+        phase_program = program.pre_phase(self.reads) if phase == "pre" else program.post
+        if not phase_program.metrics:
             return
-        plan = program.pre if phase == "pre" else program.post
-        if not plan.recipes:
-            return  # the program plans no metric of this phase
-        if phase == "post" and program.stepped and not isinstance(self._before, Snapshot):
-            return  # no optimizer step in the scope: the general path reports it
-        # A program is planned only where every manifest entry is held here (no None).
-        facts = self.reads.facts
-        params = cast("list[torch.Tensor]", list(facts.local))
-        local = local_tensors if facts.dtensor_params else None
-        if phase == "pre":
-            if local is not None and not grads_placed_as_params(params):
-                return  # a Partial gradient (sequence parallel): resolved by the general path
-            grads = (lambda entries: self.reads.flat_tensors("grad", entries)) if "grad" in self.flat else None
-            try:
-                states, absent = program.read_pre(params, facts.views, self.topology, local, grads)
-            except Exception:  # noqa: BLE001 - the general path reads again and reports it
-                states, absent = None, []
-            if states is not None and absent:
-                self.no_grad.update(self.manifest.entries[i].name for i in program.entries(absent))
-                self.unfed.update(program.pre.unfed(frozenset(absent)))
-        else:
-            # The snapshot's copies are read, not changed, so the general path finds the snapshot
-            # intact if the program raises.
-            then: Sequence[torch.Tensor] = ()
-            if isinstance(self._before, Snapshot):
-                then = self._before.copies(program.names)
-            try:
-                states, absent = program.read_post(params, then, facts.views, local, self.reads.state_tensors,
-                                                   self.topology)
-            except Exception:  # noqa: BLE001 - as above
-                states, absent = None, []
-            if states is not None and absent:
-                self.unfed.update(program.post.unfed(frozenset(absent)))
-        if states is None:
-            return
-        for metric, state in states:
-            if metric.name not in self._failed:
-                self.prepared[metric.name] = (state, None)
-        self.sites.update(plan.sites)
+        result = phase_program.run(self.reads, self._before, self.executor, self.topology, self._choices)
+        for name, prepared in result.prepared.items():
+            if name not in self._failed:
+                self.prepared[name] = prepared
+        if phase == "post" and self._before is None:
+            for m in self.plan().post:
+                if "update" in m.source_kinds and m.name not in self._failed:
+                    self.prepared[m.name] = ({}, "optimizer.step() did not run inside this step scope; no update")
+        self.sites.update(result.sites)
+        self.unfed.update(n for n in result.unfed if n not in self.prepared or self.prepared[n][1] is None)
+        self.no_grad.update(result.no_grad)

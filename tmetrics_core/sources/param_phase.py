@@ -81,9 +81,8 @@ class PhasePlan:
                absent: frozenset[int] = frozenset(), topology: Topology | None = None
                ) -> list[tuple[StatMetric, BlockState]]:
         """Each metric's state from ``rows`` (the phase's kernel output, float64 ``[n, 5]``);
-        ``inputs(i)`` is the tensor row ``i`` was read from (or one of its shape: the general path's
-        stand-in), for statistics that read shapes. The rows in ``absent`` (a gradient this rank
-        does not have) hold, as the general path's placeholders, the neutral element of each
+        ``inputs(i)`` is the tensor row ``i`` was read from (an empty stand-in where ``absent``), for statistics that read shapes. The rows in ``absent`` (a gradient this rank
+        does not have) hold, as ``Statistic.placeholder``, the neutral element of each
         statistic's first reduction on ``topology`` (0, -inf or +inf): left out of the
         statistic, with the same collectives on every rank."""
         out = []

@@ -1,279 +1,284 @@
-"""The parameter side of a due step, planned once per due set: kernel rows straight to states.
+"""The parameter side of a due step, planned once per due set: one path on every device.
 
-On a due step the metrics of parameters, gradients and updates turn fused moments rows into one
-matrix per statistic (a :class:`~tmetrics_core.metrics.block_state.BlockState`). Which tensors
-they read, which kernel row holds each tensor and the keys of each state depend only on the due
-set (the manifest and its sites do not change). The general path finds them again every step,
-per tensor and per metric: site lookups, a memo table of rows, input lists per metric. On the
-demo model that Python costs more than the kernel passes themselves, and most of it runs with
-cold caches, right after the backward pass.
+On a due step the metrics of parameters, gradients, Adam state and updates are prepared in two
+phases: before the optimizer step (parameters and gradients) and after it (Adam state, updates,
+the parameters after the step, and the parameters as they were before it, read from the
+update snapshot). What each phase reads depends only on the due set (the manifest and its
+sites do not change), so a :class:`PhaseProgram` finds it once:
 
-A :class:`ParamProgram` finds them once. A due step then runs one moments pass per phase (the
-gradients and parameters read before the optimizer step; each parameter, its snapshot and their
-difference after it) and, per metric, one row gather and its statistics' arithmetic. The pass
-is batched torch ops (:func:`tmetrics_core.kernels.rows.rows`) on any device: a fixed
-number of ops per statistic and ``(device, dtype)`` group, whatever the tensor count. The
-states are those the general path prepares, bit for bit: the same backends, the same rows, the
-same statistic code. :meth:`ParamProgram.plan` says when it applies (plain parameters held
-here, metrics that declare ``StatMetric.planned``); otherwise the parameter side takes the
-general path. A parameter without a gradient on a step (frozen, or an expert no token reached)
-gets the general path's placeholder in its rows: the program still runs.
+- the **slots**: ``(source, manifest entry)`` of every tensor some metric of the phase accepts,
+  grouped by source (one :meth:`~tmetrics_core.sources.param_reads.ParamReads.read` per source
+  and step: flat buffers, DTensor shards, expert views and tensors held elsewhere included);
+- the ``Partial`` slots some statistic cannot reduce as they are, materialized in one executor
+  round per axis (:mod:`~tmetrics_core.distributed.partials`);
+- for every :class:`~tmetrics_core.metrics.base.StatMetric` that declares
+  ``StatMetric.planned``: the rows of its sites in one rows pass over the phase
+  (:func:`tmetrics_core.kernels.rows.rows`, batched torch ops on any device) and its
+  :class:`~tmetrics_core.sources.param_phase.Recipe`: one row gather and its statistics'
+  arithmetic. A tensor this rank does not read this step (held elsewhere, no gradient, no
+  state yet) gives each statistic's neutral element, so every rank issues the same collectives;
+- every other metric (histograms, custom metrics) prepares itself on the same slots' sites and
+  tensors (:func:`~tmetrics_core.metrics.preparation.prepare_states`).
+
+A DTensor gradient placed otherwise than its parameter (a ``Partial`` gradient under sequence
+parallelism) changes the gradient sites: :meth:`ParamProgram.pre_phase` plans the first phase
+again for those sites, once per placement pattern.
 """
 
 from __future__ import annotations
 
-import operator
-from typing import Callable, Sequence, cast
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, cast
 
 import torch
 
-from tmetrics_core.kernels.rows import FIELDS, rows as moments_rows
+from tmetrics_core.distributed.executor import Executor
+from tmetrics_core.distributed.partials import PartialPlan, materialize_partials, plan_partials
+from tmetrics_core.kernels.rows import rows as moments_rows
 from tmetrics_core.metrics.base import StatMetric, TensorMetric
-from tmetrics_core.metrics.block_state import BlockState
+from tmetrics_core.metrics.preparation import SiteChoices, prepare_states
 from tmetrics_core.site import Site, SiteKey
-from tmetrics_core.sources.param_phase import PhasePlan, Recipe, phase_plan
-from tmetrics_core.sources.params import grads_of
+from tmetrics_core.sources.param_phase import PhasePlan, phase_plan
+from tmetrics_core.sources.param_reads import ParamReads
+from tmetrics_core.sources.params import has_none
+from tmetrics_core.sources.snapshot import Snapshot
 from tmetrics_core.topology import Topology
-from tmetrics_core import torch_private
 
-__all__ = ["ParamProgram"]
+__all__ = ["ParamProgram", "PhaseProgram", "PhaseResult", "Prepared"]
 
-Local = Callable[[Sequence[torch.Tensor | None]], list[torch.Tensor | None]]
-"""Maps parameters or gradients to the local tensors read (a DTensor's shard); None stays None."""
+Prepared = tuple[Any, str | None]
+"""A due metric's local state and its error text (None when it prepared without one)."""
 
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-
-_LOW = frozenset({torch.bfloat16, torch.float16})
-_PRE_KINDS = frozenset({"param", "grad"})
-_STATE_KINDS = frozenset({"exp_avg", "exp_avg_sq"})
-_POST_KINDS = frozenset({"param", "update"}) | _STATE_KINDS
-
-_UPDATE, _AFTER, _BEFORE = 0, 1, 2
-"""Rows of one tensor in the ``parts`` pass: ``p - snapshot``, ``p`` after the step, the snapshot."""
+Picks = Callable[[Sequence[TensorMetric], list[Site]], list[list[int]]]
+"""Per metric, the indices of the sites it accepts (``SiteChoices.of``)."""
 
 
-def _eligible(metric: TensorMetric, kinds: frozenset[str], *, elements: bool = False) -> bool:
-    """Whether the program prepares ``metric``: a :class:`StatMetric` that declares its state
-    the vectors of its statistics (``StatMetric.planned``), reading only ``kinds``, every
-    statistic derived from moments rows (or the shape), with ``elements`` where a statistic may
-    also read the tensors' elements (``reads_elements``: only where the inputs are the tensors
-    the rows were read from, not a stand-in)."""
-    return (isinstance(metric, StatMetric) and metric.planned
-            and bool(metric.source_kinds) and metric.source_kinds <= kinds
-            and all(not s.elements or (elements and bool(s.reads)) for s in metric.statistics)
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Metrics of a phase that pick from one list of sites: those of ``kinds`` (sorted), read
+    from ``before`` (the snapshot) instead of the kind where set."""
+
+    metrics: tuple[TensorMetric, ...]
+    kinds: tuple[str, ...]
+    before: bool = False
+
+
+@dataclass(slots=True)
+class PhaseResult:
+    """What one phase prepared: each metric's state and error, the sites the states name,
+    the metrics that read no tensor here, and the parameters held here without a gradient."""
+
+    prepared: dict[str, Prepared] = field(default_factory=dict)
+    sites: dict[SiteKey, Site] = field(default_factory=dict)
+    unfed: set[str] = field(default_factory=set)
+    no_grad: set[str] = field(default_factory=set)
+
+
+def _planned(metric: TensorMetric) -> bool:
+    """Whether ``metric`` is prepared from the phase's rows: a :class:`StatMetric` that declares
+    its state the vectors of its statistics (``StatMetric.planned``), some of which read rows."""
+    return (isinstance(metric, StatMetric) and metric.planned and bool(metric.source_kinds)
             and any(stat.reads for stat in metric.statistics))
 
 
-def _columns(plan: PhasePlan) -> frozenset[str]:
-    """The moments columns the statistics of ``plan`` read (``Statistic.reads``)."""
-    return frozenset(c for recipe in plan.recipes for stat in recipe.metric.statistics for c in stat.reads)
+class PhaseProgram:
+    """One phase of a due set, planned (see the module docstring).
+
+    Args:
+        name: ``"pre"`` or ``"post"`` (said in a reading error).
+        parts: the metrics of the phase and the sites each picks from.
+        sites_of: the sites of a kind, one per manifest entry.
+        picks: per metric, the indices of the sites it accepts.
+        topology: the axes (which ``Partial`` slots are materialized).
+
+    A metric whose ``StatMetric.kept`` raises is prepared by its own ``prepare``, which reports
+    the error on every rank.
+    """
+
+    def __init__(self, name: str, parts: Sequence[Part], sites_of: Callable[[str], list[Site]], picks: Picks,
+                 topology: Topology) -> None:
+        self.name = name
+        candidates: list[tuple[str, int]] = []
+        listed: list[Site] = []
+        chosen: list[tuple[TensorMetric, list[int], bool]] = []  # metric, candidate indices, planned
+        ranges: list[tuple[int, int, tuple[TensorMetric, ...]]] = []
+        for part in parts:
+            start = len(listed)
+            for kind in part.kinds:
+                sites = sites_of(kind)
+                candidates.extend(("before" if part.before else kind, e) for e in range(len(sites)))
+                listed.extend(sites)
+            own = listed[start:]
+            others = []
+            for metric in part.metrics:
+                accepted = picks([metric], own)[0]
+                kept = _kept(metric, accepted, own) if _planned(metric) and accepted else None
+                if kept:
+                    chosen.append((metric, [start + i for i in kept], True))
+                else:
+                    chosen.append((metric, [start + i for i in accepted], False))
+                    others.append(metric)
+            ranges.append((start, len(listed), tuple(others)))
+        used = sorted({i for _, at, _ in chosen for i in at})
+        slot = {i: n for n, i in enumerate(used)}
+        self.slots = tuple(candidates[i] for i in used)
+        self.read_sites = tuple(listed[i] for i in used)
+        """The sites of the slots as the manifest (or the gradients' DTensor placements) gives them."""
+        metrics = [m for m, _, _ in chosen]
+        self.partials: PartialPlan | None = plan_partials(metrics, self.read_sites, topology)
+        self.sites = self.partials.sites if self.partials is not None else self.read_sites
+        """The sites of the slots as the metrics read them (``Partial`` ones materialized)."""
+        self.groups = _groups(self.slots)
+        self.site_keys = {s.key: s for s in self.sites}
+        """The sites by key (read only: handed on with every phase's states)."""
+        self.picked = tuple((m.name, tuple(slot[i] for i in at)) for m, at, _ in chosen)
+        self.others = tuple((_slot_range(slot, start, stop), ms) for start, stop, ms in ranges if ms)
+        planned = [(cast(StatMetric, m), [slot[i] for i in at]) for m, at, is_planned in chosen if is_planned]
+        self.rows_at = tuple(sorted({i for _, at in planned for i in at}))
+        position = {i: n for n, i in enumerate(self.rows_at)}
+        self.plan: PhasePlan = phase_plan([m for m, _ in planned], [at for _, at in planned], self.sites,
+                                          [[position[i] for i in at] for _, at in planned])
+        self.columns = frozenset(c for m, _ in planned for stat in m.statistics for c in stat.reads)
+        self.metrics = tuple(metrics)
+        self._all_rows = self.rows_at == tuple(range(len(self.slots)))
+
+    def run(self, reads: ParamReads, snapshot: Snapshot | None, executor: Executor, topology: Topology,
+            choices: SiteChoices) -> PhaseResult:
+        """Read the slots, materialize the ``Partial`` ones, and prepare every metric of the phase.
+        A source that fails to read fails the metrics reading it (their error, on every rank
+        by the executor's agreement), its slots read as held elsewhere."""
+        tensors: list[torch.Tensor | None] = []
+        failed: dict[int, str] = {}
+        for source, start, entries in self.groups:
+            try:
+                tensors.extend(reads.read(source, entries, snapshot))
+            except Exception as exc:  # noqa: BLE001 - e.g. a parameter resized by the optimizer
+                text = f"reading the {self.name}-step tensors failed: {type(exc).__name__}: {exc}"
+                failed.update((i, text) for i in range(start, start + len(entries)))
+                tensors.extend([None] * len(entries))
+        if self.partials is not None:
+            tensors = materialize_partials(self.partials, self.read_sites, tensors, topology, executor)
+        out = PhaseResult(sites=self.site_keys)
+        if self.plan.recipes:
+            read = tensors if self._all_rows else [tensors[i] for i in self.rows_at]
+            absent = [k for k, t in enumerate(read) if t is None] if has_none(read) else []
+            filled = _stand_in(read, absent, reads.device)
+            try:
+                states = self.plan.states(moments_rows(filled, self.columns), filled.__getitem__, frozenset(absent),
+                                          topology)
+                out.prepared.update((m.name, (state, None)) for m, state in states)
+            except Exception as exc:  # noqa: BLE001 - reported, and skipped on every rank
+                out.prepared.update((r.metric.name, ({}, f"{type(exc).__name__}: {exc}")) for r in self.plan.recipes)
+        for (start, stop), metrics in self.others:
+            for metric, state, error in prepare_states(metrics, self.sites[start:stop], tensors[start:stop], topology,
+                                                       {}, choices):
+                out.prepared[metric.name] = (state, error)
+        if failed:
+            for name, at in self.picked:
+                error = next((failed[i] for i in at if i in failed), None)
+                if error is not None:
+                    out.prepared[name] = (out.prepared.get(name, ({}, None))[0], error)
+        elif has_none(tensors):
+            out.unfed.update(name for name, at in self.picked if all(tensors[i] is None for i in at))
+            out.no_grad.update(reads.manifest.entries[e].name for (source, e), t in zip(self.slots, tensors)
+                               if source == "grad" and t is None and reads.facts.local[e] is not None)
+        return out
 
 
 class ParamProgram:
     """The parameter-side metrics of one due set, planned (see the module docstring).
 
     Args:
-        pre: the metrics prepared before the optimizer step (parameters and gradients, read in
-            one kernel call); ``reads``: ``(kind, manifest entry)`` of each row of that call.
-        post: the metrics prepared after it, from the ``parts`` pass over the parameters of
-            ``stepped`` (``(manifest entry, name)`` of those with a snapshot, in manifest order)
-            and their snapshots, then one moments pass over the Adam state of ``state_reads``
-            (``(kind, manifest entry)``, ``exp_avg`` or ``exp_avg_sq``; rows after the parts rows).
+        pre: the due metrics prepared before the optimizer step (parameters and gradients).
+        post: those prepared after it (Adam state, updates, parameters after the step).
+        before: those of parameters alone prepared after the step on the snapshot (the
+            parameters as they were before it).
+        sites_of: the sites of a kind, one per manifest entry (a flat buffer's where one holds it).
+        picks: per metric, the indices of the sites it accepts (``SiteChoices.of``).
+        topology: the axes.
     """
 
-    def __init__(self, pre: PhasePlan, reads: Sequence[tuple[str, int]], post: PhasePlan,
-                 stepped: Sequence[tuple[int, str]], state_reads: Sequence[tuple[str, int]] = ()) -> None:
-        self.pre = pre
-        self.reads = tuple(reads)
-        self._indices = tuple(i for _, i in self.reads)
-        self._grads = sum(kind == "grad" for kind, _ in self.reads)
-        if any(kind != "grad" for kind, _ in self.reads[:self._grads]):
-            raise ValueError("a ParamProgram reads its gradient rows before its parameter rows")
-        self.post = post
-        self.stepped = tuple(i for i, _ in stepped)
-        self.names = tuple(name for _, name in stepped)
-        self.state_reads = tuple(state_reads)
-        # Only the columns some statistic reads are computed (L2 norms, update ratios: the sum
-        # of squares alone).
-        self._columns = (_columns(pre), _columns(post))
+    def __init__(self, pre: Sequence[TensorMetric], post: Sequence[TensorMetric], before: Sequence[TensorMetric],
+                 sites_of: Callable[[str], list[Site]], picks: Picks, topology: Topology) -> None:
+        self._pre_metrics = tuple(pre)
+        self._picks = picks
+        self._topology = topology
+        self.pre = self._phase_pre(sites_of)
+        self.post = PhaseProgram("post", [Part(tuple(post), _kinds(post)), Part(tuple(before), ("param",), True)],
+                                 sites_of, picks, topology)
+        self.names: tuple[str, ...] = ()
+        """Canonical names of the parameters the post phase reads from the snapshot, in slot order
+        (set by :func:`~tmetrics_core.sources.param_plan.due_set_plan`)."""
+        self._by_grads: dict[tuple, PhaseProgram] = {}
 
-    @classmethod
-    def plan(cls, pre: Sequence[TensorMetric], post: Sequence[TensorMetric], before: Sequence[TensorMetric],
-             sites_of: Callable[[str], list[Site]], picks: Callable[[Sequence[TensorMetric], list[Site]], list[list[int]]],
-             snapshot: frozenset[str], num_entries: int) -> ParamProgram | None:
-        """The program of a due set, or None where the general path must run.
+    def _phase_pre(self, sites_of: Callable[[str], list[Site]]) -> PhaseProgram:
+        return PhaseProgram("pre", [Part(self._pre_metrics, _kinds(self._pre_metrics))], sites_of, self._picks,
+                            self._topology)
 
-        Args:
-            pre, post: the due metrics of the two phases; ``before``: those prepared after the
-                step on the snapshot (the parameters as they were before it).
-            sites_of: the manifest's sites of a kind (plain: no Partial, flat or DTensor
-                placement the general path would change), one per manifest entry.
-            picks: per metric, the indices of the sites it accepts (``SiteChoices.of``).
-            snapshot: names of the parameters the snapshot holds.
-            num_entries: manifest entries (every one held here, as a local tensor).
+    def pre_phase(self, reads: ParamReads) -> PhaseProgram:
+        """The first phase for this step's gradients: :attr:`pre`, or, where a DTensor gradient
+        is placed otherwise than its parameter (:meth:`ParamReads.grad_sites`), the phase planned
+        for those gradient sites (once per placement pattern, at most 8 kept)."""
+        if not reads.facts.dtensor_params or "grad" in reads.flat or not reads.grads_differ():
+            return self.pre
+        grads = reads.grad_sites()
+        key = tuple((s.name, s.placements) for s in grads)
+        phase = self._by_grads.get(key)
+        if phase is None:
+            if len(self._by_grads) >= 8:
+                self._by_grads.clear()
+            phase = self._by_grads[key] = self._phase_pre(lambda kind: grads if kind == "grad" else reads.sites_of(kind))
+        return phase
 
-        The program prepares the metrics that ``StatMetric`` prepares as a block of moments rows
-        and that read only parameters and gradients before the step and parameters and updates
-        after it; the general path the others. Returns None when it prepares none, or a
-        metric it would prepare accepts no site whose rows it has.
-        """
-        # The metrics the program prepares; the general path prepares the others (histograms,
-        # Adam state, custom metrics that do not declare StatMetric.planned) in the same step.
-        pre = [m for m in pre if _eligible(m, _PRE_KINDS, elements=True)]
-        post = [m for m in post if _eligible(m, _POST_KINDS)]
-        before = [m for m in before if _eligible(m, frozenset({"param"}))]
-        if not pre and not post and not before:
-            return None
-        if any(len(sites_of(kind)) != num_entries for kind in sorted(_PRE_KINDS | _POST_KINDS)):
-            return None  # rows are found by manifest entry: one site per entry and kind
-        # Every metric passed _eligible: all are StatMetrics.
-        first, post, before = (cast("Sequence[StatMetric]", ms) for ms in (pre, post, before))
-        kinds = sorted({k for m in first for k in m.source_kinds})
-        sites = [s for kind in kinds for s in sites_of(kind)]
-        picked_pre = [_kept(m, p, sites) for m, p in zip(first, picks(first, sites))] if first else []
-        # A metric that accepts no site here is left to the general path (it reports it).
-        planned = [m for m, c in zip(first, picked_pre) if c]
-        chosen = [c for c in picked_pre if c]
-        union = sorted({i for p in chosen for i in p})
-        position = {i: n for n, i in enumerate(union)}
-        pre_rows = [[position[i] for i in p] for p in chosen]
-        pre_plan = phase_plan(planned, chosen, sites, pre_rows)
-        names = [s.name for s in sites_of("param")] if post or before else []
-        stepped = [i for i, name in enumerate(names) if name in snapshot]
-        slot = {i: n for n, i in enumerate(stepped)}
-        read: list[tuple[StatMetric, bool, list[Site], list[int], list[tuple[str, int]]]] = []
-        for metric, after in [*((m, True) for m in post), *((m, False) for m in before)]:
-            # The general path lists a phase's sites by kind in sorted order (exp_avg, exp_avg_sq,
-            # param, update); the metrics of the snapshot read the parameters' "before" rows.
-            listed = [s for kind in (sorted(metric.source_kinds) if after else ["param"]) for s in sites_of(kind)]
-            picked = _kept(metric, picks([metric], listed)[0], listed)
-            at = [(listed[i].kind, i % num_entries) for i in picked]
-            if picked and all(kind in _STATE_KINDS or entry in slot for kind, entry in at):
-                read.append((metric, after, listed, picked, at))
-        # Adam state rows follow the parts rows: one moments pass over the state tensors read.
-        state_reads = sorted({(kind, entry) for *_, at in read for kind, entry in at if kind in _STATE_KINDS})
-        state_slot = {r: 3 * len(stepped) + n for n, r in enumerate(state_reads)}
-        recipes: list[Recipe] = []
-        post_sites: dict[SiteKey, Site] = {}
-        for metric, after, listed, picked, at in read:
-            rows = [state_slot[(kind, entry)] if kind in _STATE_KINDS
-                    else 3 * slot[entry] + (_UPDATE if kind == "update" else _AFTER if after else _BEFORE)
-                    for kind, entry in at]
-            plan = phase_plan([metric], [picked], listed, [rows])
-            recipes.extend(plan.recipes)
-            post_sites.update(plan.sites)
-        if not pre_plan.recipes and not recipes:
-            return None
-        return cls(pre_plan, [(sites[i].kind, i % num_entries) for i in union],
-                   PhasePlan(tuple(recipes), post_sites), [(i, names[i]) for i in stepped], state_reads)
-
-    def read_pre(self, params: Sequence[torch.Tensor], views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None]
-                 = (), topology: Topology | None = None, local: Local | None = None,
-                 grads: Callable[[Sequence[int]], list[torch.Tensor | None]] | None = None
-                 ) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
-        """States of the ``pre`` metrics from ``params`` (the local parameter of every manifest
-        entry, plain tensors) and their gradients (:func:`~tmetrics_core.sources.params.grads_of`),
-        from one moments pass (:func:`~tmetrics_core.kernels.rows.rows`), and the rows of the gradients this
-        rank does not have this step (:meth:`entries` names their manifest entries): their
-        gradients are left out of the statistics with placeholders (see :meth:`PhasePlan.states`,
-        on ``topology``), as the general path does. ``views[i]``, where given and not None, reads entry ``i`` (an expert slice of a
-        stacked tensor) as a view of its parameter and gradient (``Manifest.views``). ``local``,
-        where given, maps parameters and gradients to the local tensors read (DTensors' shards).
-        ``grads``, where given, reads the gradients of manifest entries instead of ``.grad``
-        (a flat buffer's part of each, as the entry reads it: no view applied; None where it
-        has none)."""
-        # Gradient rows come first (kinds are read in sorted order: see __init__): one C-level
-        # map per step over the parameters, none of Python per tensor.
-        count = self._grads
-        read = list(map(params.__getitem__, self._indices))
-        found = grads_of(read[:count]) if grads is None else grads(self._indices[:count])
-        if local is not None:
-            read, found = cast("list[torch.Tensor]", local(read)), local(found)
-        absent = [k for k, g in enumerate(found) if g is None] if type(None) in set(map(type, found)) else []
-        tensors = _stand_in(found, absent, read) + read[count:]
-        if views and any(views):
-            skip = frozenset(absent) if grads is None else frozenset(range(count))
-            tensors = [t if (view := views[i]) is None or k in skip else view(t)
-                       for k, (t, i) in enumerate(zip(tensors, self._indices))]
-        rows = moments_rows(tensors, self._columns[0])
-        return self.pre.states(rows, tensors.__getitem__, frozenset(absent), topology), absent
-
-    def entries(self, rows: Sequence[int]) -> list[int]:
-        """The manifest entries that ``read_pre``'s rows ``rows`` read."""
-        return [self._indices[k] for k in rows]
-
-    def read_post(self, params: Sequence[torch.Tensor], then: Sequence[torch.Tensor],
-                  views: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = (), local: Local | None = None,
-                  state: Callable[[Sequence[tuple[str, int]]], list[torch.Tensor | None]] | None = None,
-                  topology: Topology | None = None) -> tuple[list[tuple[StatMetric, BlockState]], list[int]]:
-        """States of the ``post`` metrics from the parameters of :attr:`stepped` now (of
-        ``params`` and ``views``, as in :meth:`read_pre`) and their snapshots (``then``, in the
-        same order): the copies themselves, whose updates are one
-        ``_foreach_sub`` and whose rows come from one moments pass over updates, parameters and
-        snapshots. The Adam state of :attr:`state_reads` comes from ``state`` (the local tensor
-        of each, None where the optimizer has none yet: a placeholder, as for a missing
-        gradient in :meth:`read_pre`); also returned, the rows without one.
-
-        Raises:
-            ValueError: a parameter whose dtype or size no longer matches its snapshot (the
-                optimizer replaced or resized it).
-        """
-        now = list(map(params.__getitem__, self.stepped))
-        if local is not None:
-            now = cast("list[torch.Tensor]", local(now))
-        if views and any(views):
-            now = [t if (view := views[i]) is None else view(t) for t, i in zip(now, self.stepped)]
-        blocks = []
-        if not now:
-            pass
-        else:
-            copies = cast("list[torch.Tensor]", list(then))
-            if (list(map(_SHAPE, now)) != list(map(_SHAPE, copies))
-                    or list(map(_DTYPE, now)) != list(map(_DTYPE, copies))):
-                raise ValueError("a parameter's shape or dtype changed in the optimizer step")
-            # Low-precision parameters widened first (float32 minus their own dtype promotes):
-            # the update itself, not its rounding to the parameter's dtype.
-            updates = torch_private.foreach_sub([t.float() if t.dtype in _LOW else t for t in now]
-                                                if _LOW.intersection(map(_DTYPE, now)) else now, copies)
-            n = len(now)
-            # Rows in the parts layout: update, after, before of each tensor in turn.
-            blocks.append(moments_rows([*updates, *now, *copies], self._columns[1]).view(
-                3, n, len(FIELDS)).transpose(0, 1).reshape(3 * n, -1))
-        held: list[torch.Tensor] = []
-        absent: list[int] = []
-        if self.state_reads:
-            assert state is not None  # a program with Adam state rows is read with the state
-            found = state(self.state_reads)
-            absent = [k for k, t in enumerate(found) if t is None]
-            held = _stand_in(found, absent, [params[e] if local is None else cast("torch.Tensor", local([params[e]])[0])
-                                             for _, e in self.state_reads])
-            rows = moments_rows(held, self._columns[1])
-            blocks.append(rows if not blocks else rows.to(blocks[0].device))
-        base = 3 * len(now)
-        # A statistic that reads shapes gets the parameter for every parts row (the update and
-        # the snapshot have its shape: the parts pass checked their sizes), the state tensor
-        # for a state row.
-        block = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        gone = [base + k for k in absent]
-        return (self.post.states(block, lambda r: now[r // 3] if r < base else held[r - base], frozenset(gone),
-                                 topology), gone)
+    def snapshot_entries(self) -> list[int]:
+        """Manifest entries the post phase reads from the snapshot (updates and ``before``), in
+        slot order, each once."""
+        seen: dict[int, None] = {}
+        for source, entry in self.post.slots:
+            if source in ("update", "before"):
+                seen.setdefault(entry)
+        return list(seen)
 
 
-def _stand_in(found: list[torch.Tensor | None], absent: list[int], like: Sequence[torch.Tensor]
-              ) -> list[torch.Tensor]:
-    """``found`` with a tensor of no elements (one per dtype and device, like ``like[k]``) at
-    each index of ``absent``: its row is replaced by a placeholder."""
-    empty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+def _kinds(metrics: Sequence[TensorMetric]) -> tuple[str, ...]:
+    return tuple(sorted({k for m in metrics for k in m.source_kinds}))
+
+
+def _groups(slots: Sequence[tuple[str, int]]) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """``(source, first slot, entries)`` per run of slots of one source (slots are grouped by
+    source: candidates are listed kind by kind)."""
+    out: list[tuple[str, int, list[int]]] = []
+    for n, (source, entry) in enumerate(slots):
+        if not out or out[-1][0] != source:
+            out.append((source, n, []))
+        out[-1][2].append(entry)
+    return tuple((source, start, tuple(entries)) for source, start, entries in out)
+
+
+def _slot_range(slot: dict[int, int], start: int, stop: int) -> tuple[int, int]:
+    """The slots of the candidates ``start:stop`` (a part's), as a range of slot indices."""
+    inside = [n for i, n in slot.items() if start <= i < stop]
+    return (min(inside), max(inside) + 1) if inside else (0, 0)
+
+
+def _stand_in(read: list[torch.Tensor | None], absent: list[int], device: torch.device) -> list[torch.Tensor]:
+    """``read`` with a tensor of no elements (like another tensor of the list, else float32 on
+    ``device``) at each index of ``absent``: its rows are then replaced by placeholders."""
+    if not absent:
+        return cast("list[torch.Tensor]", read)
+    like = next((t for t in read if t is not None), None)
+    empty = like.new_empty(0) if like is not None else torch.empty(0, device=device)
+    out = list(read)
     for k in absent:
-        key = (like[k].device, like[k].dtype)
-        if key not in empty:
-            empty[key] = like[k].new_empty(0)
-        found[k] = empty[key]
-    return cast("list[torch.Tensor]", found)
+        out[k] = empty
+    return cast("list[torch.Tensor]", out)
 
 
-def _kept(metric: StatMetric, picked: list[int], sites: Sequence[Site]) -> list[int]:
-    """The picked sites that ``metric`` prepares (see :meth:`StatMetric.kept`)."""
-    kept = metric.kept([sites[i] for i in picked])
+def _kept(metric: TensorMetric, picked: list[int], sites: Sequence[Site]) -> list[int] | None:
+    """The picked sites that ``metric`` prepares (see :meth:`StatMetric.kept`), or None where
+    ``kept`` raises (the metric's own ``prepare`` then reports it)."""
+    try:
+        kept = cast(StatMetric, metric).kept([sites[i] for i in picked])
+    except Exception:  # noqa: BLE001 - reported by prepare, on every rank
+        return None
     return picked if kept is None else [picked[k] for k in kept]

@@ -3,8 +3,8 @@
 :class:`ParamReads` is built once per ``TensorMetrics`` (the manifest, its local tensors and the
 flat buffers do not change after construction): the sites of every parameter-side kind, what
 the manifest fixes (:class:`ManifestFacts`), the flat buffers laid out over the model, and the
-optimizer state keys of each state kind. Both the due set's program and the general path read
-through it, so a tensor is found one way whichever prepares its metric.
+optimizer state keys of each state kind. :meth:`ParamReads.read` reads the local tensors of one
+source for a list of manifest entries, as the due set's program asks for them on every due step.
 """
 
 from __future__ import annotations
@@ -22,11 +22,19 @@ from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.site import Site
 from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
 from tmetrics_core.sources.optimizer_state import state_keys, state_value
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, local_view, read_kind
+from tmetrics_core.sources.params import (OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, grads_of, has_none,
+                                          local_view, read_kind)
+from tmetrics_core.sources.snapshot import Snapshot
 from tmetrics_core.topology import Topology
 from tmetrics_core import torch_private
 
-__all__ = ["ManifestFacts", "ParamReads", "grads_placed_as_params", "local_tensors"]
+_LOW = frozenset({torch.bfloat16, torch.float16})
+
+__all__ = ["SOURCES", "ManifestFacts", "ParamReads", "grads_placed_as_params", "local_tensors"]
+
+SOURCES = frozenset(PARAM_KINDS | OPTIMIZER_KINDS | {"before"})
+"""What :meth:`ParamReads.read` reads: a parameter-side kind, or ``"before"`` (a parameter as it
+was before the optimizer step: its snapshot copy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +96,91 @@ class ParamReads:
             raise ConfigError(f"flat buffers of kind {unknown}: a flat buffer holds one of {sorted(FLAT_KINDS)}")
         # Laid out here, so a buffer that does not fit the model fails at configuration time.
         self.flat_sources = {kind: FlatSource(buffers, manifest, topology.names) for kind, buffers in flat.items()}
+        self._names = tuple(e.name for e in manifest.entries)
+        self._viewed = any(v is not None for v in self.facts.views)
+        held = next((p for p in self.facts.local if p is not None), None)
+        self.device = local_view(held).device if held is not None else torch.device("cpu")
+        """Where a tensor this rank does not read is stood in for (the device of the parameters)."""
+
+    def read(self, source: str, entries: Sequence[int], snapshot: Snapshot | None) -> list[torch.Tensor | None]:
+        """The local tensors of ``source`` (one of :data:`SOURCES`) of manifest ``entries``, in
+        that order, None where this rank has none: held elsewhere, no gradient this step, no Adam
+        state yet, no snapshot. A kind a flat buffer holds is read from it; the others as the
+        entry reads them (an expert slice's view of its parameter, gradient, state, snapshot).
+        ``update``: the parameter now less its ``snapshot`` copy (one batched subtraction; a
+        bfloat16 or float16 parameter widened to float32 first, so the update is exact, not its
+        rounding), None without a snapshot. ``before``: the snapshot's copy, or the parameter
+        itself without a snapshot (no optimizer step ran in the scope, so nothing changed it).
+
+        Raises:
+            ValueError: a parameter whose shape or dtype no longer matches its snapshot (the
+                optimizer replaced or resized it); an expert slice's state not shaped as its
+                stored parameter.
+        """
+        if source in self.flat:
+            return self.flat_tensors(source, entries)
+        if source == "param" or (source == "before" and snapshot is None):
+            return self._params(entries)
+        if source == "grad":
+            return self._grads(entries)
+        if source in STATE_KINDS:
+            return self.state_tensors([(source, e) for e in entries])
+        if source == "before":  # every parameter held here that a metric of "before" reads has a copy
+            assert snapshot is not None
+            names = [self._names[e] for e in entries]
+            if all(map(snapshot.__contains__, names)):
+                return list(snapshot.copies(names))
+            return [snapshot[n] if n in snapshot else None for n in names]
+        if source == "update":
+            return self._updates(entries, snapshot)
+        raise ValueError(f"no parameter-side source {source!r}; known: {sorted(SOURCES)}")
+
+    def grads_differ(self) -> bool:
+        """Whether some DTensor gradient is placed otherwise than its parameter this step (then
+        :meth:`grad_sites` differs from the manifest's gradient sites)."""
+        return not grads_placed_as_params([p for p in self.facts.local if p is not None])
+
+    def _params(self, entries: Sequence[int]) -> list[torch.Tensor | None]:
+        """The local parameter of each entry, as it reads it (C-level maps: no Python per tensor
+        for plain parameters without expert views)."""
+        params = list(map(self.facts.local.__getitem__, entries))
+        return self._as_read(local_tensors(params) if self.facts.dtensor_params else params, entries)
+
+    def _grads(self, entries: Sequence[int]) -> list[torch.Tensor | None]:
+        """The local gradient of each entry (:func:`grads_of`), as it reads it."""
+        params = list(map(self.facts.local.__getitem__, entries))
+        if has_none(params):  # held elsewhere: no gradient here
+            held = [k for k, p in enumerate(params) if p is not None]
+            found: list[torch.Tensor | None] = [None] * len(params)
+            for k, grad in zip(held, grads_of([params[k] for k in held])):  # type: ignore[misc]
+                found[k] = grad
+        else:
+            found = grads_of(params)  # type: ignore[arg-type]
+        return self._as_read(local_tensors(found) if self.facts.dtensor_params else found, entries)
+
+    def _updates(self, entries: Sequence[int], snapshot: Snapshot | None) -> list[torch.Tensor | None]:
+        """``parameter now - snapshot`` of each entry with a copy in ``snapshot``, else None."""
+        names = [self._names[e] for e in entries]
+        held = list(range(len(entries))) if snapshot is None else [k for k, n in enumerate(names) if n in snapshot]
+        out: list[torch.Tensor | None] = [None] * len(entries)
+        if snapshot is None or not held:
+            return out
+        now = cast("list[torch.Tensor]", self._params([entries[k] for k in held]))
+        copies = snapshot.copies([names[k] for k in held])
+        if [t.shape for t in now] != [t.shape for t in copies] or [t.dtype for t in now] != [t.dtype for t in copies]:
+            raise ValueError("a parameter's shape or dtype changed in the optimizer step")
+        if _LOW.intersection(t.dtype for t in now):
+            now = [t.float() if t.dtype in _LOW else t for t in now]
+        for k, update in zip(held, torch_private.foreach_sub(now, copies)):
+            out[k] = update
+        return out
+
+    def _as_read(self, tensors: list[torch.Tensor | None], entries: Sequence[int]) -> list[torch.Tensor | None]:
+        """``tensors`` with each entry's view applied (an expert slice of a stacked tensor)."""
+        if not self._viewed:
+            return tensors
+        views = self.facts.views
+        return [t if t is None or (view := views[e]) is None else view(t) for t, e in zip(tensors, entries)]
 
     def sites_of(self, kind: str) -> list[Site]:
         """The sites of ``kind``, one per manifest entry: a flat buffer's where one holds it."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Mapping, MutableMapping, Sequence, overload
+from typing import Any, Mapping, Sequence, overload
 
 import torch
 
@@ -22,8 +22,8 @@ from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.sources.optimizer_state import state_value
 from tmetrics_core import torch_private
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "STATE_KINDS", "grad_of", "grads_of", "local_view", "read_kind",
-           "update_pairs"]
+__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "STATE_KINDS", "grad_of", "grads_of", "has_none", "local_view",
+           "read_kind"]
 
 PARAM_KINDS = frozenset({"param", "grad"})
 """Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
@@ -36,7 +36,6 @@ STATE_KINDS = frozenset({"exp_avg", "exp_avg_sq"})
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_LOW = frozenset({torch.bfloat16, torch.float16})
 
 
 @overload
@@ -87,34 +86,29 @@ def grads_of(params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     return [g if m is None else m for m, g in zip(mains, grads)]
 
 
+def has_none(items: Sequence[object]) -> bool:
+    """Whether ``items`` holds None, found by identity in a C-level loop (``list.count(None)``
+    would call each tensor's Python ``__eq__``)."""
+    return any(map(operator.is_, items, itertools.repeat(None)))
+
+
 def read_kind(kind: str, manifest: Manifest, optimizer: Any,
-              before: MutableMapping[str, torch.Tensor] | None = None,
               keys: Mapping[str, tuple[str, ...]] | None = None) -> list[torch.Tensor | None]:
     """Local tensors of ``kind`` for every manifest entry, in manifest order.
 
     ``param``: the parameter; ``grad``: its gradient (:func:`grad_of`; None, a placeholder, when
-    it has none); ``exp_avg`` and
-    ``exp_avg_sq``: the optimizer state of that meaning, under the first of ``keys[kind]`` (the
-    owning optimizer's key: :func:`~tmetrics_core.sources.optimizer_state.state_keys`; ``kind``
-    itself by default) the parameter's state holds (None when it has none yet);
-    ``update``: parameter minus ``before[name]`` (the snapshot taken before the step), written
-    into the snapshot tensor itself (no second model-size buffer; the snapshot is consumed, so
-    read ``update`` once per snapshot). None for tensors without a snapshot.
+    it has none); ``exp_avg`` and ``exp_avg_sq``: the optimizer state of that meaning, under the
+    first of ``keys[kind]`` (the owning optimizer's key:
+    :func:`~tmetrics_core.sources.optimizer_state.state_keys`; ``kind`` itself by default) the
+    parameter's state holds (None when it has none yet); ``update``: None for every entry (an
+    update exists only against the snapshot of a step: the due set's program reads it,
+    :meth:`~tmetrics_core.sources.param_reads.ParamReads.read`).
+
+    Raises:
+        ValueError: an expert slice's optimizer state not shaped as its stored parameter.
     """
     if kind == "update":
-        pairs = update_pairs(manifest, before)
-        stepped = [pair for pair in pairs if pair is not None]
-        if stepped:
-            prevs = [prev for _, prev in stepped]
-            if _LOW.isdisjoint(prev.dtype for prev in prevs):
-                # prev <- -(prev - p) = p - prev, in place, as two batched kernels for all tensors.
-                torch_private.foreach_sub_(prevs, [now for now, _ in stepped])
-                torch_private.foreach_neg_(prevs)
-            else:  # low precision widened first (float32 minus its own dtype promotes): the exact update
-                updates = iter(torch_private.foreach_sub([now.float() if now.dtype in _LOW else now
-                                                          for now, _ in stepped], prevs))
-                return [next(updates) if pair is not None else None for pair in pairs]
-        return [pair[1] if pair is not None else None for pair in pairs]
+        return [None] * len(manifest.entries)
     out: list[torch.Tensor | None] = []
     for entry in manifest.entries:
         name = entry.name
@@ -134,17 +128,4 @@ def read_kind(kind: str, manifest: Manifest, optimizer: Any,
                 raise ValueError(f"optimizer state {kind!r} of {name} has shape {list(value.shape)}, not its "
                                  f"stored parameter's {list(stored.shape)}: no expert slice of it")
             out.append(manifest.viewed(name, value))
-    return out
-
-
-def update_pairs(manifest: Manifest, before: MutableMapping[str, torch.Tensor] | None
-                 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """``(local parameter now, its snapshot from before the step)`` for every manifest entry,
-    in manifest order; None for tensors held elsewhere or without a snapshot. Consumes the
-    snapshots (``read_kind("update")`` turns each into the update in place)."""
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    for entry in manifest.entries:
-        p = manifest.local.get(entry.name)
-        prev = (before or {}).pop(entry.name, None) if p is not None else None
-        out.append((manifest.viewed(entry.name, local_view(p)), prev) if p is not None and prev is not None else None)
     return out

@@ -26,8 +26,8 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
     Args:
         copies: the copies, by parameter name.
 
-    Entries are the caller's to pop or change in place (the general path turns each copy
-    into the update).
+    Entries are the caller's to pop or change in place; the parameter side reads them and
+    leaves them unchanged.
     """
 
     __slots__ = ("_copies",)
