@@ -8,6 +8,7 @@ import pytest
 from tmetrics_core import kinds
 from tmetrics_core.kinds import KINDS, Reader, kinds_where, what_feeds
 from tmetrics_core.metrics.catalogue import catalogue_entries
+from tmetrics_core.sources.flat import FLAT_KINDS
 
 ROUTER = {"router_logits", "router_topk", "router_scores"}
 COTANGENTS = {"residual_grad", "residual_input_grad", "logits_grad", "activation_grad"}
@@ -53,3 +54,13 @@ def test_what_feeds_says_one_sentence_per_group() -> None:
     assert what_feeds({"param", "update"}) == "no rank holds a parameter it selects"
     assert "no rank holds" not in what_feeds({"param", "grad"})
     assert what_feeds({"expert_bias"}) == "no rank produced a site of kinds ['expert_bias']"
+
+
+def test_the_parameter_side_sets_are_queries_too() -> None:
+    assert kinds.PARAM_KINDS == {"param", "grad"}  # read before the optimizer step
+    assert kinds.OPTIMIZER_KINDS == {"exp_avg", "exp_avg_sq", "update"}  # only after it
+    assert kinds.AFTER_STEP_KINDS == {"param", "update", "exp_avg", "exp_avg_sq"}
+    assert kinds.STATE_KINDS == {"exp_avg", "exp_avg_sq"}
+    assert FLAT_KINDS == {"grad", "param", "exp_avg", "exp_avg_sq", "update"}
+    # The update is the parameter's change over the step: read after it, from a snapshot taken before.
+    assert next(k for k in KINDS if k.name == "update").read == (Reader.OPTIMIZER_POST,)

@@ -18,9 +18,9 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["EXPERT_COLUMN_KINDS", "GRAD_KINDS", "KEPT_KINDS", "KINDS", "MODULE_GLOB_KINDS", "OBSERVED_KINDS", "RESIDUAL_KINDS",
-           "ROUTER_OUTPUT_KINDS", "Reader", "SEQUENCE_CHECKED", "SourceKind", "TOKEN_KINDS", "kinds_where",
-           "what_feeds"]
+__all__ = ["AFTER_STEP_KINDS", "EXPERT_COLUMN_KINDS", "GRAD_KINDS", "KEPT_KINDS", "KINDS", "MODULE_GLOB_KINDS",
+           "OBSERVED_KINDS", "OPTIMIZER_KINDS", "PARAM_KINDS", "RESIDUAL_KINDS", "ROUTER_OUTPUT_KINDS", "Reader",
+           "SEQUENCE_CHECKED", "STATE_KINDS", "SourceKind", "TOKEN_KINDS", "kinds_where", "what_feeds"]
 
 
 class Reader(enum.Enum):
@@ -58,6 +58,7 @@ class SourceKind:
             nothing (``{kinds}``: the metric's kinds sharing this sentence; ``{modules}``: its
             module globs). Empty: said by the fallback sentence.
         feeds_alone: the sentence is said only when no other kind of the metric said one.
+        optimizer_state: read from the optimizer's state of each parameter (``optimizer.state[p]``).
     """
 
     name: str
@@ -71,6 +72,7 @@ class SourceKind:
     module_globs: bool = False
     feeds: str = ""
     feeds_alone: bool = False
+    optimizer_state: bool = False
 
     @property
     def cotangent(self) -> bool:
@@ -82,6 +84,16 @@ class SourceKind:
     def observed(self) -> bool:
         """Read from observations (forward or backward hooks, ``tm.observe``), not from the optimizer."""
         return not {Reader.OPTIMIZER_PRE, Reader.OPTIMIZER_POST} & set(self.read)
+
+    @property
+    def before_step(self) -> bool:
+        """Read in the optimizer's step pre-hook (or at the step's end without an optimizer)."""
+        return Reader.OPTIMIZER_PRE in self.read
+
+    @property
+    def after_step(self) -> bool:
+        """Read in the optimizer's step post-hook."""
+        return Reader.OPTIMIZER_POST in self.read
 
 
 _ROUTER_FEEDS = ("{kinds} sites come only from tm.observe(module, name, tensor, kind=...) calls that run inside the "
@@ -128,10 +140,11 @@ KINDS: tuple[SourceKind, ...] = (
     SourceKind("grad", (Reader.OPTIMIZER_PRE,), feeds=(
         "no parameter it selects had a gradient (.grad or .main_grad) when gradients were read: in the optimizer's "
         "step pre-hook, or where metrics.observe_gradients() is called (after backward(), before zero_grad())")),
-    SourceKind("exp_avg", (Reader.OPTIMIZER_POST,), feeds=_STATE_FEEDS),
-    SourceKind("exp_avg_sq", (Reader.OPTIMIZER_POST,), feeds=_STATE_FEEDS),
+    SourceKind("exp_avg", (Reader.OPTIMIZER_POST,), feeds=_STATE_FEEDS, optimizer_state=True),
+    SourceKind("exp_avg_sq", (Reader.OPTIMIZER_POST,), feeds=_STATE_FEEDS, optimizer_state=True),
     SourceKind("param", (Reader.OPTIMIZER_PRE, Reader.OPTIMIZER_POST), feeds=_PARAM_FEEDS, feeds_alone=True),
-    SourceKind("update", (Reader.OPTIMIZER_PRE, Reader.OPTIMIZER_POST), feeds=_PARAM_FEEDS, feeds_alone=True),
+    # The parameter's change over the step: its snapshot is taken before, the update read after.
+    SourceKind("update", (Reader.OPTIMIZER_POST,), feeds=_PARAM_FEEDS, feeds_alone=True),
     SourceKind("token_mask", (Reader.OBSERVE, Reader.FORWARD)),
     SourceKind("expert_bias", _FORWARD),
 )
@@ -178,6 +191,19 @@ MODULE_GLOB_KINDS = kinds_where(module_globs=True)
 
 EXPERT_COLUMN_KINDS = kinds_where(expert_columns=True)
 """Kinds whose columns are the experts."""
+
+PARAM_KINDS = kinds_where(before_step=True)
+"""Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
+
+OPTIMIZER_KINDS = kinds_where(after_step=True, before_step=False)
+"""Read only in the optimizer's step post-hook: Adam state exists only after the first step, and
+an update is the parameter's change over it."""
+
+AFTER_STEP_KINDS = kinds_where(after_step=True)
+"""Read in the optimizer's step post-hook: :data:`OPTIMIZER_KINDS` and the parameter after the step."""
+
+STATE_KINDS = kinds_where(optimizer_state=True)
+"""The optimizer state kinds, by meaning: first and second moment of the gradient."""
 
 
 def what_feeds(kinds: Iterable[str], modules: Sequence[str] = ()) -> str:

@@ -28,6 +28,7 @@ from typing import Callable, Sequence, cast
 import torch
 
 from tmetrics_core.kernels.rows import FIELDS, rows as moments_rows
+from tmetrics_core.kinds import AFTER_STEP_KINDS as _POST_KINDS, PARAM_KINDS as _PRE_KINDS, STATE_KINDS as _STATE_KINDS
 from tmetrics_core.metrics.base import StatMetric, TensorMetric
 from tmetrics_core.metrics.block_state import BlockState
 from tmetrics_core.site import Site, SiteKey
@@ -45,9 +46,6 @@ _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 _LOW = frozenset({torch.bfloat16, torch.float16})
-_PRE_KINDS = frozenset({"param", "grad"})
-_STATE_KINDS = frozenset({"exp_avg", "exp_avg_sq"})
-_POST_KINDS = frozenset({"param", "update"}) | _STATE_KINDS
 
 _UPDATE, _AFTER, _BEFORE = 0, 1, 2
 """Rows of one tensor in the ``parts`` pass: ``p - snapshot``, ``p`` after the step, the snapshot."""
