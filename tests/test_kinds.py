@@ -1,13 +1,16 @@
 """The source-kind records: the sets the sources test against, the catalogue's kinds all declared,
-and the sentence said for a metric that found nothing."""
+the sentence said for a metric that found nothing, the installers the records name, and a kind
+registered from outside (its hooks reaching a metric: tests/distributed/test_new_kind_gloo.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tmetrics_core import kinds
-from tmetrics_core.kinds import KINDS, Reader, kinds_where, what_feeds
+from tmetrics_core.kinds import (INSTALL_ORDER, KINDS, Reader, SourceKind, installers_of, kinds_where, register_kind,
+                                 what_feeds)
 from tmetrics_core.metrics.catalogue import catalogue_entries
+from tmetrics_core.scope.observation_hooks import resolve_installer
 from tmetrics_core.sources.flat import FLAT_KINDS
 
 ROUTER = {"router_logits", "router_topk", "router_scores"}
@@ -64,3 +67,37 @@ def test_the_parameter_side_sets_are_queries_too() -> None:
     assert FLAT_KINDS == {"grad", "param", "exp_avg", "exp_avg_sq", "update"}
     # The update is the parameter's change over the step: read after it, from a snapshot taken before.
     assert next(k for k in KINDS if k.name == "update").read == (Reader.OPTIMIZER_POST,)
+
+
+def test_every_installer_is_ordered_and_resolves() -> None:
+    named = {i for k in KINDS for i in k.installers}
+    assert named == set(INSTALL_ORDER)
+    for path in INSTALL_ORDER:
+        assert callable(resolve_installer(path)), path
+    # All of them, in the declared order; token kinds bring the padding mask's installer.
+    assert installers_of(k.name for k in KINDS) == list(INSTALL_ORDER)
+    assert [i.rpartition(":")[0].rpartition(".")[2] for i in installers_of({"router_topk"})] == ["padding", "routers"]
+    assert installers_of({"grad", "expert_bias"}) == []
+    with pytest.raises(ImportError, match=r"'tests.no_such_module:install'.*Spell it"):
+        resolve_installer("tests.no_such_module:install")
+
+
+def test_a_registered_kind_joins_the_sets_until_undone() -> None:
+    kind = SourceKind("test_cotangent", (Reader.BACKWARD,), ("tests.test_kinds:nothing",), token_rows=True,
+                      sequence_checked=True)
+    undo = register_kind(kind)
+    try:
+        assert {"test_cotangent"} <= kinds.TOKEN_KINDS & kinds.GRAD_KINDS & kinds.SEQUENCE_CHECKED
+        assert "test_cotangent" not in kinds.KEPT_KINDS
+        assert kinds.declared()[-1] is kind
+        assert installers_of({"test_cotangent"})[-1] == "tests.test_kinds:nothing"
+        with pytest.raises(ValueError, match="declared already"):
+            register_kind(kind)
+    finally:
+        undo()
+    assert "test_cotangent" not in kinds.TOKEN_KINDS | kinds.GRAD_KINDS
+    assert kinds.declared() == KINDS and installers_of(k.name for k in KINDS) == list(INSTALL_ORDER)
+    with pytest.raises(ValueError, match="read by the optimizer"):
+        register_kind(SourceKind("master_param", (Reader.OPTIMIZER_POST,)))
+    with pytest.raises(ValueError, match="not spelled 'package.module:function'"):
+        register_kind(SourceKind("x", (Reader.FORWARD,), ("tests/test_kinds.py",)))
