@@ -69,6 +69,15 @@ def test_the_parameter_side_sets_are_queries_too() -> None:
     assert next(k for k in KINDS if k.name == "update").read == (Reader.OPTIMIZER_POST,)
 
 
+def test_a_kind_has_installers_exactly_where_a_hook_reads_it() -> None:
+    hooked = {Reader.FORWARD, Reader.BACKWARD}
+    assert [k.name for k in KINDS if bool(k.installers) != bool(hooked & set(k.read))] == []
+    # Fed by tm.observe alone (a model observes its bias buffer, kind="expert_bias"); cotangents
+    # of tm.observe(..., grad=True) too.
+    assert next(k for k in KINDS if k.name == "expert_bias").read == (Reader.OBSERVE,)
+    assert {k.name for k in KINDS if k.cotangent and Reader.OBSERVE in k.read} == {"activation_grad", "logits_grad"}
+
+
 def test_every_installer_is_ordered_and_resolves() -> None:
     named = {i for k in KINDS for i in k.installers}
     assert named == set(INSTALL_ORDER)

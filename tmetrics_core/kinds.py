@@ -122,6 +122,7 @@ _STATE_FEEDS = ("the optimizer held no Adam state (exp_avg, exp_avg_sq) for the 
 _PARAM_FEEDS = "no rank holds a parameter it selects"
 _FORWARD = (Reader.FORWARD, Reader.OBSERVE)
 _BACKWARD = (Reader.BACKWARD,)
+_TAPPED = (Reader.BACKWARD, Reader.OBSERVE)  # also tm.observe(..., kind="activation" or "logits", grad=True)
 
 _BLOCKS = "tmetrics_core.sources.module_hooks:install_blocks"
 _HEAD = "tmetrics_core.sources.module_hooks:install_head"
@@ -160,10 +161,10 @@ KINDS: tuple[SourceKind, ...] = (
                feeds=_COTANGENT_FEEDS),
     SourceKind("residual_input_grad", _BACKWARD, (_BLOCKS,), token_rows=True, residual=True,
                sequence_checked=True, feeds=_COTANGENT_FEEDS),
-    SourceKind("logits_grad", _BACKWARD, (_HEAD,), token_rows=True, feeds=_COTANGENT_FEEDS),
+    SourceKind("logits_grad", _TAPPED, (_HEAD,), token_rows=True, feeds=_COTANGENT_FEEDS),
     # Its metrics' modules: globs also hook those modules' outputs as activations, as they always
     # have (dropped unless an activation metric is due); the tap hooks are the second installer's.
-    SourceKind("activation_grad", _BACKWARD, (_ACTIVATIONS, _ACTIVATION_GRADS), token_rows=True,
+    SourceKind("activation_grad", _TAPPED, (_ACTIVATIONS, _ACTIVATION_GRADS), token_rows=True,
                sequence_checked=True, module_globs=True, feeds=_COTANGENT_FEEDS),
     SourceKind("attn_qk", (Reader.OBSERVE, Reader.FORWARD), (_HF_ATTENTION, _INNER_ATTENTION), token_rows=True,
                feeds=(
@@ -179,7 +180,7 @@ KINDS: tuple[SourceKind, ...] = (
     # The parameter's change over the step: its snapshot is taken before, the update read after.
     SourceKind("update", (Reader.OPTIMIZER_POST,), feeds=_PARAM_FEEDS, feeds_alone=True),
     SourceKind("token_mask", (Reader.OBSERVE, Reader.FORWARD), (_PADDING,)),
-    SourceKind("expert_bias", _FORWARD),
+    SourceKind("expert_bias", (Reader.OBSERVE,)),  # no hook of tmetrics reads it
 )
 """The built-in source kinds, in the order :func:`what_feeds` speaks of them."""
 
