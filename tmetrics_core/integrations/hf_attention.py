@@ -27,6 +27,7 @@ import torch
 
 from tmetrics_core.attention_spec import AttentionSpec
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.sources.hook_context import HookContext
 
 __all__ = ["implementations", "install"]
 
@@ -44,10 +45,10 @@ def implementations(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return found
 
 
-def install(model: torch.nn.Module, record: Callable[..., None]) -> list[Any]:
-    """Wrap the attention functions ``model`` uses so that its attention modules call
-    ``record(module, "qk", q, k, spec=AttentionSpec(...))`` before the kernel; the handles'
-    ``remove()`` undoes it.
+def install(hooks: HookContext) -> list[Any]:
+    """Wrap the attention functions the measured model uses so that its attention modules call
+    ``hooks.record_attention(module, "qk", q, k, spec=AttentionSpec(...))`` before the kernel
+    (``attn_qk``'s first installer); the handles' ``remove()`` undoes it.
 
     Raises:
         ConfigError: an implementation that is neither registered in ``ALL_ATTENTION_FUNCTIONS``
@@ -55,6 +56,7 @@ def install(model: torch.nn.Module, record: Callable[..., None]) -> list[Any]:
             kernel that tmetrics cannot reach): the message says how to observe it with
             ``tm.observe``.
     """
+    model, record = hooks.model, hooks.record_attention
     found = implementations(model)
     if not found:
         return []

@@ -29,7 +29,7 @@ from tmetrics_core.metrics.statistics import Statistic
 from tmetrics_core.metrics.vectors import statistic_vectors
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.records import Labels, Value
-from tmetrics_core.sources.params import OPTIMIZER_KINDS
+from tmetrics_core.kinds import OPTIMIZER_KINDS
 from tmetrics_core.site import Site, SiteKey
 
 __all__ = [

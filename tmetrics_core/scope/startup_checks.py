@@ -25,7 +25,7 @@ from tmetrics_core.site import Site
 from tmetrics_core.sinks.keys import KeyRules, check_collisions, index_widths
 from tmetrics_core.sources.modules import ModuleIndex
 from tmetrics_core.sources.optimizer_state import state_keys
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
+from tmetrics_core.kinds import OPTIMIZER_KINDS, PARAM_KINDS
 from tmetrics_core.kinds import ROUTER_OUTPUT_KINDS
 from tmetrics_core.topology import Topology
 

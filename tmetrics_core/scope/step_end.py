@@ -23,7 +23,7 @@ from tmetrics_core.reporter import Reporter
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.kinds import TOKEN_KINDS, what_feeds
 from tmetrics_core.sources.param_observer import ParamObserver
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
+from tmetrics_core.kinds import OPTIMIZER_KINDS, PARAM_KINDS
 from tmetrics_core.sources.token_plan import TokenPlan
 from tmetrics_core.sources.tokens import TokenObserver
 

@@ -28,6 +28,7 @@ from tmetrics_core.observe import watched
 from tmetrics_core.metrics.attention_heads import KIND, AttentionObservation
 from tmetrics_core.placements import Placement, Shard
 from tmetrics_core.site import Site
+from tmetrics_core.sources.hook_context import HookContext
 from tmetrics_core.sources.token_step import TokenStep
 from tmetrics_core import torch_private
 
@@ -98,18 +99,20 @@ mask (torchtitan's ``ScaledDotProductAttention``); ``refused`` ones apply masks 
 read from their arguments (block masks, packed lengths)."""
 
 
-def install_inner_attention(model: torch.nn.Module, record: Callable[..., None], *, heads_split: bool) -> list[Any]:
-    """Forward pre-hooks on the recognised inner-attention modules of ``model`` handing their
-    queries and keys to ``record`` (``tmetrics_core.observe.record_attention``) on due steps;
-    ``heads_split``: the heads are split over ``tp`` (torchtitan's tensor parallelism). Returns
-    the handles.
+def install_inner_attention(hooks: HookContext) -> list[Any]:
+    """Forward pre-hooks on the recognised inner-attention modules of the measured model handing
+    their queries and keys to ``hooks.record_attention`` on due steps (``attn_qk``'s second
+    installer), heads split over ``tp`` where ``tp`` has more than one rank (torchtitan's tensor
+    parallelism). Returns the handles.
 
     Raises:
         ConfigError: a recognised module whose masks cannot be read (torchtitan's FlexAttention
             and VarlenAttention): never a table with some layers missing.
     """
+    tp = hooks.topology.axes.get("tp")
+    record, heads_split = hooks.record_attention, tp is not None and tp.size > 1
     handles = []
-    for path, module in model.named_modules():
+    for path, module in hooks.model.named_modules():
         cls = type(module)
         how = INNER_ATTENTION.get((cls.__module__.partition(".")[0], cls.__name__))
         if how == "refused":

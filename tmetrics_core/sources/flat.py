@@ -16,13 +16,14 @@ from typing import Callable, Sequence
 import torch
 
 from tmetrics_core.errors import ConfigError
+from tmetrics_core.kinds import kinds_where
 from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.placements import FlatShard
 from tmetrics_core.site import Site
 
 __all__ = ["FLAT_KINDS", "FlatBuffer", "FlatSource", "Memory", "Reader", "kept", "owned_part"]
 
-FLAT_KINDS = frozenset({"grad", "param", "exp_avg", "exp_avg_sq", "update"})
+FLAT_KINDS = kinds_where(observed=False)
 """The source kinds a flat buffer may hold (``update``: the change of a flat ``param`` over the
 optimizer step, for sharded weights the model does not hold whole, e.g. DeepSpeed ZeRO 3)."""
 

@@ -1,23 +1,19 @@
-"""Module-side sources: forward hooks for residual streams, output logits and module outputs.
+"""The module index: paths, blocks, head and layer indices of a model's modules.
 
-``TensorMetrics`` installs the hooks every configured metric may read once, at construction, and
-keeps them (adding or removing a hook on a compiled module is a recompile): a hook passes its
-tensors to ``tmetrics_core.observe``, which drops them after one context-variable read on a
-step where no due metric watches their kind, and compiles into the graph as a custom operator
-(see there). Blocks are the entries of the stacks of repeated blocks the parameter names show,
-under any prefix (`tmetrics_core.naming.stacks`), with the usual list names (``layers``, ``h``,
+Blocks are the entries of the stacks of repeated blocks the parameter names show, under any
+prefix (`tmetrics_core.naming.stacks`), with the usual list names (``layers``, ``h``,
 ``blocks``, ``decoder.layers``) as hints for a model of one block; the head under ``head``,
 ``lm_head``, ``output`` or ``output_layer``. One block object at several positions of its list
 (ALBERT-style sharing) is observed at each call depth as the layer of that position
-(`tmetrics_core.sources.depths`), its cotangents too. The same forward hooks tap the tensors
-whose cotangents a metric reads (``tmetrics_core.observe.tap``): a tensor hook on a due step only.
+(`tmetrics_core.sources.depths`), its cotangents too. The forward hooks on blocks, the head and
+the modules ``modules:`` globs pick are :mod:`tmetrics_core.sources.module_hooks`'.
 """
 
 from __future__ import annotations
 
 import re
 from fnmatch import fnmatchcase
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -137,42 +133,6 @@ class ModuleIndex:
         """The canonical name of module ``path``, or the path where it has none."""
         return self.canonical.get(path, path)
 
-    def install(self, record: Callable[..., None], record_residual: Callable[..., None], *, residual: bool,
-                contribution: bool, logits: bool, patterns: Sequence[str],
-                tap: Callable[..., None] | None = None, grads: frozenset[str] = frozenset(),
-                grad_patterns: Sequence[str] = ()) -> list[Any]:
-        """Register the forward hooks the configured metrics need; returns their handles
-        (routers are hooked by `tmetrics_core.sources.routers`).
-        ``record(module, name, tensor, kind=, shard_dim=)`` receives each output;
-        ``record_residual(module, h, x, accumulator=)`` a block's output ``h`` and, for the
-        contribution ``h - x``, its input ``x`` (None when not wanted or not of ``h``'s shape);
-        ``tap(module, name, tensor, kind=, shard_dim=)`` each tensor whose cotangent of a kind
-        in ``grads`` is read (blocks' outputs and inputs, the head's output, and the outputs
-        of the modules ``grad_patterns`` pick), the tensor as the model made it (a DTensor
-        stays one: its cotangent's placements are reduced as the forward's)."""
-        handles = []
-        block_grads = grads & {"residual_grad", "residual_input_grad"} if tap is not None else frozenset()
-        if residual or contribution or block_grads:
-            for _, _, block in self.blocks:
-                if self.depths.is_stand_in(block):
-                    continue  # observed through the block it stands for
-                hook = _residual_hook(self.depths.wrap(block, record_residual), residual, contribution, tap,
-                                      block_grads, self.depths.current)
-                handles.append(block.register_forward_hook(hook, with_kwargs=True))
-            handles += self.depths.install()
-        if (logits or "logits_grad" in grads) and self.head is not None:
-            vocab = _logical_out(self.head[1])
-            handles.append(self.head[1].register_forward_hook(_logits_hook(
-                record if logits else None, tap if "logits_grad" in grads else None, vocab)))
-        for _, module in self.matching(patterns):
-            handles.append(module.register_forward_hook(
-                lambda m, args, out: record(m, "", _first(out), kind="activation", shard_dim=None)))
-        if tap is not None and "activation_grad" in grads:
-            for _, module in self.matching(grad_patterns):
-                handles.append(module.register_forward_hook(
-                    lambda m, args, out: tap(m, "", _unwrapped(out), kind="activation_grad", shard_dim=None)))
-        return handles
-
 
 def _canonical_modules(model: torch.nn.Module, layer_offset: int) -> dict[str, str]:
     """Raw module path -> canonical module name: the longest common prefix (in dotted pieces) of
@@ -202,59 +162,6 @@ def _canonical_modules(model: torch.nn.Module, layer_offset: int) -> dict[str, s
                               for below_path, other in out.items()):
             out[raw] = name
     return out
-
-
-def _residual_hook(record_residual: Callable[..., None], residual: bool, contribution: bool,
-                   tap: Callable[..., None] | None, grads: frozenset[str],
-                   at_depth: Callable[[torch.nn.Module], torch.nn.Module]):
-    """A block's input is its first positional argument, or its first tensor keyword argument
-    when called by keyword (Megatron-Core calls ``layer(hidden_states=..., ...)``); its
-    cotangents are tapped as the site of the current call's depth (``at_depth``)."""
-    def hook(module, args, kwargs, out):
-        h = _unwrapped(out)  # a DTensor stays one: its Shard on the sequence dim is a population split
-        given = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
-        fits = (contribution and isinstance(given, torch.Tensor) and given.shape == h.shape
-                and getattr(given, "placements", None) == getattr(h, "placements", None))  # both DTensors or neither
-        x = given if fits else None
-        if residual or x is not None:
-            record_residual(module, h, x, accumulator=residual)
-        if tap is not None:
-            if "residual_grad" in grads:
-                tap(at_depth(module), "", h, kind="residual_grad", shard_dim=None)
-            if "residual_input_grad" in grads and isinstance(given, torch.Tensor):
-                tap(at_depth(module), "", given, kind="residual_input_grad", shard_dim=None)
-    return hook
-
-
-def _logits_hook(record: Callable[..., None] | None, tap: Callable[..., None] | None, vocab: int):
-    """The head's output: its local logits to ``record``, the tensor itself to ``tap``; split
-    on ``tp`` (``shard_dim`` 1) when this rank holds fewer than ``vocab`` columns."""
-    def hook(module, args, out):
-        local = _first(out)
-        shard_dim = 1 if local.shape[-1] < vocab else None
-        if record is not None:
-            record(module, "", local, kind="logits", shard_dim=shard_dim)
-        if tap is not None:
-            tap(module, "", _unwrapped(out), kind="logits_grad", shard_dim=shard_dim)
-    return hook
-
-
-def _unwrapped(out: Any) -> torch.Tensor:
-    """The first tensor of a module's output (tuples and lists unwrapped; a DTensor as it is)."""
-    while isinstance(out, (tuple, list)):
-        out = out[0]
-    return out
-
-
-def _first(out: Any) -> torch.Tensor:
-    """The local tensor of a module's first output."""
-    out = _unwrapped(out)
-    local = getattr(out, "to_local", None)
-    return local() if local is not None else out
-
-
-def _logical_out(linear: torch.nn.Linear) -> int:
-    return int(linear.weight.shape[0])
 
 
 def _positions(parent: torch.nn.Module | None, module: torch.nn.Module) -> list[int]:

@@ -24,19 +24,22 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["install_padding"]
+from tmetrics_core.sources.hook_context import HookContext
+
+__all__ = ["install"]
 
 log = logging.getLogger("tmetrics")
 
 _PACKAGES = ("transformers.", "peft.")
 
 
-def install_padding(model: torch.nn.Module, record: Callable[..., None], *, say: bool) -> list[Any]:
-    """Hook the forward of ``model``'s outermost ``transformers``/``peft`` modules (``model``
-    itself, or the Hugging Face model inside a LightningModule) to observe their
-    ``attention_mask`` as ``token_mask`` (through ``record(module, name, tensor, kind=,
-    shard_dim=)``); returns the handles. ``say``: this rank warns about unusable masks."""
-    said = [not say]
+def install(hooks: HookContext) -> list[Any]:
+    """Hook the forward of the measured model's outermost ``transformers``/``peft`` modules (the
+    model itself, or the Hugging Face model inside a LightningModule) to observe their
+    ``attention_mask`` as ``token_mask`` (``token_mask``'s installer); returns the handles. The
+    logging rank warns about unusable masks."""
+    model, record = hooks.model, hooks.record
+    said = [not hooks.reporter.speaks]
     handles: list[Any] = []
     outer: list[str] = []
     for path, module in model.named_modules():

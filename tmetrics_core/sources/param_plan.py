@@ -15,8 +15,7 @@ from typing import Sequence
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.sources.param_program import ParamProgram, Picks
 from tmetrics_core.sources.param_reads import ParamReads
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS
-from tmetrics_core.kinds import TOKEN_KINDS
+from tmetrics_core.kinds import OPTIMIZER_KINDS, PARAM_KINDS, TOKEN_KINDS
 
 __all__ = ["DueSetPlan", "due_set_plan"]
 

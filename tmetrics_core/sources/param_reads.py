@@ -22,8 +22,8 @@ from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.site import Site
 from tmetrics_core.sources.flat import FLAT_KINDS, FlatBuffer, FlatSource
 from tmetrics_core.sources.optimizer_state import state_keys, state_value
-from tmetrics_core.sources.params import (OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS, grad_of, grads_of, has_none,
-                                          local_view, read_kind)
+from tmetrics_core.kinds import OPTIMIZER_KINDS, PARAM_KINDS, STATE_KINDS
+from tmetrics_core.sources.params import grad_of, grads_of, has_none, local_view, read_kind
 from tmetrics_core.sources.snapshot import Snapshot
 from tmetrics_core.topology import Topology
 from tmetrics_core import torch_private

@@ -20,7 +20,8 @@ from tmetrics_core.errors import PlacementError
 from tmetrics_core.metrics.base import TensorMetric
 from tmetrics_core.site import Site, SiteKey
 from tmetrics_core.sources.param_reads import ParamReads
-from tmetrics_core.sources.params import OPTIMIZER_KINDS, PARAM_KINDS, read_kind
+from tmetrics_core.kinds import OPTIMIZER_KINDS, PARAM_KINDS
+from tmetrics_core.sources.params import read_kind
 
 __all__ = ["ParamReplicas"]
 

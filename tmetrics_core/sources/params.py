@@ -22,17 +22,7 @@ from tmetrics_core.manifest.table import Manifest
 from tmetrics_core.sources.optimizer_state import state_value
 from tmetrics_core import torch_private
 
-__all__ = ["PARAM_KINDS", "OPTIMIZER_KINDS", "STATE_KINDS", "grad_of", "grads_of", "has_none", "local_view",
-           "read_kind"]
-
-PARAM_KINDS = frozenset({"param", "grad"})
-"""Read in the optimizer's step pre-hook (or at the end of the step without an optimizer)."""
-
-OPTIMIZER_KINDS = frozenset({"exp_avg", "exp_avg_sq", "update"})
-"""Read in the optimizer's step post-hook: Adam state exists only after the first step."""
-
-STATE_KINDS = frozenset({"exp_avg", "exp_avg_sq"})
-"""The optimizer state kinds, by meaning: first and second moment of the gradient."""
+__all__ = ["grad_of", "grads_of", "has_none", "local_view", "read_kind"]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -50,11 +50,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any, Callable, Sequence
+from typing import AbstractSet, Any, Callable
 
 import torch
 
 from tmetrics_core.kinds import ROUTER_OUTPUT_KINDS
+from tmetrics_core.sources.hook_context import HookContext
 from tmetrics_core.sources.modules import ModuleIndex
 
 __all__ = ["RECOGNIZERS", "Recognizer", "Router", "find_routers", "install"]
@@ -167,24 +168,24 @@ def _recognize(rule: Recognizer, path: str, module: torch.nn.Module, parent: tor
     return Router(path, module, parent, experts, k, rule)
 
 
-Fail = Callable[[str, frozenset[str]], None]
-FailUnless = Callable[[torch.Tensor, str, frozenset[str]], None]
+Fail = Callable[[str, AbstractSet[str]], None]
+FailUnless = Callable[[torch.Tensor, str, AbstractSet[str]], None]
 
 
-def install(routers: Sequence[Router], record: Callable[..., None], fail: Fail, fail_unless: FailUnless,
-            kinds: frozenset[str]) -> list[Any]:
-    """Forward hooks on ``routers`` observing the ``kinds`` wanted (of :data:`ROUTER_OUTPUT_KINDS`)
-    through ``record`` (``TokenObserver.record``); ``fail(reason, kinds)`` fails the step's
-    metrics reading any of ``kinds``: every router metric when an output is not what the router
-    was recognised as, those reading ``router_scores`` when no score function fits (the others
-    still get the logits and the choices); ``fail_unless(ok, reason, kinds)`` does so at the
-    step's end unless the device flag ``ok`` holds (a dispatch mask that dropped tokens), so the
-    hook reads nothing back to the host. Returns the handles."""
-    wanted = kinds & ROUTER_OUTPUT_KINDS
-    if not wanted:
+def install(hooks: HookContext) -> list[Any]:
+    """Forward hooks on the model's routers (``hooks.routers``) observing the router kinds read
+    (the router kinds' installer) through ``hooks.record``; ``fail(reason, kinds)`` fails the
+    step's metrics reading any of ``kinds``: every router metric when an output is not what the
+    router was recognised as, those reading ``router_scores`` when no score function fits (the
+    others still get the logits and the choices); ``fail_unless(ok, reason, kinds)`` does so at
+    the step's end unless the device flag ``ok`` holds (a dispatch mask that dropped tokens), so
+    the hook reads nothing back to the host. Returns the handles."""
+    wanted = hooks.kinds & ROUTER_OUTPUT_KINDS
+    if not wanted or not hooks.routers:
         return []
+    record, fail, fail_unless = hooks.record, hooks.fail, hooks.fail_unless
     return [router.module.register_forward_hook(_hook(router, record, fail, fail_unless, wanted))
-            for router in routers]
+            for router in hooks.routers]
 
 
 def _hook(router: Router, record: Callable[..., None], fail: Fail, fail_unless: FailUnless, wanted: frozenset[str]):
