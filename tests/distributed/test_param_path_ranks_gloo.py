@@ -74,3 +74,64 @@ def test_a_read_failing_on_one_rank_fails_its_metrics_everywhere_and_keeps_the_o
             else:
                 assert values["layer-grad-l2"] == pytest.approx(grad, rel=1e-6) and failures == []
 
+
+
+def _stages(rank: int, world: int) -> list:
+    import torch.distributed as dist
+
+    from tmetrics_core.metrics.catalogue import build_metric
+    from tmetrics_core.tensor_metrics import TensorMetrics
+    from tmetrics_core.topology import Topology
+
+    torch.manual_seed(rank)
+    stage = torch.nn.Module()
+    stage.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+    if rank == 1:
+        stage.layers[1].bias.requires_grad_(False)  # no gradient, no Adam state on this stage
+    optimizer = torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=1e-2)
+    names = ("layer-optimizer-state-rms", "layer-update-ratio", "global-grad-l2")
+    metrics = TensorMetrics(stage, metrics=[(build_metric(n), 1) for n in names], optimizer=optimizer,
+                            topology=Topology.from_groups({"pp": dist.group.WORLD}), layer_offset=2 * rank,
+                            timeout_s=20)
+    out = []
+    for step in (1, 2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        with metrics.step(step):
+            stage.layers[1](stage.layers[0](x)).square().sum().backward()
+            grads = {n: p.grad.double().clone() for n, p in stage.named_parameters() if p.grad is not None}
+            before = {n: p.detach().double().clone() for n, p in stage.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+        state = {n: {k: optimizer.state[p][k].double().clone() for k in ("exp_avg", "exp_avg_sq")}
+                 for n, p in stage.named_parameters() if p in optimizer.state}
+        after = {n: p.detach().double().clone() for n, p in stage.named_parameters() if p.requires_grad}
+        out.append(({(r.metric, r.layer, r.stat): r.value for r in metrics.last_records}, grads, before, after, state,
+                    [f.metric for f in metrics.failures]))
+    metrics.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_stages_read_adam_state_and_updates_of_their_own_entries_only():
+    """Two stages (pp = 2), each holding two layers; every record equals the float64 value of
+    the stage that holds the layer (Adam state RMS and update ratio per layer; the global
+    gradient L2 over both stages). A frozen bias has no Adam state and no update: left out of
+    both (and of the ratio's parameter norm)."""
+    ranks = run_distributed(_stages, 2, timeout=100, collective_timeout=20)
+    for step in range(2):
+        total = sum(float(g.square().sum()) for r in ranks for g in r[step][1].values())
+        for rank in ranks:
+            values, _, _, _, _, failures = rank[step]
+            assert failures == [] and values[("global-grad-l2", None, None)] == pytest.approx(total ** 0.5, rel=1e-9)
+            for stage, held in enumerate(ranks):
+                _, _, before, after, state, _ = held[step]
+                for local in range(2):
+                    layer, prefix = 2 * stage + local, f"layers.{local}."
+                    names = [n for n in after if n.startswith(prefix)]
+                    update = sum(float((after[n] - before[n]).square().sum()) for n in names) ** 0.5
+                    norm = sum(float(after[n].square().sum()) for n in names) ** 0.5
+                    assert values[("layer-update-ratio", layer, None)] == pytest.approx(update / norm, rel=1e-6)
+                    for kind in ("exp_avg", "exp_avg_sq"):
+                        kept = [state[n][kind] for n in names if n in state]
+                        rms = (sum(float(t.square().sum()) for t in kept) / sum(t.numel() for t in kept)) ** 0.5
+                        assert values[("layer-optimizer-state-rms", layer, kind)] == pytest.approx(rms, rel=1e-6)

@@ -227,7 +227,10 @@ class ParamReads:
             if kind in flat:
                 out.append(flat[kind][entry])
                 continue
-            param = cast("torch.Tensor", self.facts.local[entry])  # a program's entries are held here
+            param = self.facts.local[entry]
+            if param is None:  # held elsewhere (another pipeline stage): no state here
+                out.append(None)
+                continue
             value = local_view(state_value(states.get(param, {}), self.state_keys.get(kind, (kind,))))
             view = self.facts.views[entry]
             if value is not None and view is not None:
