@@ -78,6 +78,12 @@ class Capture:
         self.sites = metrics.params.reads.kind_sites
         self._observe: Callable[[], None] = metrics.observe_gradients
         metrics.observe_gradients = self._observed  # type: ignore[method-assign]
+        begin = metrics.params.begin
+
+        def due_step(step: int, due: Any) -> None:
+            self.due = {m.name for m in due}
+            begin(step, due)
+        metrics.params.begin = due_step  # type: ignore[method-assign]
         if optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self._pre())
             optimizer.register_step_post_hook(lambda *_: self._post())
@@ -89,6 +95,8 @@ class Capture:
         self.after: dict[str, torch.Tensor | None] | None = None
         self.state: dict[str, dict[str, torch.Tensor | None]] = {}
         self.steps = 0
+        self.due: set[str] = set()
+        """The names of the metrics due in this step scope."""
 
     def end(self) -> None:
         if self.before is None:
@@ -138,7 +146,8 @@ class Capture:
         return self.state.get(kind, {})
 
     def reference(self, metric: StatMetric) -> dict[tuple, float]:
-        """``(metric, layer, expert, tensor, stat) -> value`` of every record ``metric`` writes."""
+        """``(metric, layer, expert, tensor, stat) -> value`` of every record ``metric`` writes:
+        none when it reads no tensor at all (it found nothing to measure)."""
         post = bool(metric.source_kinds & _POST)
         groups: dict[tuple, dict[str, list[float]]] = {}
         labels: dict[tuple, Any] = {}
@@ -146,6 +155,8 @@ class Capture:
         kept = metric.kept(accepted)
         if kept is not None:
             accepted = [accepted[i] for i in kept]
+        if all(self.tensors(s.kind, post).get(s.name) is None for s in accepted):
+            return {}
         for site in accepted:
             key = metric._group(site)
             bucket = groups.setdefault(key, {})
@@ -171,13 +182,14 @@ class Capture:
 
 def assert_matches(records: dict[tuple, float], capture: Capture, failed: set[str], *, rel: float,
                    where: str = "") -> int:
-    """Every record of a known metric (:func:`known`) that wrote some record this step, and not
-    failed, equals the reference (NaN equal to NaN, rel ``rel``), with the same keys. Returns how
+    """Every known metric (:func:`known`) due this step or that wrote some record, and not
+    failed, wrote the reference's records (NaN equal to NaN, rel ``rel``): the same keys, so a
+    due metric that wrote nothing fails unless the reference has no record either. Returns how
     many records were checked."""
     metrics = {m.name: m for m, _ in capture.metrics.metrics}
     written = {key[0] for key in records}
     checked = 0
-    for name in sorted(written - failed):
+    for name in sorted((written | capture.due) - failed):
         metric = metrics.get(name)
         if metric is None or not known(metric):
             continue

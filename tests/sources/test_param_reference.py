@@ -205,7 +205,7 @@ def test_frozen_parameters_and_layers_without_gradients():
 def test_gradients_in_main_grad_for_some_parameters():
     """Megatron-Core's DDP leaves a parameter's gradient in ``main_grad`` (``.grad`` None); a
     ``main_grad`` attribute that is None means ``.grad``. Mixed in one model, the program reads
-    each where it is, as the general path does, and the values are those of the tensors read."""
+    each where it is, and the values are those of the tensors read."""
     seen: dict[str, torch.Tensor] = {}
 
     def mixed(model, optimizer, metrics, step):
@@ -604,7 +604,7 @@ def test_a_kept_that_raises_is_reported_not_raised_from_optimizer_step():
 
 class _MeanSquare(Statistic):
     """Per tensor ``sum x**2 / numel`` from the rows and the tensor's shape; reads no element
-    (``elements`` False), so a same-shaped stand-in serves (``_eligible`` in sources/param_program.py)."""
+    (``elements`` False), so a same-shaped stand-in serves."""
 
     name = "mean_square"
     op = "max"

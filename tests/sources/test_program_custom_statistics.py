@@ -1,5 +1,5 @@
 """The Snapshot mapping semantics; custom statistics reading other columns alongside
-sums-of-squares metrics in the parameter program (program vs general path vs float64)."""
+sums-of-squares metrics in the parameter program (against float64)."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,5 @@
 """The update snapshot: exact copies of the selected parameters (one batched torch copy, any
-dtype and layout); a mapping the general path may pop and change in place."""
+dtype and layout); a mapping the parameter side reads and leaves unchanged."""
 
 from __future__ import annotations
 

@@ -122,10 +122,6 @@ class PhasePlan:
             self._fills[key] = fills
         return fills
 
-    def unfed(self, absent: frozenset[int]) -> list[str]:
-        """The metrics all of whose rows are ``absent``."""
-        return [r.metric.name for r in self.recipes if absent and all(row in absent for row in r.rows)]
-
 
 def _neutral_rows(matrix: torch.Tensor, fills: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
     """``matrix`` (not changed: it may be a view of rows other states read) with the rows of

@@ -173,15 +173,17 @@ class PhaseProgram:
             for metric, state, error in prepare_states(metrics, self.sites[start:stop], tensors[start:stop], topology,
                                                        {}, choices):
                 out.prepared[metric.name] = (state, error)
-        if failed:
-            for name, at in self.picked:
-                error = next((failed[i] for i in at if i in failed), None)
-                if error is not None:
-                    out.prepared[name] = (out.prepared.get(name, ({}, None))[0], error)
-        elif has_none(tensors):
-            out.unfed.update(name for name, at in self.picked if all(tensors[i] is None for i in at))
-            out.no_grad.update(reads.manifest.entries[e].name for (source, e), t in zip(self.slots, tensors)
-                               if source == "grad" and t is None and reads.facts.local[e] is not None)
+        for name, at in self.picked if failed else ():
+            error = next((failed[i] for i in at if i in failed), None)
+            if error is not None:
+                out.prepared[name] = (out.prepared.get(name, ({}, None))[0], error)
+        if has_none(tensors):  # a failed slot is None too: its metrics failed, its gradient was not read
+            out.unfed.update(name for name, at in self.picked if all(tensors[i] is None for i in at)
+                             and not any(i in failed for i in at))
+            out.no_grad.update(reads.manifest.entries[e].name
+                               for i, ((source, e), t) in enumerate(zip(self.slots, tensors))
+                               if source == "grad" and t is None and i not in failed
+                               and reads.facts.local[e] is not None)
         return out
 
 

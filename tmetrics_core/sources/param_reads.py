@@ -10,6 +10,8 @@ source for a list of manifest entries, as the due set's program asks for them on
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence, cast
 
@@ -29,6 +31,8 @@ from tmetrics_core.topology import Topology
 from tmetrics_core import torch_private
 
 _LOW = frozenset({torch.bfloat16, torch.float16})
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
 __all__ = ["SOURCES", "ManifestFacts", "ParamReads", "grads_placed_as_params", "local_tensors"]
 
@@ -125,12 +129,9 @@ class ParamReads:
             return self._grads(entries)
         if source in STATE_KINDS:
             return self.state_tensors([(source, e) for e in entries])
-        if source == "before":  # every parameter held here that a metric of "before" reads has a copy
+        if source == "before":  # a parameter without a copy (held elsewhere) reads None
             assert snapshot is not None
-            names = [self._names[e] for e in entries]
-            if all(map(snapshot.__contains__, names)):
-                return list(snapshot.copies(names))
-            return [snapshot[n] if n in snapshot else None for n in names]
+            return snapshot.found(list(map(self._names.__getitem__, entries)))
         if source == "update":
             return self._updates(entries, snapshot)
         raise ValueError(f"no parameter-side source {source!r}; known: {sorted(SOURCES)}")
@@ -159,19 +160,30 @@ class ParamReads:
         return self._as_read(local_tensors(found) if self.facts.dtensor_params else found, entries)
 
     def _updates(self, entries: Sequence[int], snapshot: Snapshot | None) -> list[torch.Tensor | None]:
-        """``parameter now - snapshot`` of each entry with a copy in ``snapshot``, else None."""
-        names = [self._names[e] for e in entries]
-        held = list(range(len(entries))) if snapshot is None else [k for k, n in enumerate(names) if n in snapshot]
+        """``parameter now - snapshot`` of each entry with a copy in ``snapshot``, else None
+        (C-level maps: no Python frame per tensor on a due step)."""
+        if snapshot is None:
+            return [None] * len(entries)
+        found = snapshot.found(list(map(self._names.__getitem__, entries)))
         out: list[torch.Tensor | None] = [None] * len(entries)
-        if snapshot is None or not held:
-            return out
-        now = cast("list[torch.Tensor]", self._params([entries[k] for k in held]))
-        copies = snapshot.copies([names[k] for k in held])
-        if [t.shape for t in now] != [t.shape for t in copies] or [t.dtype for t in now] != [t.dtype for t in copies]:
+        if not has_none(found):
+            held = list(range(len(entries)))
+        else:
+            held = list(itertools.compress(range(len(entries)), map(operator.is_not, found, itertools.repeat(None))))
+            if not held:
+                return out
+            entries, found = [entries[k] for k in held], [found[k] for k in held]
+        now = cast("list[torch.Tensor]", self._params(entries))
+        copies = cast("list[torch.Tensor]", found)
+        if (list(map(_SHAPE, now)) != list(map(_SHAPE, copies))
+                or list(map(_DTYPE, now)) != list(map(_DTYPE, copies))):
             raise ValueError("a parameter's shape or dtype changed in the optimizer step")
-        if _LOW.intersection(t.dtype for t in now):
+        if _LOW.intersection(map(_DTYPE, now)):
             now = [t.float() if t.dtype in _LOW else t for t in now]
-        for k, update in zip(held, torch_private.foreach_sub(now, copies)):
+        updates = torch_private.foreach_sub(now, copies)
+        if len(held) == len(out):
+            return list(updates)
+        for k, update in zip(held, updates):
             out[k] = update
         return out
 
@@ -215,7 +227,10 @@ class ParamReads:
             if kind in flat:
                 out.append(flat[kind][entry])
                 continue
-            param = cast("torch.Tensor", self.facts.local[entry])  # a program's entries are held here
+            param = self.facts.local[entry]
+            if param is None:  # held elsewhere (another pipeline stage): no state here
+                out.append(None)
+                continue
             value = local_view(state_value(states.get(param, {}), self.state_keys.get(kind, (kind,))))
             view = self.facts.views[entry]
             if value is not None and view is not None:

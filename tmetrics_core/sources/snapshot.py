@@ -35,13 +35,10 @@ class Snapshot(MutableMapping[str, torch.Tensor]):
     def __init__(self, copies: dict[str, torch.Tensor] | None = None) -> None:
         self._copies: dict[str, torch.Tensor] = dict(copies or {})
 
-    def copies(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """The copies of ``names``, in that order (one C-level lookup per name).
-
-        Raises:
-            KeyError: a name without a copy.
-        """
-        return list(map(self._copies.__getitem__, names))
+    def found(self, names: Sequence[str]) -> list[torch.Tensor | None]:
+        """The copy of each of ``names``, None where it has none, in that order (one C-level
+        lookup per name)."""
+        return list(map(self._copies.get, names))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         """The copy of ``name``, shaped as its tensor was.
