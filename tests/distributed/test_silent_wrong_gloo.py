@@ -95,8 +95,8 @@ def _gradient_cases(rank: int, world: int) -> dict:
     with tm.step(1):
         pass
     out["main_grad"] = _values(tm)
-    # b gets no gradient: not part of the statistics, on the general path (zero fraction reads
-    # elements) and on the planned one (RMS and L2 from moments rows) alike.
+    # b gets no gradient: not part of the statistics, whichever columns the due set's rows pass
+    # computes (zero counts with the RMS; sums of squares alone for RMS and L2).
     for path, names in (("general", ("layer-grad-zero-fraction", "layer-grad-rms")),
                         ("planned", ("layer-grad-rms", "global-grad-l2"))):
         model = _block(5, 5)

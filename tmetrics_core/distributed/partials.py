@@ -79,16 +79,18 @@ def materialize_partials(plan: PartialPlan, sites: Sequence[Site], tensors: Sequ
     """``tensors`` (the local tensors of ``sites``, None where held elsewhere) with those of
     ``plan.need`` reduced over their ``Partial`` axes: one packed round per axis of
     ``plan.rounds``, on every rank alike (a tensor this rank does not hold contributes zeros of
-    its local shape and stays None).
+    its local shape, on the device of the tensors it holds, and stays None).
 
     Raises:
         RuntimeError: from the executor, a collective that failed or timed out.
     """
     held: dict[int, torch.Tensor] = {}
+    like = next((t for t in tensors if t is not None), None)
+    device = like.device if like is not None else torch.device("cpu")
     for i in plan.need:
         tensor = tensors[i]
         held[i] = tensor if tensor is not None else torch.zeros(
-            sites[i].local_shape(topology.coords(), {n: a.size for n, a in topology.axes.items()}))
+            sites[i].local_shape(topology.coords(), {n: a.size for n, a in topology.axes.items()}), device=device)
     for axis, todo, ops in plan.rounds:
         for i, full in zip(todo, executor.materialize([held[i] for i in todo], [(axis,)] * len(todo), ops)):
             held[i] = full
