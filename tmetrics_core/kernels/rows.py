@@ -10,11 +10,11 @@ they read and turn rows into their vectors.
 Ops per ``(device, dtype)`` group (each a single dispatcher call over the group's tensors):
 
 ================  ===========================================================================
-``sumsq``         ``_foreach_powsum(p=2)`` and a ``stack``: 2 (always computed: a NaN in the
-                  sum of squares is the NaN flag of the extremes)
-``absmax``        ``_foreach_norm(p=inf)``, ``stack``, a negation: 3 (fills ``max`` with the
-                  absolute maximum and ``min`` with its negation: read only as
-                  ``max(max, -min)``)
+``sumsq``         ``_foreach_powsum(p=2)`` and a ``stack``: 2 (computed only when asked for:
+                  the extremes' statistics ask for it, a NaN in it is their NaN flag)
+``absmax``        ``_foreach_abs``, ``_foreach_max``, ``stack``, a negation: 4 (fills ``max``
+                  with the absolute maximum and ``min`` with its negation: read only as
+                  ``max(max, -min)``; non-empty tensors only; one temporary copy of the group)
 ``max``           ``_foreach_max``, ``stack``: 2 (non-empty tensors only)
 ``min``           ``_foreach_neg``, ``_foreach_max``, ``stack``, a negation: 4
 ``sum``           ``_foreach_clamp_min`` and ``_foreach_clamp_max`` at 0, a ``p=1``
@@ -24,10 +24,11 @@ Ops per ``(device, dtype)`` group (each a single dispatcher call over the group'
                   subtraction from the element counts: 4
 ================  ===========================================================================
 
-plus, per group, one ``stack`` of the columns and, when there are several groups, one
-``index_copy_`` into the output. Accumulation: float64 on CPU and for float64 tensors, float32
-on accelerators (their reductions are tree-shaped, not long serial sums). Nothing is read back
-to the host.
+plus, per group, one ``stack`` of the columns (which widens each to float64; a column not asked
+for is a cached NaN vector) and, when there are several groups, one ``index_copy_`` into the
+output. Accumulation: float64 on CPU and for float64 tensors, float32 on accelerators (their
+reductions are tree-shaped, not long serial sums); maxima are exact in any dtype, so they are
+taken in the tensors' own. Nothing is read back to the host.
 
 One path serves every device. An earlier CPU-only C kernel (one read of each contiguous CPU
 float32/bfloat16 tensor for all columns, compiled at first use; accelerators never used it) was
@@ -67,9 +68,9 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 def rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> torch.Tensor:
     """``[len(tensors), 5]`` float64 rows of :data:`FIELDS` of ``tensors`` (one ``(device,
     dtype)`` group or several; any layout) from batched torch ops, on the first tensor's device;
-    columns no entry of ``columns`` asks for are NaN (``sumsq`` is always computed). An empty
-    tensor gives ``[0, 0, -inf, inf, 0]``; a NaN shows in the sum of squares, the maximum and
-    minimum of a tensor holding one are not defined (read them only where the sum is not NaN).
+    columns no entry of ``columns`` asks for are NaN. An empty tensor gives ``[0, 0, -inf, inf,
+    0]``; a NaN shows in the sum of squares, the maximum and minimum of a tensor holding one are
+    not defined (ask for ``sumsq`` beside them, and read them only where it is not NaN).
 
     Raises:
         ValueError: a name not in :data:`COLUMNS`.
@@ -104,12 +105,15 @@ def _groups(tensors: Sequence[torch.Tensor]) -> list[list[int]] | None:
 
 
 def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
-    """Rows of tensors of one device and dtype (see the module docstring for the ops)."""
+    """Rows of tensors of one device and dtype (see the module docstring for the ops). Each
+    column is stacked in the dtype its op returns; the last ``stack`` widens them to float64
+    (exactly: every dtype read here is a subset of float64)."""
     device, acc = ts[0].device, _acc(ts[0])
     n = len(ts)
-    nan = torch.full((n,), math.nan, dtype=torch.float64, device=device)
-    sumsq = torch.stack(torch_private.foreach_powsum(ts, 2, dtype=acc)).to(torch.float64)
-    cols = [sumsq, nan, nan, nan, nan]
+    nan = _nan(n, device)
+    cols = [nan] * len(FIELDS)
+    if "sumsq" in wanted:
+        cols[0] = torch.stack(torch_private.foreach_powsum(ts, 2, dtype=acc))
     numels = tuple(map(torch.Tensor.numel, ts))
     if wanted & {"max", "min", "absmax"}:
         full = list(range(n)) if 0 not in numels else [i for i, k in enumerate(numels) if k]
@@ -118,14 +122,21 @@ def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
             cols[2] = _extreme(some, full, n, device, -math.inf)
             cols[3] = -_extreme(torch_private.foreach_neg(some) if full else [], full, n, device, -math.inf)
         else:
-            peak = _filled(torch.stack(torch_private.foreach_norm(some, math.inf, dtype=acc))
+            peak = _filled(torch.stack(torch_private.foreach_max(torch_private.foreach_abs(some)))
                            if full else None, full, n, device, 0.0)
             cols[2], cols[3] = peak, -peak
     if "sum" in wanted:
         cols[1] = _sums(ts, acc)
     if "zeros" in wanted:
         cols[4] = _counts(numels, device) - _nonzero(ts)
-    return torch.stack(cols, 1)
+    return torch.stack(cols, 1).to(torch.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _nan(n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` float64 NaN on ``device``, the column of a field not asked for, made once per
+    (length, device). Read only: ``stack`` copies it."""
+    return torch.full((n,), math.nan, dtype=torch.float64, device=device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -144,7 +155,7 @@ def _sums(ts: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
     del above
     below = torch_private.foreach_clamp_max(ts, 0.0)
     negative = torch.stack(torch_private.foreach_norm(below, 1, dtype=acc))
-    return (positive - negative).to(torch.float64)
+    return positive - negative
 
 
 def _nonzero(ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -157,15 +168,16 @@ def _extreme(ts: Sequence[torch.Tensor], full: list[int], n: int, device: torch.
              ) -> torch.Tensor:
     """The largest element of each non-empty tensor of ``ts`` (at rows ``full`` of ``n``),
     ``empty`` for the empty ones."""
-    values = torch.stack(torch_private.foreach_max(list(ts))).to(torch.float64) if full else None
+    values = torch.stack(torch_private.foreach_max(list(ts))) if full else None
     return _filled(values, full, n, device, empty)
 
 
 def _filled(values: torch.Tensor | None, full: list[int], n: int, device: torch.device, empty: float
             ) -> torch.Tensor:
-    """``values`` at rows ``full`` of an ``[n]`` float64 vector, ``empty`` elsewhere."""
+    """``values`` at rows ``full`` of an ``[n]`` vector, ``empty`` elsewhere (float64 where
+    some row is empty, else ``values`` as they are)."""
     if values is not None and len(full) == n:
-        return values.to(torch.float64)
+        return values
     out = torch.full((n,), empty, dtype=torch.float64, device=device)
     if values is not None:
         out[_index(tuple(full), device)] = values.to(torch.float64)
