@@ -9,6 +9,10 @@ every tensor, shared between metrics through the step memo, no collective) is ti
 One rows pass (:func:`tmetrics_core.kernels.rows.rows`, batched torch ops) serves every
 statistic of a metric; the breakdown also times that pass alone.
 
+``--formulations`` times instead, per 1 M elements of the same tensors, each column's batched
+torch formulation next to the alternatives tried for it (:data:`FORMULATIONS`): the figures
+behind ``docs/performance.md`` ("One rows pass per call") and the choices in ``kernels/rows.py``.
+
 Variants run interleaved in short rounds (order rotated each round), because this machine's
 speed drifts; the figure is the paired ratio (bundle time over the foreach pass in the same
 round, median over rounds). A breakdown times each statistic alone the same way, so the cost
@@ -33,11 +37,67 @@ from tmetrics_core.metrics.norms import NonFinite, ZeroFraction
 from tmetrics_core.metrics.statistics import ABSMAX, COUNT, NONFINITE, SUMSQ, ZEROS
 from tmetrics_core.site import Site
 
-__all__ = ["bundle", "main", "model_tensors"]
+__all__ = ["FORMULATIONS", "bundle", "formulation_ms", "main", "model_tensors"]
 
 BUNDLE = ("global-param-l2", "layer-param-l2", "global-grad-l2", "layer-grad-l2", "layer-param-absmax",
           "layer-grad-absmax", "layer-param-rms", "layer-grad-rms", "layer-grad-nonfinite",
           "layer-grad-zero-fraction")
+
+
+_F64 = torch.float64
+_FOREACH: dict[str, Callable[..., list[torch.Tensor]]] = {
+    name: getattr(torch, f"_foreach_{name}") for name in ("abs", "clamp_max", "clamp_min", "max", "neg", "norm", "powsum")}
+
+FORMULATIONS: dict[str, Callable[[list[torch.Tensor]], object]] = {
+    "sumsq: powsum(p=2, float64) [rows]": lambda ts: _FOREACH["powsum"](ts, 2, dtype=_F64),
+    "sumsq: norm(p=2, float64)": lambda ts: _FOREACH["norm"](ts, 2, dtype=_F64),
+    "sumsq: powsum(p=2), float32 sums (inexact)": lambda ts: _FOREACH["powsum"](ts, 2),
+    "absmax: max(abs) [rows]": lambda ts: _FOREACH["max"](_FOREACH["abs"](ts)),
+    "absmax: max(abs) in parts of 2**16 elements": lambda ts: [
+        m for part in _in_parts(ts, 1 << 16) for m in _FOREACH["max"](_FOREACH["abs"](part))],
+    "absmax: norm(p=inf, float64) [until issue 33]": lambda ts: _FOREACH["norm"](ts, float("inf"), dtype=_F64),
+    "absmax: norm(p=inf)": lambda ts: _FOREACH["norm"](ts, float("inf")),
+    "absmax: max and max(neg)": lambda ts: (_FOREACH["max"](ts), _FOREACH["max"](_FOREACH["neg"](ts))),
+    "max: max [rows]": lambda ts: _FOREACH["max"](ts),
+    "sum: p=1 norms of both clamps, float64 [rows]": lambda ts: (
+        _FOREACH["norm"](_FOREACH["clamp_min"](ts, 0.0), 1, dtype=_F64),
+        _FOREACH["norm"](_FOREACH["clamp_max"](ts, 0.0), 1, dtype=_F64)),
+    "sum: powsum(p=1, float64) (|x|: the cost alone)": lambda ts: _FOREACH["powsum"](ts, 1, dtype=_F64),
+    "zeros: norm(p=0, float64) [rows]": lambda ts: _FOREACH["norm"](ts, 0, dtype=_F64),
+    "zeros: norm(p=0), float32 counts (inexact > 2**24)": lambda ts: _FOREACH["norm"](ts, 0),
+}
+"""Each column's batched formulation in :func:`~tmetrics_core.kernels.rows.rows` (``[rows]``) and
+the alternatives measured against it, as functions of a tensor list."""
+
+
+def _in_parts(ts: list[torch.Tensor], budget: int) -> list[list[torch.Tensor]]:
+    """Consecutive parts of ``ts`` of at most ``budget`` elements each (a longer tensor alone)."""
+    parts: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in ts:
+        if size and size + t.numel() > budget:
+            parts.append([])
+            size = 0
+        parts[-1].append(t)
+        size += t.numel()
+    return parts
+
+
+def formulation_ms(tensors: list[torch.Tensor], rounds: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per 1 M elements of each of :data:`FORMULATIONS` over ``tensors``: median
+    over interleaved rounds (order rotated) of each variant's median of ``repeats`` runs."""
+    names = list(FORMULATIONS)
+    per: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                FORMULATIONS[name](tensors)
+                samples.append(time.perf_counter() - start)
+            per[name].append(statistics.median(samples))
+    numel = sum(t.numel() for t in tensors)
+    return {name: statistics.median(times) * 1e3 * 1e6 / numel for name, times in per.items()}
 
 
 def model_tensors(layers: int, width: int, seed: int = 0) -> tuple[list[Site], list[torch.Tensor]]:
@@ -92,9 +152,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant and round (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--formulations", action="store_true",
+                        help="time each column's batched formulations per 1 M elements instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sites, tensors = model_tensors(args.layers, args.width)
+    if args.formulations:
+        numel = sum(t.numel() for t in tensors)
+        print(f"{len(tensors)} fp32 tensors, {numel / 1e6:.1f} M elements, {args.threads} thread(s): "
+              f"ms per 1 M elements, median over {args.rounds} interleaved rounds")
+        for name, ms in formulation_ms(tensors, args.rounds, args.repeats).items():
+            print(f"{ms:7.2f}  {name}")
+        return
     metrics = bundle()
     topology = Topology.single_process()
     for metric in metrics:

@@ -27,6 +27,7 @@ def test_foreach_kernels_match_their_per_tensor_forms() -> None:
     assert [float(t) for t in torch_private.foreach_norm(a, 0)] == [2.0, 2.0]
     assert [float(t) for t in torch_private.foreach_powsum(a, 2)] == [25.0, 5.0]
     assert [float(t) for t in torch_private.foreach_max(a)] == [3.0, 1.0]
+    assert torch.equal(torch_private.foreach_abs(a)[0], a[0].abs())
     assert torch.equal(torch_private.foreach_neg(a)[0], -a[0])
     assert torch.equal(torch_private.foreach_sub(a, b)[1], a[1] - b[1])
     assert torch.equal(torch_private.foreach_mul(a, 2.0)[0], a[0] * 2)

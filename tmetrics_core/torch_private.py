@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch._library.effects import EffectType
 
-__all__ = ["EffectType", "PIPELINE_SHAPE_INFERENCE", "child_modules", "foreach_add_", "foreach_clamp_max",
+__all__ = ["EffectType", "PIPELINE_SHAPE_INFERENCE", "child_modules", "foreach_abs", "foreach_add_", "foreach_clamp_max",
            "foreach_clamp_min", "foreach_max", "foreach_mul", "foreach_mul_", "foreach_neg",
            "foreach_neg_", "foreach_norm", "foreach_powsum", "foreach_sub", "foreach_sub_",
            "dtensor_spec", "held_local", "in_backward", "register_effectful_op", "replicate_with_fsdp",
@@ -41,6 +41,7 @@ __all__ = ["EffectType", "PIPELINE_SHAPE_INFERENCE", "child_modules", "foreach_a
 
 register_effectful_op = torch.library._register_effectful_op
 
+foreach_abs = torch._foreach_abs
 foreach_add_ = torch._foreach_add_
 foreach_clamp_max = torch._foreach_clamp_max
 foreach_clamp_min = torch._foreach_clamp_min

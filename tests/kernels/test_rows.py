@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tmetrics_core.kernels import rows as rows_module
 from tmetrics_core.kernels.rows import nonfinite_counts, rows, spaced
 
 
@@ -42,6 +43,17 @@ def test_only_the_columns_asked_for_are_computed():
     assert peaks[:, 2].tolist() == absmax and peaks[:, 3].tolist() == [-a for a in absmax]
     with pytest.raises(ValueError, match="unknown moments columns"):
         rows(ts, {"mean"})
+
+
+def test_a_group_above_the_temporary_budget_is_copied_in_parts(monkeypatch):
+    ts = [t for t in _tensors() if t.dtype == torch.float32] * 3
+    whole, peaks = rows(ts), rows(ts, {"absmax"})[:, 2:4]
+    monkeypatch.setattr(rows_module, "TEMPORARY", 40)  # parts of at most 40 elements, or one tensor
+    assert len(rows_module._parts(tuple(t.numel() for t in ts), 40)) > 3
+    assert torch.equal(rows(ts), whole) and torch.equal(rows(ts, {"absmax"})[:, 2:4], peaks)
+    for i, t in enumerate(ts):
+        for a, b in zip(whole[i].tolist(), _reference(t)):
+            assert a == pytest.approx(b, rel=1e-12, abs=1e-12)
 
 
 def test_non_finite_counts_per_tensor():

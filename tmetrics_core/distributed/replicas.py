@@ -112,7 +112,7 @@ def fingerprints(tensors: Sequence[torch.Tensor | None], device: torch.device) -
     out[present, 0] = 1.0
     held = [cast("torch.Tensor", tensors[i]).detach() for i in present]
     # rows' fields are (sumsq, sum, max, min, zeros): the fingerprint's are (sum, sumsq, max, min)
-    out[present, 1:5] = rows(held, ("sum", "max", "min"))[:, [1, 0, 2, 3]].cpu()
+    out[present, 1:5] = rows(held, ("sumsq", "sum", "max", "min"))[:, [1, 0, 2, 3]].cpu()
     sampled = [k for k, t in enumerate(held) if t.numel()]
     if sampled:
         picks = torch.stack([_sample(held[k]) for k in sampled]).cpu()

@@ -10,30 +10,37 @@ they read and turn rows into their vectors.
 Ops per ``(device, dtype)`` group (each a single dispatcher call over the group's tensors):
 
 ================  ===========================================================================
-``sumsq``         ``_foreach_powsum(p=2)`` and a ``stack``: 2 (always computed: a NaN in the
-                  sum of squares is the NaN flag of the extremes)
-``absmax``        ``_foreach_norm(p=inf)``, ``stack``, a negation: 3 (fills ``max`` with the
-                  absolute maximum and ``min`` with its negation: read only as
-                  ``max(max, -min)``)
+``sumsq``         ``_foreach_powsum(p=2)`` and a ``stack``: 2 (computed only when asked for:
+                  the extremes' statistics ask for it, a NaN in it is their NaN flag)
+``absmax``        ``_foreach_abs``, ``_foreach_max``, ``stack``, a negation: 4 (fills ``max``
+                  with the absolute maximum and ``min`` with its negation: read only as
+                  ``max(max, -min)``; non-empty tensors only)
 ``max``           ``_foreach_max``, ``stack``: 2 (non-empty tensors only)
 ``min``           ``_foreach_neg``, ``_foreach_max``, ``stack``, a negation: 4
 ``sum``           ``_foreach_clamp_min`` and ``_foreach_clamp_max`` at 0, a ``p=1``
-                  ``_foreach_norm`` of each, two ``stack``, a subtraction: 7 (one temporary
-                  copy of the group at a time)
+                  ``_foreach_norm`` of each, two ``stack``, a subtraction: 7
 ``zeros``         ``_foreach_norm(p=0)`` (the count of non-zero elements), ``stack``, a
-                  subtraction from the element counts: 4
+                  subtraction from the element counts: 3
 ================  ===========================================================================
 
-plus, per group, one ``stack`` of the columns and, when there are several groups, one
-``index_copy_`` into the output. Accumulation: float64 on CPU and for float64 tensors, float32
-on accelerators (their reductions are tree-shaped, not long serial sums). Nothing is read back
-to the host.
+The absolute values, negation and clamps are temporary copies, of at most :data:`TEMPORARY`
+elements at a time (a group above it takes their two ops once per part); plus, per group, one
+``stack`` of the columns (which widens each to float64; a column not asked for is a cached NaN
+vector) and, when there are several groups, one ``index_copy_`` into the
+output. Accumulation: float64 on CPU and for float64 tensors, float32 on accelerators (their
+reductions are tree-shaped, not long serial sums); maxima are exact in any dtype, so they are
+taken in the tensors' own. Nothing is read back to the host.
 
 One path serves every device. An earlier CPU-only C kernel (one read of each contiguous CPU
 float32/bfloat16 tensor for all columns, compiled at first use; accelerators never used it) was
 dropped in issue 33. Measured before dropping it (demo model on CPU, one thread, the standard
 bundle every step, 60 rotations of single steps, paired against the bare step of 103 ms): with
-the kernel +7.4% +- 0.5%, with it switched off +19.2% +- 0.5%; this path +19.2% +- 0.2%.
+the kernel +7.4% +- 0.5%, with it switched off +19.2% +- 0.5%; this path +19.2% +- 0.2%. Per 1 M
+CPU float32 elements (``python -m bench.prepare_cost --formulations``): sum of squares 0.4-0.5
+ms (half of it torch's copy to float64 before it reduces), absmax 1.6 ms (the ``p=inf`` norm it
+replaced: 2.7 ms), maximum 0.2 ms, sum 4.1 ms, zeros 1.1 ms. A due step's tmetrics code on the
+demo: 15.7 ms with the ``p=inf`` norm, 12.7 ms now, 7.9 ms with the C kernel
+(``docs/performance.md``, "One rows pass per call").
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -67,9 +74,9 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 def rows(tensors: Sequence[torch.Tensor], columns: Iterable[str] = COLUMNS) -> torch.Tensor:
     """``[len(tensors), 5]`` float64 rows of :data:`FIELDS` of ``tensors`` (one ``(device,
     dtype)`` group or several; any layout) from batched torch ops, on the first tensor's device;
-    columns no entry of ``columns`` asks for are NaN (``sumsq`` is always computed). An empty
-    tensor gives ``[0, 0, -inf, inf, 0]``; a NaN shows in the sum of squares, the maximum and
-    minimum of a tensor holding one are not defined (read them only where the sum is not NaN).
+    columns no entry of ``columns`` asks for are NaN. An empty tensor gives ``[0, 0, -inf, inf,
+    0]``; a NaN shows in the sum of squares, the maximum and minimum of a tensor holding one are
+    not defined (ask for ``sumsq`` beside them, and read them only where it is not NaN).
 
     Raises:
         ValueError: a name not in :data:`COLUMNS`.
@@ -104,28 +111,39 @@ def _groups(tensors: Sequence[torch.Tensor]) -> list[list[int]] | None:
 
 
 def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
-    """Rows of tensors of one device and dtype (see the module docstring for the ops)."""
+    """Rows of tensors of one device and dtype (see the module docstring for the ops). Each
+    column is stacked in the dtype its op returns; the last ``stack`` widens them to float64
+    (exactly: every dtype read here is a subset of float64)."""
     device, acc = ts[0].device, _acc(ts[0])
     n = len(ts)
-    nan = torch.full((n,), math.nan, dtype=torch.float64, device=device)
-    sumsq = torch.stack(torch_private.foreach_powsum(ts, 2, dtype=acc)).to(torch.float64)
-    cols = [sumsq, nan, nan, nan, nan]
+    nan = _nan(n, device)
+    cols = [nan] * len(FIELDS)
+    if "sumsq" in wanted:
+        cols[0] = torch.stack(torch_private.foreach_powsum(ts, 2, dtype=acc))
     numels = tuple(map(torch.Tensor.numel, ts))
     if wanted & {"max", "min", "absmax"}:
         full = list(range(n)) if 0 not in numels else [i for i, k in enumerate(numels) if k]
         some = ts if len(full) == n else [ts[i] for i in full]
         if "max" in wanted or "min" in wanted:
-            cols[2] = _extreme(some, full, n, device, -math.inf)
-            cols[3] = -_extreme(torch_private.foreach_neg(some) if full else [], full, n, device, -math.inf)
+            cols[2] = _filled(_stacked(torch_private.foreach_max(some) if full else []), full, n, device, -math.inf)
+            cols[3] = -_filled(_stacked(_through_copies(some, torch_private.foreach_neg, torch_private.foreach_max)),
+                               full, n, device, -math.inf)
         else:
-            peak = _filled(torch.stack(torch_private.foreach_norm(some, math.inf, dtype=acc))
-                           if full else None, full, n, device, 0.0)
+            peak = _filled(_stacked(_through_copies(some, torch_private.foreach_abs, torch_private.foreach_max)),
+                           full, n, device, 0.0)
             cols[2], cols[3] = peak, -peak
     if "sum" in wanted:
         cols[1] = _sums(ts, acc)
     if "zeros" in wanted:
         cols[4] = _counts(numels, device) - _nonzero(ts)
-    return torch.stack(cols, 1)
+    return torch.stack(cols, 1).to(torch.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _nan(n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` float64 NaN on ``device``, the column of a field not asked for, made once per
+    (length, device). Read only: ``stack`` copies it."""
+    return torch.full((n,), math.nan, dtype=torch.float64, device=device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -136,15 +154,48 @@ def _counts(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 def _sums(ts: list[torch.Tensor], acc: torch.dtype) -> torch.Tensor:
-    """``[len(ts)]`` float64 sums of the elements: the ``p=1`` norm of the positive parts less
-    that of the negative parts, each of a clamped copy of the group (one temporary copy at a
-    time, no concatenation; NaN and infinities propagate as in a plain sum)."""
-    above = torch_private.foreach_clamp_min(ts, 0.0)
-    positive = torch.stack(torch_private.foreach_norm(above, 1, dtype=acc))
-    del above
-    below = torch_private.foreach_clamp_max(ts, 0.0)
-    negative = torch.stack(torch_private.foreach_norm(below, 1, dtype=acc))
-    return (positive - negative).to(torch.float64)
+    """``[len(ts)]`` sums of the elements: the ``p=1`` norm of the positive parts less that of
+    the negative parts, each of a clamped copy (:func:`_through_copies`; no concatenation; NaN
+    and infinities propagate as in a plain sum)."""
+    def norm(parts: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        return torch_private.foreach_norm(parts, 1, dtype=acc)
+    positive = torch.stack(_through_copies(ts, lambda part: torch_private.foreach_clamp_min(part, 0.0), norm))
+    negative = torch.stack(_through_copies(ts, lambda part: torch_private.foreach_clamp_max(part, 0.0), norm))
+    return positive - negative
+
+
+_ListOp = Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]
+
+TEMPORARY = 1 << 26
+"""Elements of a group that a column's temporary copy (absolute values, negation, clamps) holds
+at a time: 256 MiB of float32, so that the copy never holds all of a large model's gradients on
+an accelerator; a longer tensor is copied alone."""
+
+
+def _through_copies(ts: list[torch.Tensor], copy: _ListOp, reduce: _ListOp) -> list[torch.Tensor]:
+    """``reduce(copy(ts))``, over consecutive parts of ``ts`` of at most :data:`TEMPORARY`
+    elements each (one part, one pair of batched ops, for every group below that size): each
+    part's copy is freed before the next is made."""
+    if not ts:
+        return []
+    parts = _parts(tuple(map(torch.Tensor.numel, ts)), TEMPORARY)
+    if len(parts) == 1:
+        return list(reduce(list(copy(ts))))
+    return [r for part in parts for r in reduce(list(copy(ts[part])))]
+
+
+@functools.lru_cache(maxsize=64)
+def _parts(numels: tuple[int, ...], budget: int) -> tuple[slice, ...]:
+    """Consecutive slices of tensors with ``numels`` elements, each of at most ``budget``
+    elements in all or of one tensor; made once per list of sizes."""
+    parts, start, size = [], 0, 0
+    for i, k in enumerate(numels):
+        if size and size + k > budget:
+            parts.append(slice(start, i))
+            start, size = i, 0
+        size += k
+    parts.append(slice(start, len(numels)))
+    return tuple(parts)
 
 
 def _nonzero(ts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -153,19 +204,17 @@ def _nonzero(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch_private.foreach_norm(list(ts), 0, dtype=torch.float64))
 
 
-def _extreme(ts: Sequence[torch.Tensor], full: list[int], n: int, device: torch.device, empty: float
-             ) -> torch.Tensor:
-    """The largest element of each non-empty tensor of ``ts`` (at rows ``full`` of ``n``),
-    ``empty`` for the empty ones."""
-    values = torch.stack(torch_private.foreach_max(list(ts))).to(torch.float64) if full else None
-    return _filled(values, full, n, device, empty)
+def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 0-d ``values`` (one per non-empty tensor) as a vector; None for none."""
+    return torch.stack(list(values)) if values else None
 
 
 def _filled(values: torch.Tensor | None, full: list[int], n: int, device: torch.device, empty: float
             ) -> torch.Tensor:
-    """``values`` at rows ``full`` of an ``[n]`` float64 vector, ``empty`` elsewhere."""
+    """``values`` at rows ``full`` of an ``[n]`` vector, ``empty`` elsewhere (float64 where
+    some row is empty, else ``values`` as they are)."""
     if values is not None and len(full) == n:
-        return values.to(torch.float64)
+        return values
     out = torch.full((n,), empty, dtype=torch.float64, device=device)
     if values is not None:
         out[_index(tuple(full), device)] = values.to(torch.float64)
