@@ -319,33 +319,9 @@ def test_non_contiguous_gradient_on_one_step():
     _compare(Net, ALL, body, steps=3)
 
 
-class _Transposing(torch.optim.Optimizer):
-    """SGD that leaves ``target`` non-contiguous after its step on the steps in ``when``."""
-
-    def __init__(self, params, target: torch.nn.Parameter, when: set[int]) -> None:
-        super().__init__(params, {"lr": 0.1})
-        self.target, self.when, self.count = target, when, 0
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.count += 1
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-0.1)
-        data = self.target.data
-        self.target.data = data.t().contiguous().t() if self.count in self.when else data.contiguous()
-
-
-def test_parameter_made_non_contiguous_by_the_optimizer():
-    """The parameter strided after step 2's optimizer step and non-contiguous before step 3's:
-    the program reads it with torch ops in every phase (no layout is refused)."""
-    _compare(Net, ALL, _plain,
-                      optimizer=lambda m: _Transposing(m.parameters(), m.layers[0].fc.weight, {2}))
-
-
-class _Resizing(torch.optim.Optimizer):
-    """SGD that enlarges ``target`` inside its second step."""
+class _Sgd(torch.optim.Optimizer):
+    """Plain SGD (lr 0.1) on ``params`` that then calls :meth:`after` inside its own ``step`` (so
+    torch's step hooks run around all of it), counting its steps."""
 
     def __init__(self, params, target: torch.nn.Parameter) -> None:
         super().__init__(params, {"lr": 0.1})
@@ -358,6 +334,34 @@ class _Resizing(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-0.1)
+        self.after()
+
+    def after(self) -> None:
+        raise NotImplementedError
+
+
+class _Transposing(_Sgd):
+    """SGD that leaves ``target`` non-contiguous after its step on the steps in ``when``."""
+
+    def __init__(self, params, target: torch.nn.Parameter, when: set[int]) -> None:
+        super().__init__(params, target)
+        self.when = when
+
+    def after(self) -> None:
+        data = self.target.data
+        self.target.data = data.t().contiguous().t() if self.count in self.when else data.contiguous()
+
+
+def test_parameter_made_non_contiguous_by_the_optimizer():
+    """The parameter strided after step 2's optimizer step and non-contiguous before step 3's:
+    the program reads it with torch ops in every phase (no layout is refused)."""
+    _compare(Net, ALL, _plain, optimizer=lambda m: _Transposing(m.parameters(), m.layers[0].fc.weight, {2}))
+
+
+class _Resizing(_Sgd):
+    """SGD that enlarges ``target`` inside its second step."""
+
+    def after(self) -> None:
         if self.count == 2:
             self.target.data = torch.zeros(self.target.shape[0] + 1, *self.target.shape[1:])
 
@@ -374,7 +378,7 @@ class _SlicingNet(Net):
 
 def test_parameter_resized_by_the_optimizer():
     fast, _ = _compare(_SlicingNet, ALL, _plain,
-                         optimizer=lambda m: _Resizing(m.parameters(), m.layers[1].fc.weight))
+                       optimizer=lambda m: _Resizing(m.parameters(), m.layers[1].fc.weight))
     assert [f for f, _ in fast[-1][1]] == ["layer-update-ratio"]
     assert "reading the post-step tensors failed" in fast[-1][1][0][1]
 
