@@ -208,9 +208,6 @@ class ParamProgram:
         self.pre = self._phase_pre(sites_of)
         self.post = PhaseProgram("post", [Part(tuple(post), _kinds(post)), Part(tuple(before), ("param",), True)],
                                  sites_of, picks, topology)
-        self.names: tuple[str, ...] = ()
-        """Canonical names of the parameters the post phase reads from the snapshot, in slot order
-        (set by :func:`~tmetrics_core.sources.param_plan.due_set_plan`)."""
         self._by_grads: dict[tuple, PhaseProgram] = {}
 
     def _phase_pre(self, sites_of: Callable[[str], list[Site]]) -> PhaseProgram:
