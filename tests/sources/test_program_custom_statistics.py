@@ -16,7 +16,7 @@ from tmetrics_core.tensor_metrics import TensorMetrics
 
 def test_snapshot_mapping():
     ts = [torch.randn(3, 4), torch.randn(5).bfloat16(), torch.randn(0)]
-    snap = Snapshot(copies=dict(zip("abc", (t.clone() for t in ts))))
+    snap = Snapshot(zip("abc", (t.clone() for t in ts)))
     assert set(snap) == {"a", "b", "c"} and len(snap) == 3
     seen = {k: v for k, v in snap.items()}
     assert torch.equal(seen["a"], ts[0]) and torch.equal(seen["b"], ts[1]) and seen["c"].numel() == 0
@@ -25,7 +25,7 @@ def test_snapshot_mapping():
     assert snap.pop("b") is seen["b"] and "b" not in snap and len(snap) == 2
     del snap["c"]
     assert list(snap) == ["a"]
-    fresh = Snapshot(copies={"a": ts[0]})
+    fresh = Snapshot({"a": ts[0]})
     del fresh["a"]
     assert len(fresh) == 0
     with pytest.raises(KeyError):

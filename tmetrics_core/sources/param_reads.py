@@ -131,7 +131,7 @@ class ParamReads:
             return self.state_tensors([(source, e) for e in entries])
         if source == "before":  # a parameter without a copy (held elsewhere) reads None
             assert snapshot is not None
-            return snapshot.found(list(map(self._names.__getitem__, entries)))
+            return list(map(snapshot.get, map(self._names.__getitem__, entries)))
         if source == "update":
             return self._updates(entries, snapshot)
         raise ValueError(f"no parameter-side source {source!r}; known: {sorted(SOURCES)}")
@@ -164,7 +164,7 @@ class ParamReads:
         (C-level maps: no Python frame per tensor on a due step)."""
         if snapshot is None:
             return [None] * len(entries)
-        found = snapshot.found(list(map(self._names.__getitem__, entries)))
+        found = list(map(snapshot.get, map(self._names.__getitem__, entries)))
         out: list[torch.Tensor | None] = [None] * len(entries)
         if not has_none(found):
             held = list(range(len(entries)))

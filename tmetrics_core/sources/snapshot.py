@@ -7,7 +7,7 @@ chosen parameters with one batched torch kernel, on any device.
 
 from __future__ import annotations
 
-from typing import Iterator, MutableMapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -20,48 +20,9 @@ __all__ = ["Snapshot", "snapshot"]
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-class Snapshot(MutableMapping[str, torch.Tensor]):
-    """``parameter name -> copy`` of the local tensor before the optimizer step.
-
-    Args:
-        copies: the copies, by parameter name.
-
-    Entries are the caller's to pop or change in place; the parameter side reads them and
-    leaves them unchanged.
-    """
-
-    __slots__ = ("_copies",)
-
-    def __init__(self, copies: dict[str, torch.Tensor] | None = None) -> None:
-        self._copies: dict[str, torch.Tensor] = dict(copies or {})
-
-    def found(self, names: Sequence[str]) -> list[torch.Tensor | None]:
-        """The copy of each of ``names``, None where it has none, in that order (one C-level
-        lookup per name)."""
-        return list(map(self._copies.get, names))
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        """The copy of ``name``, shaped as its tensor was.
-
-        Raises:
-            KeyError: a name without a copy.
-        """
-        return self._copies[name]
-
-    def __setitem__(self, name: str, copy: torch.Tensor) -> None:
-        self._copies[name] = copy
-
-    def __delitem__(self, name: str) -> None:
-        del self._copies[name]
-
-    def __iter__(self) -> Iterator[str]:
-        yield from list(self._copies)
-
-    def __len__(self) -> int:
-        return len(self._copies)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._copies
+class Snapshot(dict[str, torch.Tensor]):
+    """``parameter name -> copy`` of its local tensor (as its manifest entry reads it: an expert
+    slice's view) before the optimizer step, shaped and typed as the tensor was."""
 
 
 @torch.no_grad()
@@ -79,4 +40,4 @@ def snapshot(manifest: Manifest, names: Sequence[str] | None = None) -> Snapshot
     if views:
         tensors = [manifest.viewed(n, t) for n, t in zip(chosen, tensors)]
     copies = torch_private.foreach_mul(tensors, 1.0) if tensors else []
-    return Snapshot(copies=dict(zip(chosen, copies)))
+    return Snapshot(zip(chosen, copies))
