@@ -102,8 +102,9 @@ class ParamReads:
         self.flat_sources = {kind: FlatSource(buffers, manifest, topology.names) for kind, buffers in flat.items()}
         self._names = tuple(e.name for e in manifest.entries)
         self._viewed = any(v is not None for v in self.facts.views)
-        held = next((p for p in self.facts.local if p is not None), None)
-        self.device = local_view(held).device if held is not None else torch.device("cpu")
+        self._held = [p for p in self.facts.local if p is not None]
+        """The parameters held here (fixed with the manifest)."""
+        self.device = local_view(self._held[0]).device if self._held else torch.device("cpu")
         """Where a tensor this rank does not read is stood in for (the device of the parameters)."""
 
     def read(self, source: str, entries: Sequence[int], snapshot: Snapshot | None) -> list[torch.Tensor | None]:
@@ -139,7 +140,7 @@ class ParamReads:
     def grads_differ(self) -> bool:
         """Whether some DTensor gradient is placed otherwise than its parameter this step (then
         :meth:`grad_sites` differs from the manifest's gradient sites)."""
-        return not grads_placed_as_params([p for p in self.facts.local if p is not None])
+        return not grads_placed_as_params(self._held)
 
     def _params(self, entries: Sequence[int]) -> list[torch.Tensor | None]:
         """The local parameter of each entry, as it reads it (C-level maps: no Python per tensor
@@ -151,7 +152,7 @@ class ParamReads:
         """The local gradient of each entry (:func:`grads_of`), as it reads it."""
         params = list(map(self.facts.local.__getitem__, entries))
         if has_none(params):  # held elsewhere: no gradient here
-            held = [k for k, p in enumerate(params) if p is not None]
+            held = list(itertools.compress(range(len(params)), map(operator.is_not, params, itertools.repeat(None))))
             found: list[torch.Tensor | None] = [None] * len(params)
             for k, grad in zip(held, grads_of([params[k] for k in held])):  # type: ignore[misc]
                 found[k] = grad
