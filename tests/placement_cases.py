@@ -17,11 +17,23 @@ import torch
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import Collectives
 from tmetrics_core.metrics.preparation import prepare_states
-from tmetrics_core.distributed.partials import resolve_partials
+from tmetrics_core.distributed.partials import materialize_partials, plan_partials
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.metrics.norms import AbsMax, L2Norm, Max, Mean, MeanLineL2, Min, NonFinite, Rms
 from tmetrics_core.placements import FlatShard, Owned, Partial, Placement, Replica, Shard, chunk_range
 from tmetrics_core.site import Site
+
+
+def resolve_partials(metrics: Sequence[Any], sites: Sequence[Site], tensors: Sequence[torch.Tensor | None],
+                     topology: Topology, executor: Executor) -> tuple[list[Site], list[torch.Tensor | None]]:
+    """The sites and tensors as the parameter side's program reads them: ``Partial`` sites some
+    metric cannot reduce directly materialized through ``executor`` (``plan_partials``, then
+    ``materialize_partials``)."""
+    plan = plan_partials(metrics, sites, topology)
+    if plan is None:
+        return list(sites), list(tensors)
+    return list(plan.sites), materialize_partials(plan, sites, tensors, topology, executor)
+
 
 Spec = tuple  # ("R",) ("S", dim|None) ("F", fractions) ("O", rank) ("P", op)
 

@@ -17,10 +17,9 @@ from typing import Any, Callable, Sequence
 import torch
 from hypothesis import strategies as st
 
-from tests.placement_cases import _partial_part
+from tests.placement_cases import _partial_part, resolve_partials
 from tmetrics_core.topology import Topology
 from tmetrics_core.distributed.collectives import Collectives
-from tmetrics_core.distributed.partials import resolve_partials
 from tmetrics_core.distributed.executor import Executor
 from tmetrics_core.metrics.catalogue import build_metric
 from tmetrics_core.placements import FlatShard, Owned, Partial, Placement, Replica, Shard, chunk_range

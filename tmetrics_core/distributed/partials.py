@@ -5,7 +5,7 @@ that partial reduction (a sum of squares of a partial sum), is reduced to the fu
 one packed collective round per axis for every such site, through the executor.
 :func:`plan_partials` finds, once per list of sites, which sites need it and what they become
 (``Replica`` on the reduced axes); :func:`materialize_partials` runs the rounds on each step's
-local tensors; :func:`resolve_partials` does both.
+local tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tmetrics_core.placements import Replica
 from tmetrics_core.site import Site
 from tmetrics_core.topology import Topology
 
-__all__ = ["PartialPlan", "materialize_partials", "plan_partials", "resolve_partials"]
+__all__ = ["PartialPlan", "materialize_partials", "plan_partials"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +99,3 @@ def materialize_partials(plan: PartialPlan, sites: Sequence[Site], tensors: Sequ
         if out[i] is not None:
             out[i] = held[i]
     return out
-
-
-def resolve_partials(metrics: Sequence[TensorMetric], sites: Sequence[Site],
-                     tensors: Sequence[torch.Tensor | None], topology: Topology,
-                     executor: Executor) -> tuple[list[Site], list[torch.Tensor | None]]:
-    """Materialize sites that are ``Partial`` on an axis some accepting metric cannot reduce
-    directly (:func:`plan_partials`, then :func:`materialize_partials`); such sites become
-    ``Replica`` on that axis. Returns the sites and tensors as they then read."""
-    plan = plan_partials(metrics, sites, topology)
-    if plan is None:
-        return list(sites), list(tensors)
-    return list(plan.sites), materialize_partials(plan, sites, tensors, topology, executor)
