@@ -50,11 +50,11 @@ def hook_call(repeats: int) -> list[str]:
     def call() -> Any:
         return rows([h], ("sumsq",))
     warm = _after(lambda: None, call, repeats)
-    rows = [("back to back", warm), ("after a 1024^2 matmul", _after(lambda: a @ a, call, repeats)),
-            ("after writing 64 MiB", _after(lambda: big.fill_(1.0), call, repeats))]
+    timings = [("back to back", warm), ("after a 1024^2 matmul", _after(lambda: a @ a, call, repeats)),
+               ("after writing 64 MiB", _after(lambda: big.fill_(1.0), call, repeats))]
     lines = ["Table 1: one forward hook's rows pass (sums of squares of an [8, 128, 256] tensor)",
              f"{'when':<24} {'us':>8} {'x warm':>7}"]
-    lines += [f"{name:<24} {us:>8.1f} {us / warm:>7.1f}" for name, us in rows]
+    lines += [f"{name:<24} {us:>8.1f} {us / warm:>7.1f}" for name, us in timings]
     return lines
 
 

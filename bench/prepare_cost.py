@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from tmetrics_core import torch_private
 from tmetrics_core.topology import Topology
 from tmetrics_core.metrics.preparation import prepare_states
 from tmetrics_core.kernels.rows import COLUMNS, rows
@@ -45,8 +46,10 @@ BUNDLE = ("global-param-l2", "layer-param-l2", "global-grad-l2", "layer-grad-l2"
 
 
 _F64 = torch.float64
-_FOREACH: dict[str, Callable[..., list[torch.Tensor]]] = {
-    name: getattr(torch, f"_foreach_{name}") for name in ("abs", "clamp_max", "clamp_min", "max", "neg", "norm", "powsum")}
+_FOREACH: dict[str, Callable[..., Any]] = {
+    "abs": torch_private.foreach_abs, "clamp_max": torch_private.foreach_clamp_max,
+    "clamp_min": torch_private.foreach_clamp_min, "max": torch_private.foreach_max, "neg": torch_private.foreach_neg,
+    "norm": torch_private.foreach_norm, "powsum": torch_private.foreach_powsum}
 
 FORMULATIONS: dict[str, Callable[[list[torch.Tensor]], object]] = {
     "sumsq: powsum(p=2, float64) [rows]": lambda ts: _FOREACH["powsum"](ts, 2, dtype=_F64),

@@ -36,14 +36,13 @@ gradients) do not run: ``bench.step_overhead --compare backward=1`` measures the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import pickle
 import statistics
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

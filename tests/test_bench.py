@@ -175,3 +175,12 @@ def test_alert_precision_tells_a_recovery_after_an_injection_from_a_new_spike():
     (new,), steps = spike_alerts(30.0)  # 30x the healthy level: a spike by any baseline
     assert recovery(new, steps, start=100) == pytest.approx(30.0) and 30.0 > RECOVERY
     assert recovery(new, steps, start=300) is None  # an alert before the injection is no recovery
+
+
+def test_cold_calls_hook_table_times_the_rows_pass_in_three_settings():
+    from bench.cold_calls import hook_call
+
+    lines = hook_call(1)
+    assert len(lines) == 5 and lines[2].startswith("back to back")
+    warm = float(lines[2].split()[-2])
+    assert warm > 0.0 and float(lines[2].split()[-1]) == 1.0

@@ -64,6 +64,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from tmetrics_core import torch_private
 from tmetrics_core.distributed import world
 from tmetrics_core.distributed.grid_check import check_grid
 from tmetrics_core.errors import ConfigError
@@ -205,7 +206,7 @@ def joined(parts: Sequence[torch.nn.Module]) -> torch.nn.Module:
 def _register(parent: torch.nn.Module, path: str, name: str, child: torch.nn.Module) -> None:
     if next(child.parameters(), None) is None:
         return  # no parameter: nothing tmetrics reads (rotary embeddings)
-    if name in dict(parent.named_children()):
+    if name in torch_private.child_modules(parent):
         raise ConfigError(f"two virtual pipeline chunks hold parameters under {path!r}; tmetrics joins chunks "
                           "that split the decoder's layers only")
     parent.add_module(name, child)

@@ -64,7 +64,8 @@ _DTYPE = operator.attrgetter("dtype")
 
 COLUMNS = frozenset({"sumsq", "sum", "max", "min", "zeros", "absmax"})
 """What a statistic may read of a row: a field of :data:`FIELDS`, or ``absmax``: ``max`` and
-``min`` read only as ``max(max, -min)`` (one ``p=inf`` norm instead of a maximum and a minimum)."""
+``min`` read only as ``max(max, -min)`` (one maximum of the absolute values instead of a
+maximum and a minimum)."""
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
