@@ -280,7 +280,8 @@ def register_kind(kind: SourceKind) -> Callable[[], None]:
     run after the others. Returns the undo: calling it removes the kind again.
 
     Raises:
-        ValueError: a kind of that name is declared already; a kind read by the optimizer (the
+        ValueError: a kind of that name is declared already; a kind without token rows (the
+            observed side installs and prepares only token kinds); a kind read by the optimizer (the
             parameter side reads its five kinds itself, ``tmetrics_core.sources.params``); an
             installer not spelled ``"package.module:function"``.
     """
@@ -294,6 +295,10 @@ def register_kind(kind: SourceKind) -> Callable[[], None]:
     bad = [i for i in kind.installers if not re.fullmatch(r"[\w.]+:[\w.]+", i)]
     if bad:
         raise ValueError(f"source kind {kind.name!r}: installers {bad} are not spelled 'package.module:function'")
+    if not kind.token_rows:
+        raise ValueError(f"source kind {kind.name!r} has no token rows: the observed side hooks and prepares "
+                         "a registered kind as token rows ([tokens, features], padding stripped); declare it "
+                         "with token_rows=True")
     _RECORDS[kind.name] = kind
     new = [i for i in dict.fromkeys(kind.installers) if i not in _ORDER]
     _ORDER.extend(new)

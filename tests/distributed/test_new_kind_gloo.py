@@ -23,8 +23,10 @@ from tmetrics_core.sources.hook_context import HookContext
 from tmetrics_core.tensor_metrics import TensorMetrics
 from tmetrics_core.topology import Topology
 
-NORM_INPUT = SourceKind("norm_input", (Reader.FORWARD,), (f"{__name__}:install_norm_inputs",), token_rows=True,
-                        feeds="norm_input sites are the inputs of LayerNorm modules; none ran in the step scope")
+def norm_input(token_rows: bool = True) -> SourceKind:
+    """The kind's record; its rows are tokens or not (a kind without token rows is hooked too)."""
+    return SourceKind("norm_input", (Reader.FORWARD,), (f"{__name__}:install_norm_inputs",), token_rows=token_rows,
+                      feeds="norm_input sites are the inputs of LayerNorm modules; none ran in the step scope")
 CALLS = [0]
 """How many times the installer's hooks ran in this process."""
 LAYERS, WIDTH, BATCH, SEQ, MICRO, STEPS = 3, 8, 4, 5, 2, 2
@@ -67,7 +69,7 @@ class Net(nn.Module):
 
 def _run(rank: int, world: int) -> list[dict]:
     """Each step's records of this rank, and its float64 sums of squares and counts per layer."""
-    undo = register_kind(NORM_INPUT)
+    undo = register_kind(norm_input())
     try:
         return _steps(rank, world)
     finally:
@@ -135,3 +137,11 @@ def test_registered_kind_reaches_its_metrics_in_one_process() -> None:
 
 def test_registered_kind_reaches_its_metrics_over_two_ranks() -> None:
     _check(run_distributed(_run, 2, timeout=300))
+
+
+def test_a_kind_without_token_rows_is_refused_not_silently_left_unhooked() -> None:
+    """The observed side installs and prepares registered kinds as token rows: a kind declared
+    without them would never be hooked, so registering it raises, naming the fix."""
+    with pytest.raises(ValueError, match="token_rows=True"):
+        register_kind(norm_input(token_rows=False))
+    assert "norm_input" not in {k.name for k in kinds.declared()}
