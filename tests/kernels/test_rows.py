@@ -66,6 +66,25 @@ def test_non_finite_counts_per_tensor():
     assert nonfinite_counts(edge).tolist() == [[1, 0, 1]] * 4
 
 
+def test_non_finite_counts_in_parts_equal_the_counts_of_the_whole_group(monkeypatch):
+    ts = [torch.tensor([1.0, math.nan, math.inf]), torch.tensor([-math.inf] * 5 + [0.0] * 3),
+          torch.full((7,), math.nan), torch.randn(6)] * 3
+    want = [[1, 1, 0], [0, 0, 5], [7, 0, 0], [0, 0, 0]] * 3
+    assert nonfinite_counts(ts).tolist() == want
+    monkeypatch.setattr(rows_module, "TEMPORARY", 8)  # parts of at most 8 elements, or one tensor
+    assert len(rows_module._parts(tuple(t.numel() for t in ts), 8)) > 6
+    assert nonfinite_counts(ts).tolist() == want
+
+
+def test_a_real_maximum_or_minimum_is_computed_alone_and_both_beside_absmax():
+    t = [torch.tensor([-3.0, 2.0]), torch.tensor([0.5, -0.25])]
+    only_max, only_min = rows(t, {"max"}), rows(t, {"min"})
+    assert only_max[:, 2].tolist() == [2.0, 0.5] and only_max[:, 3].isnan().all()
+    assert only_min[:, 3].tolist() == [-3.0, -0.25] and only_min[:, 2].isnan().all()
+    both = rows(t, {"absmax", "max"})  # absmax is read as max(max, -min): both are real
+    assert both[:, 2].tolist() == [2.0, 0.5] and both[:, 3].tolist() == [-3.0, -0.25]
+
+
 def test_evenly_spaced_indices_are_a_slice():
     assert spaced([0, 1, 2]) == slice(0, 3, 1) and spaced([1, 4, 7]) == slice(1, 8, 3) and spaced([5]) == slice(5, 6, 1)
     assert spaced([0, 2, 3]) is None and spaced([3, 2]) is None

@@ -54,7 +54,7 @@ import torch
 
 from tmetrics_core import torch_private
 
-__all__ = ["COLUMNS", "FIELDS", "nonfinite_counts", "rows", "spaced"]
+__all__ = ["COLUMNS", "FIELDS", "element_counts", "nonfinite_counts", "rows", "spaced"]
 
 FIELDS = ("sumsq", "sum", "max", "min", "zeros")
 """The columns of a row."""
@@ -125,18 +125,21 @@ def _group_rows(ts: list[torch.Tensor], wanted: frozenset[str]) -> torch.Tensor:
     if wanted & {"max", "min", "absmax"}:
         full = list(range(n)) if 0 not in numels else [i for i, k in enumerate(numels) if k]
         some = ts if len(full) == n else [ts[i] for i in full]
-        if "max" in wanted or "min" in wanted:
+        # A real maximum and minimum where asked; both beside absmax (read as max(max, -min)).
+        extremes = {"max", "min"} if "absmax" in wanted and {"max", "min"} & wanted else wanted
+        if "max" in extremes:
             cols[2] = _filled(_stacked(torch_private.foreach_max(some) if full else []), full, n, device, -math.inf)
+        if "min" in extremes:
             cols[3] = -_filled(_stacked(_through_copies(some, torch_private.foreach_neg, torch_private.foreach_max)),
                                full, n, device, -math.inf)
-        else:
+        if not {"max", "min"} & wanted:
             peak = _filled(_stacked(_through_copies(some, torch_private.foreach_abs, torch_private.foreach_max)),
                            full, n, device, 0.0)
             cols[2], cols[3] = peak, -peak
     if "sum" in wanted:
         cols[1] = _sums(ts, acc)
     if "zeros" in wanted:
-        cols[4] = _counts(numels, device) - _nonzero(ts)
+        cols[4] = element_counts(numels, device) - _nonzero(ts)
     return torch.stack(cols, 1).to(torch.float64)
 
 
@@ -148,7 +151,7 @@ def _nan(n: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _counts(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def element_counts(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The element counts as a float64 tensor on ``device``, made once per list of counts (a
     due set's tensors keep their sizes): no host-to-device copy on later due steps. Read only."""
     return torch.tensor(numels, dtype=torch.float64, device=device)
@@ -199,10 +202,15 @@ def _parts(numels: tuple[int, ...], budget: int) -> tuple[slice, ...]:
     return tuple(parts)
 
 
+def _nonzero_list(ts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """The ``p=0`` norm of each tensor (its count of non-zero elements, NaN included), float64."""
+    return torch_private.foreach_norm(list(ts), 0, dtype=torch.float64)
+
+
 def _nonzero(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[len(ts)]`` float64 counts of the non-zero elements (NaN included) of each tensor: the
     ``p=0`` norm, counted in float64 so that it is exact for any tensor size."""
-    return torch.stack(torch_private.foreach_norm(list(ts), 0, dtype=torch.float64))
+    return torch.stack(list(_nonzero_list(ts)))
 
 
 def _stacked(values: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -234,7 +242,7 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     tensor's device, nothing read back to the host. Integer tensors count 0.
 
     Per floating ``(device, dtype)`` group a fixed number of batched ops (about 16) and one
-    temporary copy of the group at a time, never a concatenation: with ``M`` the dtype's largest
+    temporary copy of at most :data:`TEMPORARY` elements at a time, never a concatenation: with ``M`` the dtype's largest
     finite value and ``L0`` the count of non-zero elements (``_foreach_norm(p=0)``; NaN counts),
     ``T = L0(x - x)`` counts every non-finite element, ``A = L0(max(x, M) - M)`` the +inf and NaN
     ones, ``B = L0(min(x, -M) + M)`` the -inf and NaN ones; then NaN ``= A + B - T``, +inf
@@ -250,15 +258,20 @@ def nonfinite_counts(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             continue
         ts = [tensors[i] for i in members] if len(members) < n else list(tensors)
         largest = torch.finfo(dtype).max
-        every = _nonzero(torch_private.foreach_sub(ts, ts))
-        up = torch_private.foreach_clamp_min(ts, largest)
-        torch_private.foreach_sub_(up, largest)
-        up_or_nan = _nonzero(up)
-        del up
-        down = torch_private.foreach_clamp_max(ts, -largest)
-        torch_private.foreach_add_(down, largest)
-        down_or_nan = _nonzero(down)
-        del down
+
+        def above(part: list[torch.Tensor], largest: float = largest) -> Sequence[torch.Tensor]:
+            up = torch_private.foreach_clamp_min(part, largest)
+            torch_private.foreach_sub_(up, largest)
+            return up
+
+        def below(part: list[torch.Tensor], largest: float = largest) -> Sequence[torch.Tensor]:
+            down = torch_private.foreach_clamp_max(part, -largest)
+            torch_private.foreach_add_(down, largest)
+            return down
+
+        every = torch.stack(_through_copies(ts, lambda part: torch_private.foreach_sub(part, part), _nonzero_list))
+        up_or_nan = torch.stack(_through_copies(ts, above, _nonzero_list))
+        down_or_nan = torch.stack(_through_copies(ts, below, _nonzero_list))
         counts = torch.stack([up_or_nan + down_or_nan - every, every - down_or_nan, every - up_or_nan], 1).to(device)
         if len(members) == n:
             return counts

@@ -15,7 +15,6 @@ accelerators, and are carried in float64, so bf16 or fp16 tensors never overflow
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -23,7 +22,7 @@ from typing import Sequence
 import torch
 
 from tmetrics_core.topology import Topology
-from tmetrics_core.kernels.rows import nonfinite_counts
+from tmetrics_core.kernels.rows import element_counts, nonfinite_counts
 from tmetrics_core.placements import ReduceOpName
 from tmetrics_core.site import Site, SiteKey
 
@@ -212,14 +211,8 @@ class _Count(Statistic):
     name, op, elements = "count", "sum", False
 
     def compute(self, tensors, sites, topology, rows):
-        return _counts(tuple(map(torch.Tensor.numel, tensors)), tensors[0].device if tensors else torch.device("cpu"))
-
-
-@functools.lru_cache(maxsize=256)
-def _counts(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``[len(numels), 1]`` float64 element counts on ``device``, made once per list of sizes (a
-    due set's tensors keep theirs): no host-to-device copy on later due steps. Read only."""
-    return torch.tensor(numels, dtype=torch.float64, device=device).unsqueeze(1)
+        return element_counts(tuple(map(torch.Tensor.numel, tensors)),
+                              tensors[0].device if tensors else torch.device("cpu")).unsqueeze(1)
 
 
 class _Sum(Statistic):
