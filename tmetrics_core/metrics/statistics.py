@@ -15,6 +15,7 @@ accelerators, and are carried in float64, so bf16 or fp16 tensors never overflow
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -211,8 +212,15 @@ class _Count(Statistic):
     name, op, elements = "count", "sum", False
 
     def compute(self, tensors, sites, topology, rows):
-        return element_counts(tuple(map(torch.Tensor.numel, tensors)),
-                              tensors[0].device if tensors else torch.device("cpu")).unsqueeze(1)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        return _count_column(tuple(map(torch.Tensor.numel, tensors)), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _count_column(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``[len(numels), 1]`` view of :func:`~tmetrics_core.kernels.rows.element_counts`, made once
+    per list of sizes (no op on later due steps). Read only."""
+    return element_counts(numels, device).unsqueeze(1)
 
 
 class _Sum(Statistic):
