@@ -53,7 +53,7 @@ import torch
 
 from tmetrics_core.distributed import world
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.integrations.adapter import Prepared
+from tmetrics_core.integrations.adapter import BaseAdapter, Prepared
 from tmetrics_core.integrations.deepspeed_partitions import Zero3Updates, partitions
 from tmetrics_core.integrations.megatron_shards import OwnedRanges
 from tmetrics_core.integrations.step_hooks import StepHooks
@@ -296,16 +296,13 @@ def setup(run: Found, topology: Topology) -> DeepSpeedSetup:
                           updates=updates)
 
 
-class DeepSpeed:
+class DeepSpeed(BaseAdapter):
     """The :class:`~tmetrics_core.integrations.adapter.FrameworkAdapter` of DeepSpeed: detected
     from a ``DeepSpeedEngine`` or ZeRO's optimizer (:func:`found`); the topology from ZeRO's
     data-parallel group unless ``mesh=`` or ``axes=`` is given; the rest from :func:`setup`."""
 
     name = "deepspeed"
     layouts: tuple[str, ...] = ()
-
-    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
-        return model, optimizer
 
     def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
         return "deepspeed" in sys.modules and found(model, optimizer) is not None

@@ -68,7 +68,7 @@ from tmetrics_core import torch_private
 from tmetrics_core.distributed import world
 from tmetrics_core.distributed.grid_check import check_grid
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.integrations.adapter import Prepared
+from tmetrics_core.integrations.adapter import BaseAdapter, Prepared
 from tmetrics_core.integrations.megatron_routers import observe_routers
 from tmetrics_core.integrations.megatron_shards import is_distributed_optimizer, owned_ranges
 from tmetrics_core.integrations.step_hooks import StepHooks
@@ -357,16 +357,13 @@ def setup(model: Any, optimizer: Any, topology: Topology) -> Prepared:
                     handles=[*observe_routers(inner), *([steps] if megatron_optimizer else [])])
 
 
-class Megatron:
+class Megatron(BaseAdapter):
     """The :class:`~tmetrics_core.integrations.adapter.FrameworkAdapter` of Megatron-Core: detected
     when its parallel state is initialized; the topology from it unless ``mesh=`` or ``axes=``
     is given; the rest from :func:`setup`."""
 
     name = "megatron"
     layouts: tuple[str, ...] = ("megatron",)
-
-    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
-        return model, optimizer
 
     def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
         return active()

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from tmetrics_core.errors import ConfigError
-from tmetrics_core.integrations.adapter import Prepared
+from tmetrics_core.integrations.adapter import BaseAdapter, Prepared
 from tmetrics_core.topology import Topology
 
 __all__ = ["Torchtitan", "is_parallel_dims", "parallel_dims_topology", "parameter_topology"]
@@ -88,7 +88,7 @@ def parameter_topology(model: torch.nn.Module) -> Topology | None:
                                                                   if n in _DATA_AXES | {"dp"}])
 
 
-class Torchtitan:
+class Torchtitan(BaseAdapter):
     """The :class:`~tmetrics_core.integrations.adapter.FrameworkAdapter` of torchtitan and of
     models whose every parameter is a DTensor (FSDP2, tensor parallelism): detected from
     ``mesh=ParallelDims`` or such a model; the topology from the ``ParallelDims``, or, when
@@ -98,9 +98,6 @@ class Torchtitan:
 
     name = "torchtitan"
     layouts: tuple[str, ...] = ("torchtitan",)
-
-    def unwrap(self, model: Any, optimizer: Any) -> tuple[Any, Any]:
-        return model, optimizer
 
     def detect(self, model: Any, optimizer: Any, mesh: Any) -> bool:
         if is_parallel_dims(mesh):
