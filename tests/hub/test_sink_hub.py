@@ -326,3 +326,22 @@ def test_null_hub_does_nothing(step_records, sample_run):
     assert hub.flush() is True
     report = hub.close("finished")
     assert report.sinks == () and report.complete
+
+
+def test_a_retry_policy_takes_exactly_one_way_to_stop():
+    import threading
+
+    from tmetrics_core.hub.attempts import retrying
+
+    common = dict(backoff=0.0, backoff_max=0.0, sleep=lambda s: None, before_sleep=lambda state: None)
+    calls = []
+
+    def failing():
+        calls.append(1)
+        raise OSError("down")
+    with pytest.raises(OSError):
+        retrying(attempts=3, **common)(failing)
+    assert len(calls) == 3
+    for wrong in ({}, {"attempts": 2, "until": threading.Event()}):
+        with pytest.raises(ValueError, match="exactly one"):
+            retrying(**wrong, **common)

@@ -39,8 +39,18 @@ def retrying(*, backoff: float, backoff_max: float, sleep: Callable[[float], Non
              until: threading.Event | None = None) -> Retrying:
     """The retry policy: ``attempts`` attempts in all, or until the event ``until`` is set;
     waits from ``backoff`` seconds doubling up to ``backoff_max``, plus up to ``backoff`` of
-    jitter, slept by ``sleep``; ``before_sleep`` sees each failed attempt that is retried."""
-    stop = stop_after_attempt(attempts) if attempts is not None else stop_when_event_set(until)  # type: ignore[arg-type]
+    jitter, slept by ``sleep``; ``before_sleep`` sees each failed attempt that is retried.
+
+    Raises:
+        ValueError: not exactly one of ``attempts`` and ``until`` given.
+    """
+    stop: stop_after_attempt | stop_when_event_set
+    if attempts is not None and until is None:
+        stop = stop_after_attempt(attempts)
+    elif until is not None and attempts is None:
+        stop = stop_when_event_set(until)
+    else:
+        raise ValueError("a retry policy stops after `attempts` or when `until` is set: give exactly one")
     return Retrying(stop=stop, wait=wait_exponential_jitter(initial=backoff, max=backoff_max, jitter=backoff),
                     sleep=sleep, retry=retry_if_exception(_retryable), before_sleep=before_sleep, reraise=True)
 
