@@ -136,17 +136,21 @@ def judge(run_dir: Path) -> dict:
         expert = inject["expert"] if inject["kind"] == "dead-expert" else None
         detection = next((a for a in opened if a.step >= inject["start_step"] and a.labels.layer == inject["layer"]
                           and (expert is None or a.labels.expert == expert)), None)
-    starved, false, caused, recovered = [], [], [], []
+    def is_caused(alert: Alert) -> bool:
+        return (detection is not None and alert is not detection
+                and detection.step <= alert.step <= detection.step + CLUSTER
+                and (alert.metric != "layer-expert-tokens"
+                     or (alert.labels.layer, alert.labels.expert) == (detection.labels.layer, detection.labels.expert)))
+    caused = [a for a in opened if is_caused(a)]
+    # A recovery is a return to health of a series the injection moved: one the detection or a
+    # caused alert named; a spike elsewhere stays a false alarm.
+    moved = {(a.metric, a.labels) for a in caused + ([detection] if detection is not None else [])}
+    starved, false, recovered = [], [], []
     for alert in opened:
-        if detection is not None and alert is detection:
+        if alert is detection or is_caused(alert):
             continue
         layer, expert = alert.labels.layer, alert.labels.expert
-        if detection is not None and detection.step <= alert.step <= detection.step + CLUSTER and (
-                alert.metric != "layer-expert-tokens"
-                or (layer, expert) == (detection.labels.layer, detection.labels.expert)):
-            caused.append(alert)
-            continue
-        ratio = recovery(alert, steps, inject["start_step"]) if detection is not None else None
+        ratio = recovery(alert, steps, inject["start_step"]) if (alert.metric, alert.labels) in moved else None
         if ratio is not None and ratio <= RECOVERY:
             recovered.append((alert, ratio))
             continue
