@@ -62,7 +62,7 @@ def test_what_feeds_says_one_sentence_per_group() -> None:
 def test_the_parameter_side_sets_are_queries_too() -> None:
     assert kinds.PARAM_KINDS == {"param", "grad"}  # read before the optimizer step
     assert kinds.OPTIMIZER_KINDS == {"exp_avg", "exp_avg_sq", "update"}  # only after it
-    assert kinds.AFTER_STEP_KINDS == {"param", "update", "exp_avg", "exp_avg_sq"}
+    assert kinds.kinds_where(after_step=True) == {"param", "update", "exp_avg", "exp_avg_sq"}
     assert kinds.STATE_KINDS == {"exp_avg", "exp_avg_sq"}
     assert FLAT_KINDS == {"grad", "param", "exp_avg", "exp_avg_sq", "update"}
     # The update is the parameter's change over the step: read after it, from a snapshot taken before.

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import AbstractSet, Callable, Iterable, Sequence
 
-__all__ = ["AFTER_STEP_KINDS", "EXPERT_COLUMN_KINDS", "GRAD_KINDS", "INSTALL_ORDER", "KEPT_KINDS", "KINDS",
+__all__ = ["EXPERT_COLUMN_KINDS", "GRAD_KINDS", "INSTALL_ORDER", "KEPT_KINDS", "KINDS",
            "MODULE_GLOB_KINDS", "OBSERVED_KINDS", "OPTIMIZER_KINDS", "PARAM_KINDS", "RESIDUAL_KINDS",
            "ROUTER_OUTPUT_KINDS", "Reader", "SEQUENCE_CHECKED", "STATE_KINDS", "SourceKind", "TOKEN_KINDS",
            "declared", "installers_of", "kinds_where", "register_kind", "what_feeds"]
@@ -255,9 +255,6 @@ PARAM_KINDS = kinds_where(before_step=True)
 OPTIMIZER_KINDS = kinds_where(after_step=True, before_step=False)
 """Read only in the optimizer's step post-hook: Adam state exists only after the first step, and
 an update is the parameter's change over it."""
-
-AFTER_STEP_KINDS = kinds_where(after_step=True)
-"""Read in the optimizer's step post-hook: :data:`OPTIMIZER_KINDS` and the parameter after the step."""
 
 STATE_KINDS = kinds_where(optimizer_state=True)
 """The optimizer state kinds, by meaning: first and second moment of the gradient."""
